@@ -1,0 +1,38 @@
+# The two commands: `make serve` and `make test`. Each sets everything up on a fresh machine
+# (a virtual environment with pinned torch, the package, test tools) and then runs.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: serve test install tools protos check-protos lint clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# constraints.txt pins torch to the CPU build on disk; never let pip resolve another.
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Ecosystem tools the tests use: Triton's perf_analyzer (see scripts/install-perf-analyzer.sh).
+tools: $(STAMP)
+	bash scripts/install-perf-analyzer.sh || echo "perf_analyzer not installed: its test will say why it skipped"
+
+serve: $(STAMP)
+	$(BIN)/batchgate serve $(ARGS)
+
+test: $(STAMP) tools
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+protos: $(STAMP)
+	$(BIN)/python -m protos.generate
+
+check-protos: $(STAMP)
+	$(BIN)/python -m protos.generate --check
+
+clean:
+	rm -rf $(VENV) .tools .pytest_cache .hypothesis

@@ -1,0 +1,53 @@
+"""The one error hierarchy of the serving path.
+
+Everything below the transport raises one of these; ``server/errors.py`` maps each class to a
+gRPC status code in a single table. Messages are written for the person who sent the request:
+they say what was wrong and, where it helps, what was expected. Internal details (tracebacks,
+exception reprs of a model) never go into a message that reaches a client.
+"""
+
+from __future__ import annotations
+
+
+class BatchgateError(Exception):
+    """Base of every error the serving path reports to a client."""
+
+
+class ModelNotFound(BatchgateError):
+    """Unknown model or version."""
+
+
+class InvalidRequest(BatchgateError):
+    """The request does not match the model: names, datatypes, shapes, sizes, parameters."""
+
+
+class ModelUnavailable(BatchgateError):
+    """The model is loading, unloading or failed; or the server is draining. Retryable."""
+
+
+class QueueFull(BatchgateError):
+    """The model's queue (or the priority level's) is at its ``max_queue_size``."""
+
+
+class ResourceExhausted(BatchgateError):
+    """A resource limit other than the queue (memory, message size) refused the work."""
+
+
+class DeadlineExceeded(BatchgateError):
+    """The request's timeout or gRPC deadline passed before it was answered."""
+
+
+class RequestCancelled(BatchgateError):
+    """The client went away; the request was removed from its queue."""
+
+
+class ModelExecutionError(BatchgateError):
+    """The model raised, or returned something that does not fit its configuration."""
+
+
+class NotSupported(BatchgateError):
+    """A feature of the protocol that this server does not provide."""
+
+
+class LoadError(BatchgateError):
+    """A model could not be loaded: bad configuration, missing artifact, failed warm-up."""

@@ -1,0 +1,80 @@
+"""Prometheus metrics of the batching path, named by Prometheus conventions.
+
+One ``BatcherMetrics`` per server, on an injectable registry (tests read values with
+``registry.get_sample_value``). Each model gets its labelled children once, in ``for_model``,
+so the batch loop never resolves labels.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from batcher.spec import DISPATCH_REASONS
+
+# Batch sizes are small integers; powers of two bound the buckets people configure.
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# Queue waits and compute times span tens of microseconds to seconds.
+SECONDS_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0, 10.0,
+)
+FAILURE_REASONS = ("rejected", "expired", "cancelled", "model_error", "unavailable")
+
+
+class BatcherMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.queue_seconds = Histogram(
+            "batchgate_queue_seconds", "Time a request waited in its model's queue.",
+            ["model"], registry=r, buckets=SECONDS_BUCKETS,
+        )
+        self.compute_seconds = Histogram(
+            "batchgate_compute_seconds", "Time to run one batch: inputs, model, outputs.",
+            ["model"], registry=r, buckets=SECONDS_BUCKETS,
+        )
+        self.batch_size = Histogram(
+            "batchgate_batch_size", "Samples per executed batch.",
+            ["model"], registry=r, buckets=BATCH_SIZE_BUCKETS,
+        )
+        self.batches = Counter(
+            "batchgate_batches", "Batches dispatched, by the reason they were dispatched.",
+            ["model", "reason"], registry=r,
+        )
+        self.queue_depth = Gauge(
+            "batchgate_queue_depth", "Requests waiting in the model's queue.",
+            ["model"], registry=r,
+        )
+        self.inflight_batches = Gauge(
+            "batchgate_inflight_batches", "Batches being assembled or computed.",
+            ["model"], registry=r,
+        )
+        self.failures = Counter(
+            "batchgate_request_failures", "Requests that got no result, by reason.",
+            ["model", "reason"], registry=r,
+        )
+
+    def for_model(self, model: str) -> ModelMetrics:
+        return ModelMetrics(self, model)
+
+    def forget_model(self, model: str) -> None:
+        """Drop a model's series when it is unloaded, so dashboards don't show stale values."""
+        for metric in (self.queue_seconds, self.compute_seconds, self.batch_size,
+                       self.queue_depth, self.inflight_batches):
+            try:
+                metric.remove(model)
+            except KeyError:
+                pass
+
+
+class ModelMetrics:
+    """The children of one model, resolved once."""
+
+    def __init__(self, metrics: BatcherMetrics, model: str) -> None:
+        self.queue_seconds = metrics.queue_seconds.labels(model)
+        self.compute_seconds = metrics.compute_seconds.labels(model)
+        self.batch_size = metrics.batch_size.labels(model)
+        self.batches = {reason: metrics.batches.labels(model, reason) for reason in DISPATCH_REASONS}
+        self.queue_depth = metrics.queue_depth.labels(model)
+        self.inflight_batches = metrics.inflight_batches.labels(model)
+        self.failures = {reason: metrics.failures.labels(model, reason) for reason in FAILURE_REASONS}

@@ -1,0 +1,221 @@
+"""ModelQueue: one model's pending requests, and the policy that turns them into batches.
+
+The queue is shared by two sides. The event loop puts requests in and takes them out again when
+their caller goes away or their deadline passes; executor threads take batches. One lock guards
+it, and every critical section is a handful of deque operations, so neither side waits long.
+
+Requests are ordered by priority level (1 = highest), FIFO within a level. A removed request
+stays in its deque, marked, until it reaches the head (removing from the middle of a deque is
+O(n)); live counts are kept separately, so limits and policy decisions never count the dead.
+
+Batch formation (``next_batch``), for the requests sharing the head request's non-batch shapes:
+
+- ``full``: they fill ``max_batch_size``;
+- ``idle``: no queue delay is configured, so an idle executor takes what is there at once;
+- ``preferred``: at least ``min_batch_size`` samples wait (MIN_BATCH; by default the largest
+  preferred batch size, else ``max_batch_size``);
+- ``delay``: the oldest queued request has waited ``max_queue_delay_us``.
+
+The batch then takes up to the largest preferred size not above what is queued when dispatching
+for ``preferred``, and up to ``max_batch_size`` otherwise.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+
+from batcher.errors import ModelUnavailable, QueueFull
+from batcher.request import QUEUED, REMOVED, TAKEN, InferenceRequest
+from batcher.spec import BatchingConfig
+
+
+class ModelQueue:
+    def __init__(
+        self,
+        config: BatchingConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_depth_change: Callable[[int], None] | None = None,
+    ) -> None:
+        self._config = config
+        self._clock = clock
+        self._levels = [collections.deque() for _ in range(config.levels)]
+        self._level_counts = [0] * config.levels
+        self._limits = [config.queue_policy(level + 1).max_queue_size for level in range(config.levels)]
+        self._samples_by_shape: dict[tuple, int] = collections.Counter()
+        self._live = 0
+        self._closed = False
+        self._cond = threading.Condition(threading.Lock())
+        self._on_depth_change = on_depth_change
+        self._max_batch = config.effective_max_batch
+        self._min_batch = config.effective_min_batch
+        self._delay_s = config.max_queue_delay_us / 1e6
+        self._batching = config.max_batch_size > 0
+        self._preferred = sorted(config.preferred_batch_sizes)
+
+    # -- the event loop's side ------------------------------------------------------------
+
+    def put(self, request: InferenceRequest) -> None:
+        """Queue ``request`` at its level; raises QueueFull or ModelUnavailable at once."""
+        index = request.level - 1
+        with self._cond:
+            if self._closed:
+                raise ModelUnavailable("the model is shutting down and takes no new requests")
+            limit = self._limits[index]
+            if limit and self._level_counts[index] >= limit:
+                raise QueueFull(
+                    f"the queue of priority level {request.level} is full "
+                    f"(max_queue_size {limit}); retry later"
+                )
+            request.state = QUEUED
+            request.enqueued = self._clock()
+            self._levels[index].append(request)
+            self._level_counts[index] += 1
+            self._samples_by_shape[request.shape_key] += request.batch_size
+            self._live += 1
+            depth = self._live
+            self._cond.notify()
+        if self._on_depth_change is not None:
+            self._on_depth_change(depth)
+
+    def remove(self, request: InferenceRequest) -> bool:
+        """Take ``request`` out if it is still queued. True if it was."""
+        with self._cond:
+            if request.state != QUEUED:
+                return False
+            self._forget(request, REMOVED)
+            depth = self._live
+            # A waiting executor may now see a different head (or an empty queue).
+            self._cond.notify_all()
+        if self._on_depth_change is not None:
+            self._on_depth_change(depth)
+        return True
+
+    def close(self) -> None:
+        """Refuse new requests; executors drain what is queued, then ``next_batch`` returns None."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def drain_remaining(self) -> list[InferenceRequest]:
+        """Remove and return every queued request (used when a drain runs out of time)."""
+        with self._cond:
+            left = [r for level in self._levels for r in level if r.state == QUEUED]
+            for request in left:
+                self._forget(request, REMOVED)
+            for level in self._levels:
+                level.clear()
+            self._cond.notify_all()
+        if self._on_depth_change is not None:
+            self._on_depth_change(0)
+        return left
+
+    @property
+    def depth(self) -> int:
+        return self._live
+
+    # -- the executors' side ----------------------------------------------------------------
+
+    def next_batch(self) -> tuple[list[InferenceRequest], str] | None:
+        """Block until a batch is due; return it with the reason it was dispatched.
+
+        Returns None once the queue is closed and empty.
+        """
+        with self._cond:
+            while True:
+                head = self._head()
+                if head is None:
+                    if self._closed:
+                        return None
+                    self._cond.wait()
+                    continue
+                now = self._clock()
+                if not self._batching:
+                    return self._take_one(head), "idle"
+                waiting = self._samples_by_shape[head.shape_key]
+                if waiting >= self._max_batch:
+                    reason = "full"
+                elif self._delay_s == 0.0 or self._closed:
+                    reason = "idle"
+                elif waiting >= self._min_batch:
+                    reason = "preferred"
+                else:
+                    due = self._oldest_enqueued() + self._delay_s
+                    if now < due:
+                        self._cond.wait(due - now)
+                        continue
+                    reason = "delay"
+                limit = self._max_batch
+                if reason == "preferred" and self._preferred:
+                    limit = max((p for p in self._preferred if p <= waiting), default=waiting)
+                # The head always goes, even when it alone is larger than a preferred size.
+                limit = max(limit, head.batch_size)
+                batch = self._gather(head.shape_key, limit)
+                depth = self._live
+                break
+        if self._on_depth_change is not None:
+            self._on_depth_change(depth)
+        return batch, reason
+
+    # -- internals (lock held) ---------------------------------------------------------------
+
+    def _forget(self, request: InferenceRequest, state: int) -> None:
+        request.state = state
+        self._level_counts[request.level - 1] -= 1
+        key = request.shape_key
+        left = self._samples_by_shape[key] - request.batch_size
+        if left:
+            self._samples_by_shape[key] = left
+        else:
+            del self._samples_by_shape[key]
+        self._live -= 1
+
+    def _head(self) -> InferenceRequest | None:
+        for level in self._levels:
+            while level and level[0].state != QUEUED:
+                level.popleft()
+            if level:
+                return level[0]
+        return None
+
+    def _oldest_enqueued(self) -> float:
+        oldest = float("inf")
+        for level in self._levels:
+            for request in level:
+                if request.state == QUEUED:
+                    oldest = min(oldest, request.enqueued)
+                    break
+        return oldest
+
+    def _take_one(self, request: InferenceRequest) -> list[InferenceRequest]:
+        self._levels[request.level - 1].popleft()
+        self._forget(request, TAKEN)
+        return [request]
+
+    def _gather(self, shape_key: tuple, limit: int) -> list[InferenceRequest]:
+        batch: list[InferenceRequest] = []
+        room = limit
+        for level in self._levels:
+            for request in level:
+                if request.state != QUEUED or request.shape_key != shape_key:
+                    continue
+                if request.batch_size > room:
+                    # Stay FIFO: a later, smaller request does not overtake this one.
+                    room = 0
+                    break
+                batch.append(request)
+                room -= request.batch_size
+                if room == 0:
+                    break
+            if room == 0:
+                break
+        for request in batch:
+            self._forget(request, TAKEN)
+        # Taken requests at the heads go now; the rest are skipped when they reach a head.
+        for level in self._levels:
+            while level and level[0].state != QUEUED:
+                level.popleft()
+        return batch

@@ -1,0 +1,69 @@
+"""One inference request as the batcher sees it: decoded arrays plus scheduling facts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+# Life of a request inside a ModelQueue. A request leaves QUEUED exactly once, under the
+# queue's lock: taken into a batch, or removed (cancelled, expired, refused at close).
+QUEUED = 0
+TAKEN = 1
+REMOVED = 2
+
+
+class InferenceRequest:
+    """Inputs in the model's input order, each with its batch dimension first (when batching).
+
+    ``deadline`` is on the ``time.monotonic()`` clock; ``timeout_us`` is the request's own
+    ``timeout`` parameter (0 = none), resolved against the queue policy by the model.
+    """
+
+    __slots__ = (
+        "id",
+        "inputs",
+        "batch_size",
+        "priority",
+        "level",
+        "deadline",
+        "timeout_us",
+        "requested_outputs",
+        "shape_key",
+        "arrival",
+        "enqueued",
+        "state",
+        "future",
+    )
+
+    def __init__(
+        self,
+        inputs: Sequence[np.ndarray],
+        *,
+        batch_size: int = 1,
+        request_id: str = "",
+        priority: int = 0,
+        deadline: float | None = None,
+        timeout_us: int = 0,
+        requested_outputs: Sequence[str] | None = None,
+        shape_key: tuple | None = None,
+    ) -> None:
+        self.id = request_id
+        self.inputs = list(inputs)
+        self.batch_size = batch_size
+        self.priority = priority  # as asked for; 0 = the model's default level
+        self.level = 0  # resolved priority level, 1 = highest
+        self.deadline = deadline
+        self.timeout_us = timeout_us
+        self.requested_outputs = tuple(requested_outputs) if requested_outputs else None
+        # Only requests with equal non-batch shapes share a batch.
+        self.shape_key = (
+            shape_key if shape_key is not None else tuple(a.shape[1:] for a in self.inputs)
+        )
+        self.arrival = time.monotonic()
+        self.enqueued = 0.0
+        self.state = QUEUED
+        self.future: asyncio.Future | None = None
+

@@ -1,0 +1,206 @@
+"""What the batcher knows about a model: its tensors, its batching and queue settings, its device.
+
+These are plain dataclasses, free of protobuf and gRPC: ``server/repository.py`` builds them from a
+``config.pbtxt``; tests build them directly. Datatypes use the KServe v2 strings ("FP32", "BF16",
+...). BF16 has no numpy type, so a BF16 tensor travels through the batcher as ``uint16`` holding
+the raw bfloat16 bits and becomes ``torch.bfloat16`` only at the executor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import numpy as np
+
+# KServe v2 datatype -> numpy dtype (little-endian, as on the wire).
+NUMPY_DTYPES: Mapping[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype("<u1"),
+    "UINT16": np.dtype("<u2"),
+    "UINT32": np.dtype("<u4"),
+    "UINT64": np.dtype("<u8"),
+    "INT8": np.dtype("<i1"),
+    "INT16": np.dtype("<i2"),
+    "INT32": np.dtype("<i4"),
+    "INT64": np.dtype("<i8"),
+    "FP16": np.dtype("<f2"),
+    "FP32": np.dtype("<f4"),
+    "FP64": np.dtype("<f8"),
+    "BF16": np.dtype("<u2"),  # raw bfloat16 bits
+    "BYTES": np.dtype(object),
+}
+
+# Bytes per element on the wire; BYTES is variable-length.
+ELEMENT_SIZES: Mapping[str, int] = {
+    name: dtype.itemsize for name, dtype in NUMPY_DTYPES.items() if name != "BYTES"
+}
+
+PRECISIONS = ("fp32", "fp16", "bf16")
+DISPATCH_REASONS = ("full", "preferred", "delay", "idle")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One input or output: its name, datatype and shape without the batch dimension."""
+
+    name: str
+    datatype: str
+    dims: tuple[int, ...]  # -1 means variable
+    optional: bool = False
+
+    def __post_init__(self) -> None:
+        if self.datatype not in NUMPY_DTYPES:
+            raise ValueError(f"tensor {self.name!r}: unknown datatype, got {self.datatype!r}")
+        if any(d < -1 for d in self.dims):
+            raise ValueError(f"tensor {self.name!r}: dims must be >= -1, got {self.dims}")
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return NUMPY_DTYPES[self.datatype]
+
+    def fixed(self) -> bool:
+        return all(d >= 0 for d in self.dims)
+
+
+@dataclasses.dataclass(frozen=True)
+class QueuePolicy:
+    """Per priority level, as Triton's ``ModelQueuePolicy``."""
+
+    max_queue_size: int = 0  # 0 = unbounded
+    default_timeout_us: int = 0  # 0 = none
+    allow_timeout_override: bool = True
+    timeout_action_delay: bool = False  # Triton's DELAY: an expired request still runs
+
+    def __post_init__(self) -> None:
+        if self.max_queue_size < 0:
+            raise ValueError(f"max_queue_size must be >= 0, got {self.max_queue_size}")
+        if self.default_timeout_us < 0:
+            raise ValueError(f"default_timeout_us must be >= 0, got {self.default_timeout_us}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchingConfig:
+    """How one model's queue forms batches.
+
+    ``min_batch_size`` is the design notes' MIN_BATCH: with a queue delay set, a batch is
+    dispatched as soon as this many samples wait, or when the oldest request has waited
+    ``max_queue_delay_us``, whichever comes first. Without a delay an idle executor takes
+    whatever is queued at once (work-conserving).
+    """
+
+    max_batch_size: int = 0  # 0: the model does not batch; inputs carry no batch dimension
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_delay_us: int = 0
+    min_batch_size: int = 0  # 0: derived (largest preferred size, else max_batch_size)
+    priority_levels: int = 0  # 0: one level
+    default_priority_level: int = 0  # 0: the middle level
+    default_queue_policy: QueuePolicy = QueuePolicy()
+    priority_queue_policy: Mapping[int, QueuePolicy] = dataclasses.field(default_factory=dict)
+    max_inflight_batches: int = 2  # per instance: one assembling while one computes
+    # False: Triton's default scheduler (no dynamic_batching in config.pbtxt): every request
+    # runs as a batch of its own, never combined with another; preferred sizes, delay and
+    # MIN_BATCH do not apply. A request may still carry up to max_batch_size samples.
+    dynamic_batching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 0:
+            raise ValueError(f"max_batch_size must be >= 0, got {self.max_batch_size}")
+        for size in self.preferred_batch_sizes:
+            if not 1 <= size <= max(self.max_batch_size, 1):
+                raise ValueError(
+                    f"preferred_batch_size must lie in 1..max_batch_size "
+                    f"({self.max_batch_size}), got {size}"
+                )
+        if self.max_queue_delay_us < 0:
+            raise ValueError(f"max_queue_delay_us must be >= 0, got {self.max_queue_delay_us}")
+        if self.min_batch_size < 0 or self.min_batch_size > max(self.max_batch_size, 1):
+            raise ValueError(
+                f"min_batch_size must lie in 0..max_batch_size ({self.max_batch_size}), "
+                f"got {self.min_batch_size}"
+            )
+        if self.priority_levels < 0:
+            raise ValueError(f"priority_levels must be >= 0, got {self.priority_levels}")
+        if self.default_priority_level < 0 or self.default_priority_level > self.levels:
+            raise ValueError(
+                f"default_priority_level must lie in 0..{self.levels}, "
+                f"got {self.default_priority_level}"
+            )
+        if self.max_inflight_batches < 1:
+            raise ValueError(
+                f"max_inflight_batches must be >= 1, got {self.max_inflight_batches}"
+            )
+
+    @property
+    def levels(self) -> int:
+        return max(self.priority_levels, 1)
+
+    @property
+    def default_level(self) -> int:
+        """Priority level (1 = highest) of a request that names none."""
+        if self.default_priority_level:
+            return self.default_priority_level
+        return (self.levels + 1) // 2
+
+    @property
+    def effective_max_batch(self) -> int:
+        return max(self.max_batch_size, 1)
+
+    @property
+    def effective_min_batch(self) -> int:
+        if self.min_batch_size:
+            return self.min_batch_size
+        if self.preferred_batch_sizes:
+            return max(self.preferred_batch_sizes)
+        return self.effective_max_batch
+
+    def queue_policy(self, level: int) -> QueuePolicy:
+        return self.priority_queue_policy.get(level, self.default_queue_policy)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Everything the batcher needs to serve one version of one model."""
+
+    name: str
+    version: str
+    platform: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    batching: BatchingConfig = BatchingConfig()
+    instance_count: int = 1
+    device: str = "cpu"  # "cpu" or "cuda:N"
+    precision: str = "fp32"  # fp32 | fp16 | bf16 (autocast)
+    intra_op_threads: int = 0  # 0: torch's default (OMP_NUM_THREADS)
+    inter_op_threads: int = 0
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.inputs:
+            raise ValueError(f"model {self.name!r}: at least one input is required")
+        if not self.outputs:
+            raise ValueError(f"model {self.name!r}: at least one output is required")
+        if self.instance_count < 1:
+            raise ValueError(f"instance_count must be >= 1, got {self.instance_count}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda:N', got {self.device!r}")
+        if self.intra_op_threads < 0 or self.inter_op_threads < 0:
+            raise ValueError("thread counts must be >= 0")
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.batching.max_batch_size
+
+    def input(self, name: str) -> TensorSpec | None:
+        for spec in self.inputs:
+            if spec.name == name:
+                return spec
+        return None
+
+    def output(self, name: str) -> TensorSpec | None:
+        for spec in self.outputs:
+            if spec.name == name:
+                return spec
+        return None

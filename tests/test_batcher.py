@@ -1,0 +1,316 @@
+"""The batch loop with fake models: formation, priorities, deadlines, cancellation, failures.
+
+Models here are plain callables that record what they ran and can be held by a gate
+(``threading.Event``), so every scenario is deterministic: no sleeps, no timing assertions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from batcher.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    ModelExecutionError,
+    ModelUnavailable,
+    QueueFull,
+)
+from batcher.metrics import BatcherMetrics
+from batcher.model import ServedModel
+from batcher.queue import ModelQueue
+from batcher.request import InferenceRequest
+from batcher.spec import BatchingConfig, ModelSpec, QueuePolicy, TensorSpec
+
+
+class RecordingModel:
+    """y = 2x; records each batch's first column; waits on ``gate`` when one is set."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[float]] = []
+        self.gate: threading.Event | None = None
+        self.entered = threading.Event()
+        self.fail_on: float | None = None
+        self.lock = threading.Lock()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        with self.lock:
+            self.batches.append(x[:, 0].tolist())
+        self.entered.set()
+        if self.gate is not None:
+            self.gate.wait(10)
+        if self.fail_on is not None and bool((x[:, 0] == self.fail_on).any()):
+            raise RuntimeError("poisoned input")
+        return x * 2
+
+
+def make_spec(dims=(2,), **batching) -> ModelSpec:
+    batching.setdefault("max_batch_size", 8)
+    return ModelSpec(
+        name="fake", version="1", platform="test",
+        inputs=(TensorSpec("x", "FP32", dims),), outputs=(TensorSpec("y", "FP32", dims),),
+        batching=BatchingConfig(**batching), warmup=False,
+    )
+
+
+def request(value: float, *, rows: int = 1, width: int = 2, **kwargs) -> InferenceRequest:
+    return InferenceRequest([np.full((rows, width), value, dtype=np.float32)], batch_size=rows, **kwargs)
+
+
+async def wait_until(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached before the deadline")
+        await asyncio.sleep(0.001)
+
+
+@pytest.fixture
+def registry():
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def served(registry):
+    models = []
+
+    def build(spec: ModelSpec, module) -> ServedModel:
+        model = ServedModel(spec, module, metrics=BatcherMetrics(registry))
+        model.start()
+        models.append(model)
+        return model
+
+    yield build
+    for model in models:
+        if model.spec.name:
+            # release any gate a test left closed, then drain
+            gate = getattr(model, "_test_gate", None)
+            if gate is not None:
+                gate.set()
+        model.stop(drain_timeout_s=5)
+
+
+async def hold_executor(model: ServedModel, fake: RecordingModel, **kwargs) -> asyncio.Task:
+    """Occupy the only executor with a batch that waits on the gate."""
+    fake.gate = threading.Event()
+    model._test_gate = fake.gate
+    blocker = asyncio.ensure_future(model.infer(request(-1.0, **kwargs)))
+    await asyncio.get_running_loop().run_in_executor(None, fake.entered.wait, 10)
+    return blocker
+
+
+async def test_outputs_match_each_request(served):
+    fake = RecordingModel()
+    model = served(make_spec(max_queue_delay_us=20_000), fake)
+    values = [float(i) for i in range(20)]
+    results = await asyncio.gather(*(model.infer(request(v)) for v in values))
+    for v, result in zip(values, results):
+        np.testing.assert_array_equal(result["y"], np.full((1, 2), 2 * v, dtype=np.float32))
+    assert sum(len(b) for b in fake.batches) == 20
+    assert max(len(b) for b in fake.batches) > 1, "requests were never batched"
+
+
+async def test_priority_levels_run_high_first(served):
+    fake = RecordingModel()
+    model = served(make_spec(max_batch_size=1, priority_levels=2, default_priority_level=2,
+                             max_inflight_batches=1), fake)
+    blocker = await hold_executor(model, fake)
+    low = [asyncio.ensure_future(model.infer(request(10.0 + i, priority=2))) for i in range(3)]
+    await wait_until(lambda: model.queue_depth == 3)
+    high = [asyncio.ensure_future(model.infer(request(20.0 + i, priority=1))) for i in range(3)]
+    await wait_until(lambda: model.queue_depth == 6)
+    fake.gate.set()
+    await asyncio.gather(blocker, *low, *high)
+    order = [b[0] for b in fake.batches[1:]]
+    assert order == [20.0, 21.0, 22.0, 10.0, 11.0, 12.0]
+
+
+async def test_priority_out_of_range_is_invalid(served):
+    model = served(make_spec(priority_levels=2), RecordingModel())
+    with pytest.raises(InvalidRequest, match="priority must lie in 1..2"):
+        await model.infer(request(1.0, priority=3))
+
+
+async def test_queue_full_is_refused_at_once(served, registry):
+    fake = RecordingModel()
+    spec = make_spec(max_batch_size=1, max_inflight_batches=1,
+                     default_queue_policy=QueuePolicy(max_queue_size=2))
+    model = served(spec, fake)
+    blocker = await hold_executor(model, fake)
+    queued = [asyncio.ensure_future(model.infer(request(float(i)))) for i in range(2)]
+    await wait_until(lambda: model.queue_depth == 2)
+    with pytest.raises(QueueFull, match="max_queue_size 2"):
+        await model.infer(request(9.0))
+    assert registry.get_sample_value(
+        "batchgate_request_failures_total", {"model": "fake", "reason": "rejected"}) == 1
+    fake.gate.set()
+    await asyncio.gather(blocker, *queued)
+
+
+async def test_timeout_expires_without_waiting_for_the_running_batch(served, registry):
+    fake = RecordingModel()
+    model = served(make_spec(max_batch_size=1, max_inflight_batches=1), fake)
+    blocker = await hold_executor(model, fake)
+    with pytest.raises(DeadlineExceeded):
+        # 20 ms timeout while the executor is held (the gate is never opened before this
+        # returns): the answer cannot have come from the model.
+        await model.infer(request(5.0, timeout_us=20_000))
+    assert model.queue_depth == 0
+    assert not blocker.done()
+    fake.gate.set()
+    await blocker
+    assert [b[0] for b in fake.batches] == [-1.0], "the expired request still ran"
+    assert registry.get_sample_value(
+        "batchgate_request_failures_total", {"model": "fake", "reason": "expired"}) == 1
+
+
+async def test_deadline_expires_a_request_in_a_running_batch(served):
+    fake = RecordingModel()
+    model = served(make_spec(max_batch_size=1), fake)
+    fake.gate = threading.Event()
+    model._test_gate = fake.gate
+    with pytest.raises(DeadlineExceeded):
+        await model.infer(request(3.0, deadline=time.monotonic() + 0.02))
+    assert fake.entered.is_set(), "the request should have been running when it expired"
+    fake.gate.set()
+
+
+async def test_queue_default_timeout_applies(served):
+    fake = RecordingModel()
+    spec = make_spec(max_batch_size=1, max_inflight_batches=1,
+                     default_queue_policy=QueuePolicy(default_timeout_us=10_000))
+    model = served(spec, fake)
+    blocker = await hold_executor(model, fake, timeout_us=60_000_000)  # overrides the default
+    with pytest.raises(DeadlineExceeded):
+        await model.infer(request(1.0))
+    assert model.queue_depth == 0
+    fake.gate.set()
+    await blocker
+
+
+async def test_cancellation_leaves_the_queue(served, registry):
+    fake = RecordingModel()
+    model = served(make_spec(max_batch_size=1, max_inflight_batches=1), fake)
+    blocker = await hold_executor(model, fake)
+    waiting = asyncio.ensure_future(model.infer(request(7.0)))
+    await wait_until(lambda: model.queue_depth == 1)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert model.queue_depth == 0
+    fake.gate.set()
+    await blocker
+    assert 7.0 not in [v for b in fake.batches for v in b]
+    assert registry.get_sample_value(
+        "batchgate_request_failures_total", {"model": "fake", "reason": "cancelled"}) == 1
+
+
+async def test_model_exception_fails_only_its_batch(served):
+    fake = RecordingModel()
+    fake.fail_on = 13.0
+    model = served(make_spec(max_batch_size=1), fake)
+    results = await asyncio.gather(
+        *(model.infer(request(v)) for v in (1.0, 13.0, 2.0)), return_exceptions=True)
+    assert isinstance(results[1], ModelExecutionError)
+    assert "model 'fake' raised RuntimeError" in str(results[1])
+    assert "poisoned" not in str(results[1]), "the model's own message must not reach clients"
+    np.testing.assert_array_equal(results[0]["y"], np.full((1, 2), 2.0, np.float32))
+    np.testing.assert_array_equal(results[2]["y"], np.full((1, 2), 4.0, np.float32))
+
+
+async def test_wrong_batch_dimension_is_reported(served):
+    model = served(make_spec(), lambda x: x[:1])
+    with pytest.raises(ModelExecutionError, match=r"shape \(1, 2\) for a batch of 3"):
+        await model.infer(request(1.0, rows=3))
+
+
+async def test_only_equal_shapes_share_a_batch(served):
+    shapes: list[tuple] = []
+
+    def model_fn(x):
+        shapes.append(tuple(x.shape))
+        return x
+
+    model = served(make_spec(dims=(-1,), max_queue_delay_us=50_000, max_batch_size=8), model_fn)
+    reqs = [request(1.0, width=2) for _ in range(3)] + [request(1.0, width=3) for _ in range(3)]
+    results = await asyncio.gather(*(model.infer(r) for r in reqs))
+    assert {r["y"].shape for r in results} == {(1, 2), (1, 3)}
+    assert all(s[1] in (2, 3) for s in shapes)
+    assert sum(s[0] for s in shapes) == 6
+
+
+async def test_two_batches_in_flight_per_instance(served):
+    fake = RecordingModel()
+    model = served(make_spec(max_batch_size=1, max_inflight_batches=2), fake)
+    blocker = await hold_executor(model, fake)
+    second = asyncio.ensure_future(model.infer(request(2.0)))
+    # The assembler takes the second batch while the first still computes.
+    await wait_until(lambda: model.queue_depth == 0 and model.stats.snapshot().execution_count == 0)
+    third = asyncio.ensure_future(model.infer(request(3.0)))
+    await wait_until(lambda: model.queue_depth == 1)
+    fake.gate.set()
+    await asyncio.gather(blocker, second, third)
+
+
+async def test_stop_drains_queued_requests_and_refuses_new_ones(served):
+    fake = RecordingModel()
+    model = ServedModel(make_spec(max_batch_size=1, max_inflight_batches=1), fake)
+    model.start()
+    blocker = await hold_executor(model, fake)
+    queued = asyncio.ensure_future(model.infer(request(4.0)))
+    await wait_until(lambda: model.queue_depth == 1)
+    loop = asyncio.get_running_loop()
+    stopping = loop.run_in_executor(None, model.stop, 10)
+    await wait_until(lambda: not model._accepting)
+    with pytest.raises(ModelUnavailable):
+        await model.infer(request(5.0))
+    fake.gate.set()
+    await stopping
+    assert (await queued)["y"][0, 0] == 8.0
+    await blocker
+
+
+def test_policy_reasons():
+    q = ModelQueue(BatchingConfig(max_batch_size=4, max_queue_delay_us=0))
+    for i in range(5):
+        r = request(float(i)); r.level = 1; q.put(r)
+    batch, reason = q.next_batch()
+    assert (len(batch), reason) == (4, "full")
+    batch, reason = q.next_batch()
+    assert (len(batch), reason) == (1, "idle")
+
+    q = ModelQueue(BatchingConfig(max_batch_size=8, preferred_batch_sizes=(2, 4),
+                                  max_queue_delay_us=10_000_000))
+    for i in range(5):
+        r = request(float(i)); r.level = 1; q.put(r)
+    batch, reason = q.next_batch()
+    assert (len(batch), reason) == (4, "preferred")
+
+    q = ModelQueue(BatchingConfig(max_batch_size=8, max_queue_delay_us=1000))
+    r = request(1.0); r.level = 1; q.put(r)
+    batch, reason = q.next_batch()
+    assert (len(batch), reason) == (1, "delay")
+
+    # MIN_BATCH: dispatch as soon as 3 samples wait, long before the delay.
+    q = ModelQueue(BatchingConfig(max_batch_size=8, min_batch_size=3, max_queue_delay_us=60_000_000))
+    for i in range(3):
+        r = request(float(i)); r.level = 1; q.put(r)
+    batch, reason = q.next_batch()
+    assert (len(batch), reason) == (3, "preferred")
+
+
+def test_fifo_when_a_large_request_does_not_fit():
+    q = ModelQueue(BatchingConfig(max_batch_size=4))
+    sizes = [3, 2, 1]
+    for i, rows in enumerate(sizes):
+        r = request(float(i), rows=rows); r.level = 1; q.put(r)
+    batch, _ = q.next_batch()
+    assert [r.batch_size for r in batch] == [3]
+    batch, _ = q.next_batch()
+    assert [r.batch_size for r in batch] == [2, 1]
