@@ -1,0 +1,275 @@
+"""The asyncio client (grpc.aio)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from clients import _calls
+from clients._endpoints import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    EndpointPool,
+    channel_options,
+    check_timeout_s,
+    parse_addresses,
+)
+from clients.errors import BatchgateError
+from clients.infer import InferRequest, InferResult, ParameterValue
+from clients.retry import RetryPolicy, RetrySchedule
+from protos import inference_pb2, model_config_pb2
+
+
+class AsyncClient:
+    """The asyncio twin of `Client`: same arguments, same methods, each awaited.
+
+    Channels open on the first call, inside the running event loop, because a grpc.aio channel
+    belongs to the loop that first uses it; use the client from that loop only. Use as
+    `async with AsyncClient(...)`, or `await close()`.
+    """
+
+    def __init__(
+        self,
+        address: str | Sequence[str],
+        *,
+        timeout_s: float | None = None,
+        retry: RetryPolicy | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        self._addresses = parse_addresses(address)
+        self._channel_args = channel_options(max_message_bytes, options)
+        self._credentials = credentials
+        self._timeout_s = check_timeout_s(timeout_s)
+        self._retry = _calls.check_retry(retry)
+        self._pool_or_none: EndpointPool[_calls.Endpoint] | None = None
+
+    @property
+    def addresses(self) -> list[str]:
+        return list(self._addresses)
+
+    @property
+    def _pool(self) -> EndpointPool[_calls.Endpoint]:
+        if self._pool_or_none is None:
+            self._pool_or_none = EndpointPool(
+                [
+                    _calls.open_endpoint(
+                        a, credentials=self._credentials, options=self._channel_args, aio=True
+                    )
+                    for a in self._addresses
+                ]
+            )
+        return self._pool_or_none
+
+    async def close(self) -> None:
+        """Close every channel; calls in flight are cancelled."""
+        pool, self._pool_or_none = self._pool_or_none, None
+        for endpoint in pool or ():
+            await endpoint.channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def _run(self, call: _calls.Call, timeout_s: float | None) -> Any:
+        timeout_s = self._timeout_s if timeout_s is None else check_timeout_s(timeout_s)
+        schedule = RetrySchedule(self._retry, idempotent=call.idempotent, timeout_s=timeout_s)
+        pool = self._pool
+        index = pool.first()
+        while True:
+            attempt_timeout_s = schedule.start_attempt()
+            try:
+                response = await call.invoke(pool[index], attempt_timeout_s)
+            except grpc.RpcError as exc:
+                error = BatchgateError.from_rpc_error(exc)
+            else:
+                return call.unwrap(response)
+            delay_s = schedule.backoff_s(error)
+            if delay_s is None:
+                raise error
+            await asyncio.sleep(delay_s)
+            index = pool.following(index)
+
+    # Inference
+
+    async def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        outputs: Sequence[str] | None = None,
+        version: str = "",
+        request_id: str = "",
+        priority: int | None = None,
+        timeout_us: int | None = None,
+        parameters: Mapping[str, ParameterValue | inference_pb2.InferParameter] | None = None,
+        datatypes: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+        idempotent: bool = True,
+    ) -> dict[str, np.ndarray]:
+        """Run one inference; return its outputs by name. Arguments as `Client.infer`."""
+        result = await self.infer_result(
+            model,
+            inputs,
+            outputs=outputs,
+            version=version,
+            request_id=request_id,
+            priority=priority,
+            timeout_us=timeout_us,
+            parameters=parameters,
+            datatypes=datatypes,
+            timeout_s=timeout_s,
+            idempotent=idempotent,
+        )
+        return result.outputs
+
+    async def infer_result(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        outputs: Sequence[str] | None = None,
+        version: str = "",
+        request_id: str = "",
+        priority: int | None = None,
+        timeout_us: int | None = None,
+        parameters: Mapping[str, ParameterValue | inference_pb2.InferParameter] | None = None,
+        datatypes: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+        idempotent: bool = True,
+    ) -> InferResult:
+        """Like `infer`, returning an InferResult: `.outputs`, `.id`, `.model_version`, ..."""
+        request = InferRequest(
+            model=model,
+            inputs=inputs,
+            outputs=outputs,
+            version=version,
+            request_id=request_id,
+            priority=priority,
+            timeout_us=timeout_us,
+            parameters=parameters,
+            datatypes=datatypes,
+        )
+        return await self._run(_calls.infer(request, idempotent=idempotent), timeout_s)
+
+    def stream_infer(
+        self,
+        requests: Iterable[InferRequest] | AsyncIterable[InferRequest],
+        *,
+        timeout_s: float | None = None,
+    ) -> AsyncInferStream:
+        """Send `requests` (an iterable or async iterable) on one ModelStreamInfer stream.
+
+        Iterate the returned AsyncInferStream with `async for`. As `Client.stream_infer`.
+        """
+        timeout_s = self._timeout_s if timeout_s is None else check_timeout_s(timeout_s)
+        endpoint = self._pool[self._pool.first()]
+        requests_pb = _calls.request_protos(requests)
+        call = endpoint.inference.ModelStreamInfer(requests_pb, timeout=timeout_s)
+        return AsyncInferStream(call)
+
+    # Health, metadata, configuration
+
+    async def server_live(self, *, timeout_s: float | None = None) -> bool:
+        return await self._run(_calls.server_live(), timeout_s)
+
+    async def server_ready(self, *, timeout_s: float | None = None) -> bool:
+        return await self._run(_calls.server_ready(), timeout_s)
+
+    async def model_ready(
+        self, model: str, version: str = "", *, timeout_s: float | None = None
+    ) -> bool:
+        return await self._run(_calls.model_ready(model, version), timeout_s)
+
+    async def server_metadata(
+        self, *, timeout_s: float | None = None
+    ) -> inference_pb2.ServerMetadataResponse:
+        return await self._run(_calls.server_metadata(), timeout_s)
+
+    async def model_metadata(
+        self, model: str, version: str = "", *, timeout_s: float | None = None
+    ) -> inference_pb2.ModelMetadataResponse:
+        return await self._run(_calls.model_metadata(model, version), timeout_s)
+
+    async def model_config(
+        self, model: str, version: str = "", *, timeout_s: float | None = None
+    ) -> model_config_pb2.ModelConfig:
+        return await self._run(_calls.model_config(model, version), timeout_s)
+
+    async def model_statistics(
+        self, model: str = "", version: str = "", *, timeout_s: float | None = None
+    ) -> list[inference_pb2.ModelStatistics]:
+        """Statistics of one model ("" = every model), one version ("" = every version)."""
+        return await self._run(_calls.model_statistics(model, version), timeout_s)
+
+    async def repository_index(
+        self, *, ready: bool = False, timeout_s: float | None = None
+    ) -> list[inference_pb2.RepositoryIndexResponse.ModelIndex]:
+        """The repository's models; `ready=True` lists only those ready to serve."""
+        return await self._run(_calls.repository_index(ready), timeout_s)
+
+    async def load_model(
+        self,
+        name: str,
+        *,
+        config: str | None = None,
+        files: Mapping[str, bytes] | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Load (or reload) a model; `config` is a JSON model configuration. Never retried."""
+        await self._run(_calls.load_model(name, config, files), timeout_s)
+
+    async def unload_model(self, name: str, *, timeout_s: float | None = None) -> None:
+        """Unload a model. Never retried."""
+        await self._run(_calls.unload_model(name), timeout_s)
+
+    async def health(self, service: str = "", *, timeout_s: float | None = None) -> str:
+        """grpc.health.v1 status of `service` ("" = the server): "SERVING", "NOT_SERVING", ..."""
+        return await self._run(_calls.health(service), timeout_s)
+
+
+class AsyncInferStream:
+    """The results of `AsyncClient.stream_infer`, as an async iterator of InferResult.
+
+    Behaves as InferStream: an error response raises BatchgateError and the stream goes on; a
+    failed stream raises BatchgateError and ends. Leaving `async with` cancels it.
+    """
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self._done = False
+
+    def __aiter__(self) -> AsyncIterator[InferResult]:
+        return self
+
+    async def __anext__(self) -> InferResult:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            message = await self._call.read()
+        except grpc.RpcError as exc:
+            self._done = True
+            error = BatchgateError.from_rpc_error(exc)
+        else:
+            if message is grpc.aio.EOF:
+                self._done = True
+                raise StopAsyncIteration
+            return _calls.stream_result(message)
+        raise error
+
+    def cancel(self) -> None:
+        """Stop the stream; requests not yet answered are abandoned."""
+        self._call.cancel()
+
+    async def __aenter__(self) -> AsyncInferStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if not self._done:
+            self.cancel()

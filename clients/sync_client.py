@@ -1,0 +1,271 @@
+"""The blocking client."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from clients import _calls
+from clients._endpoints import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    EndpointPool,
+    channel_options,
+    check_timeout_s,
+    parse_addresses,
+)
+from clients.errors import BatchgateError
+from clients.infer import InferRequest, InferResult, ParameterValue
+from clients.retry import RetryPolicy, RetrySchedule
+from protos import inference_pb2, model_config_pb2
+
+
+class Client:
+    """A blocking client of one batchgate (or any KServe v2 gRPC) server, or of several.
+
+    `address`: "host:port", or a list of them; calls take turns over the addresses (one channel
+    each) and a retry goes to the next one. `timeout_s`: the default deadline of every call,
+    retries included (None: no deadline). `retry`: see RetryPolicy (None: the defaults).
+    `credentials`: e.g. `grpc.ssl_channel_credentials()` for TLS (None: plaintext).
+    `max_message_bytes`: send and receive limit. `options`: further gRPC channel arguments.
+    Thread-safe; use as a context manager or call `close()`.
+    """
+
+    def __init__(
+        self,
+        address: str | Sequence[str],
+        *,
+        timeout_s: float | None = None,
+        retry: RetryPolicy | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        addresses = parse_addresses(address)
+        channel_args = channel_options(max_message_bytes, options)
+        self._timeout_s = check_timeout_s(timeout_s)
+        self._retry = _calls.check_retry(retry)
+        self._pool = EndpointPool(
+            [
+                _calls.open_endpoint(a, credentials=credentials, options=channel_args, aio=False)
+                for a in addresses
+            ]
+        )
+
+    @property
+    def addresses(self) -> list[str]:
+        return [endpoint.address for endpoint in self._pool]
+
+    def close(self) -> None:
+        """Close every channel; calls in flight are cancelled."""
+        for endpoint in self._pool:
+            endpoint.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _run(self, call: _calls.Call, timeout_s: float | None) -> Any:
+        timeout_s = self._timeout_s if timeout_s is None else check_timeout_s(timeout_s)
+        schedule = RetrySchedule(self._retry, idempotent=call.idempotent, timeout_s=timeout_s)
+        index = self._pool.first()
+        while True:
+            attempt_timeout_s = schedule.start_attempt()
+            try:
+                response = call.invoke(self._pool[index], attempt_timeout_s)
+            except grpc.RpcError as exc:
+                error = BatchgateError.from_rpc_error(exc)
+            else:
+                return call.unwrap(response)
+            # Raised outside the except block so the traceback is not the RpcError's.
+            delay_s = schedule.backoff_s(error)
+            if delay_s is None:
+                raise error
+            time.sleep(delay_s)
+            index = self._pool.following(index)
+
+    # Inference
+
+    def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        outputs: Sequence[str] | None = None,
+        version: str = "",
+        request_id: str = "",
+        priority: int | None = None,
+        timeout_us: int | None = None,
+        parameters: Mapping[str, ParameterValue | inference_pb2.InferParameter] | None = None,
+        datatypes: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+        idempotent: bool = True,
+    ) -> dict[str, np.ndarray]:
+        """Run one inference; return its outputs by name (see `infer_result` for the metadata).
+
+        `outputs`: names to return (None: all). `priority`: 1 is the highest level, None or 0
+        the model's default. `timeout_us`: the server-side queue timeout in microseconds.
+        `timeout_s`: this call's deadline, retries included. `idempotent=False`: never retry.
+        """
+        return self.infer_result(
+            model,
+            inputs,
+            outputs=outputs,
+            version=version,
+            request_id=request_id,
+            priority=priority,
+            timeout_us=timeout_us,
+            parameters=parameters,
+            datatypes=datatypes,
+            timeout_s=timeout_s,
+            idempotent=idempotent,
+        ).outputs
+
+    def infer_result(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        outputs: Sequence[str] | None = None,
+        version: str = "",
+        request_id: str = "",
+        priority: int | None = None,
+        timeout_us: int | None = None,
+        parameters: Mapping[str, ParameterValue | inference_pb2.InferParameter] | None = None,
+        datatypes: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+        idempotent: bool = True,
+    ) -> InferResult:
+        """Like `infer`, returning an InferResult: `.outputs`, `.id`, `.model_version`, ..."""
+        request = InferRequest(
+            model=model,
+            inputs=inputs,
+            outputs=outputs,
+            version=version,
+            request_id=request_id,
+            priority=priority,
+            timeout_us=timeout_us,
+            parameters=parameters,
+            datatypes=datatypes,
+        )
+        return self._run(_calls.infer(request, idempotent=idempotent), timeout_s)
+
+    def stream_infer(
+        self, requests: Iterable[InferRequest], *, timeout_s: float | None = None
+    ) -> InferStream:
+        """Send `requests` on one ModelStreamInfer stream; iterate the InferStream it returns.
+
+        Requests are sent as the iterable yields them (a generator can keep feeding the stream);
+        results come in the order the server answers. `timeout_s` bounds the whole stream.
+        Streams are not retried.
+        """
+        timeout_s = self._timeout_s if timeout_s is None else check_timeout_s(timeout_s)
+        endpoint = self._pool[self._pool.first()]
+        requests_pb = _calls.request_protos(requests)
+        call = endpoint.inference.ModelStreamInfer(requests_pb, timeout=timeout_s)
+        return InferStream(call)
+
+    # Health, metadata, configuration
+
+    def server_live(self, *, timeout_s: float | None = None) -> bool:
+        return self._run(_calls.server_live(), timeout_s)
+
+    def server_ready(self, *, timeout_s: float | None = None) -> bool:
+        return self._run(_calls.server_ready(), timeout_s)
+
+    def model_ready(self, model: str, version: str = "", *, timeout_s: float | None = None) -> bool:
+        return self._run(_calls.model_ready(model, version), timeout_s)
+
+    def server_metadata(
+        self, *, timeout_s: float | None = None
+    ) -> inference_pb2.ServerMetadataResponse:
+        return self._run(_calls.server_metadata(), timeout_s)
+
+    def model_metadata(
+        self, model: str, version: str = "", *, timeout_s: float | None = None
+    ) -> inference_pb2.ModelMetadataResponse:
+        return self._run(_calls.model_metadata(model, version), timeout_s)
+
+    def model_config(
+        self, model: str, version: str = "", *, timeout_s: float | None = None
+    ) -> model_config_pb2.ModelConfig:
+        return self._run(_calls.model_config(model, version), timeout_s)
+
+    def model_statistics(
+        self, model: str = "", version: str = "", *, timeout_s: float | None = None
+    ) -> list[inference_pb2.ModelStatistics]:
+        """Statistics of one model ("" = every model), one version ("" = every version)."""
+        return self._run(_calls.model_statistics(model, version), timeout_s)
+
+    def repository_index(
+        self, *, ready: bool = False, timeout_s: float | None = None
+    ) -> list[inference_pb2.RepositoryIndexResponse.ModelIndex]:
+        """The repository's models; `ready=True` lists only those ready to serve."""
+        return self._run(_calls.repository_index(ready), timeout_s)
+
+    def load_model(
+        self,
+        name: str,
+        *,
+        config: str | None = None,
+        files: Mapping[str, bytes] | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Load (or reload) a model; `config` is a JSON model configuration. Never retried."""
+        self._run(_calls.load_model(name, config, files), timeout_s)
+
+    def unload_model(self, name: str, *, timeout_s: float | None = None) -> None:
+        """Unload a model. Never retried."""
+        self._run(_calls.unload_model(name), timeout_s)
+
+    def health(self, service: str = "", *, timeout_s: float | None = None) -> str:
+        """grpc.health.v1 status of `service` ("" = the server): "SERVING", "NOT_SERVING", ..."""
+        return self._run(_calls.health(service), timeout_s)
+
+
+class InferStream:
+    """The results of `Client.stream_infer`, as an iterator of InferResult.
+
+    A response the server marks as an error raises BatchgateError from `next()`, and the stream
+    goes on: iterate again for the following results. When the stream itself fails, the
+    BatchgateError ends it. Leaving the `with` block cancels a stream still open.
+    """
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self._done = False
+
+    def __iter__(self) -> Iterator[InferResult]:
+        return self
+
+    def __next__(self) -> InferResult:
+        if self._done:
+            raise StopIteration
+        try:
+            message = next(self._call)
+        except StopIteration:
+            self._done = True
+            raise
+        except grpc.RpcError as exc:
+            self._done = True
+            error = BatchgateError.from_rpc_error(exc)
+        else:
+            return _calls.stream_result(message)
+        raise error
+
+    def cancel(self) -> None:
+        """Stop the stream; requests not yet answered are abandoned."""
+        self._call.cancel()
+
+    def __enter__(self) -> InferStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if not self._done:
+            self.cancel()
+

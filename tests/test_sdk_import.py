@@ -1,0 +1,55 @@
+"""The SDK imports without torch and without the server's packages."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Runs in a fresh interpreter: this test process may already have imported torch or server/.
+CHECK = """
+import importlib.abc
+import sys
+
+FORBIDDEN = {"torch", "server", "batcher"}
+
+
+class Forbid(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in FORBIDDEN:
+            raise ImportError(f"{name} is forbidden in this test")
+        return None
+
+
+sys.meta_path.insert(0, Forbid())
+try:
+    import torch  # noqa: F401
+except ImportError:
+    pass
+else:
+    raise SystemExit("the finder did not block torch: this test would prove nothing")
+
+import clients
+from clients import AsyncClient, BatchgateError, Client, InferResult, RetryPolicy  # noqa: F401
+
+loaded = sorted(m for m in sys.modules if m.partition(".")[0] in FORBIDDEN)
+assert not loaded, loaded
+client = Client("127.0.0.1:1")
+client.close()
+print("ok")
+"""
+
+
+def test_clients_import_without_torch():
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(CHECK)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
