@@ -53,7 +53,13 @@ _interop_set = False
 
 
 def to_torch(array: np.ndarray, datatype: str) -> torch.Tensor:
-    """A tensor sharing ``array``'s memory (BF16 arrives as uint16 raw bits)."""
+    """A tensor sharing ``array``'s memory (BF16 arrives as uint16 raw bits).
+
+    BYTES inputs stay numpy object arrays: torch has no string tensor, so a model that declares
+    them (a Python ``model.py``) receives the array itself.
+    """
+    if datatype == "BYTES":
+        return array
     if datatype == "BF16":
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(array)
@@ -144,7 +150,7 @@ class Executor:
             self._configure_thread()
             try:
                 for arrays in samples:
-                    tensors = [to_torch(a, t) for a, t in zip(arrays, self._input_types)]
+                    tensors = [to_torch(a.copy(), t) for a, t in zip(arrays, self._input_types)]
                     rows = arrays[0].shape[0] if self._batching else 1
                     moved, ready = self._to_device(tensors)
                     if ready is not None:
@@ -230,7 +236,9 @@ class Executor:
 
     def _assemble(self, requests: list[InferenceRequest]) -> tuple[list[Any], Any]:
         if len(requests) == 1:
-            arrays = requests[0].inputs
+            # Decoded inputs are read-only views of the request's bytes; a model may write to
+            # its inputs, so it gets its own copy (concatenation makes one anyway).
+            arrays = [a if a.flags.writeable else a.copy() for a in requests[0].inputs]
         else:
             arrays = [
                 np.concatenate([r.inputs[i] for r in requests])
@@ -244,7 +252,10 @@ class Executor:
         if not self._cuda:
             return tensors, None
         with torch.cuda.stream(self._copy_stream):
-            moved = [t.to(self._device, non_blocking=True) for t in tensors]
+            moved = [
+                t.to(self._device, non_blocking=True) if isinstance(t, torch.Tensor) else t
+                for t in tensors
+            ]
             ready = torch.cuda.Event()
             ready.record()
         return moved, ready

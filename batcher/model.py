@@ -89,6 +89,10 @@ class ServedModel:
         return self._spec
 
     @property
+    def module(self) -> Callable[..., Any]:
+        return self._module
+
+    @property
     def ready(self) -> bool:
         return self._accepting and all(e.alive.is_set() for e in self._executors)
 

@@ -53,7 +53,8 @@ class ModelQueue:
         self._max_batch = config.effective_max_batch
         self._min_batch = config.effective_min_batch
         self._delay_s = config.max_queue_delay_us / 1e6
-        self._batching = config.max_batch_size > 0
+        # Without dynamic batching (Triton's default scheduler) each request runs alone.
+        self._batching = config.max_batch_size > 0 and config.dynamic_batching
         self._preferred = sorted(config.preferred_batch_sizes)
 
     # -- the event loop's side ------------------------------------------------------------

@@ -314,3 +314,12 @@ def test_fifo_when_a_large_request_does_not_fit():
     assert [r.batch_size for r in batch] == [3]
     batch, _ = q.next_batch()
     assert [r.batch_size for r in batch] == [2, 1]
+
+
+def test_without_dynamic_batching_each_request_runs_alone():
+    q = ModelQueue(BatchingConfig(max_batch_size=8, dynamic_batching=False))
+    for i in range(3):
+        r = request(float(i), rows=2); r.level = 1; q.put(r)
+    for _ in range(3):
+        batch, _ = q.next_batch()
+        assert [r.batch_size for r in batch] == [2]

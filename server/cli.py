@@ -1,0 +1,92 @@
+"""The ``batchgate`` command: ``batchgate serve`` (the default) runs the server.
+
+Flags follow Triton's names and defaults where Triton has one (``--grpc-port 8001``,
+``--metrics-port 8002``, ``--model-repository``), so users' habits carry over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+from server.app import DEFAULT_REPOSITORY, Gateway, Settings
+from server.logs import LOG_FORMATS, configure_logging
+
+
+def _serve_parser(parser: argparse.ArgumentParser) -> None:
+    d = Settings.__dataclass_fields__
+    parser.add_argument("--host", default=d["host"].default,
+                        help="address to listen on (default: %(default)s)")
+    parser.add_argument("--grpc-port", type=int, default=d["grpc_port"].default,
+                        help="gRPC port, 0 for any free port (default: %(default)s)")
+    parser.add_argument("--metrics-port", type=int, default=d["metrics_port"].default,
+                        help="Prometheus /metrics port, -1 to disable (default: %(default)s)")
+    parser.add_argument("--model-repository", type=Path, default=None,
+                        help="model repository folder (default: $BATCHGATE_MODEL_REPOSITORY, "
+                             f"else the example repository {DEFAULT_REPOSITORY})")
+    parser.add_argument("--max-message-bytes", type=int, default=d["max_message_bytes"].default,
+                        help="largest gRPC message received or sent (default: %(default)s)")
+    parser.add_argument("--drain-timeout-s", type=float, default=d["drain_timeout_s"].default,
+                        help="on SIGTERM/SIGINT, how long queued requests may take to finish "
+                             "(default: %(default)s)")
+    parser.add_argument("--switch-interval-s", type=float,
+                        default=d["switch_interval_s"].default,
+                        help="Python's GIL switch interval; shorter keeps model threads fed "
+                             "(default: %(default)s)")
+    parser.add_argument("--no-gc-freeze", action="store_true",
+                        help="do not freeze the garbage collector's view after loading")
+    parser.add_argument("--no-reflection", action="store_true", help="disable server reflection")
+    parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
+    parser.add_argument("--log-format", default="auto", choices=LOG_FORMATS,
+                        help="json, console, or auto: console on a terminal, else json")
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    kwargs = dict(
+        host=args.host,
+        grpc_port=args.grpc_port,
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        max_message_bytes=args.max_message_bytes,
+        drain_timeout_s=args.drain_timeout_s,
+        switch_interval_s=args.switch_interval_s,
+        gc_freeze=not args.no_gc_freeze,
+        reflection=not args.no_reflection,
+    )
+    if args.model_repository is not None:
+        kwargs["model_repository"] = args.model_repository
+    return Settings(**kwargs)
+
+
+async def serve(settings: Settings) -> None:
+    gateway = Gateway(settings)
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    await gateway.start()
+    await stopping.wait()
+    await gateway.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="batchgate", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command")
+    _serve_parser(commands.add_parser("serve", help="run the gRPC server (the default)"))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv.insert(0, "serve")
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level, args.log_format)
+    try:
+        settings = settings_from(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    asyncio.run(serve(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,293 @@
+"""Proto ⇄ numpy for inference: decode and validate a ModelInferRequest against a model's spec,
+encode a request's outputs into a ModelInferResponse.
+
+Every check happens here, before a request reaches a queue, so a bad request never joins (and
+never fails) a batch. Raw buffers become arrays with ``numpy.frombuffer`` (no copy, no
+per-element Python); typed ``contents`` go through one vectorised conversion.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Mapping
+
+import numpy as np
+
+from batcher.errors import InvalidRequest, NotSupported
+from batcher.request import InferenceRequest
+from batcher.spec import ELEMENT_SIZES, NUMPY_DTYPES, ModelSpec, TensorSpec
+from protos import inference_pb2 as pb
+
+# Typed contents field per datatype, and the numpy type that field holds.
+TYPED_FIELDS: Mapping[str, tuple[str, np.dtype]] = {
+    "BOOL": ("bool_contents", np.dtype(np.bool_)),
+    "INT8": ("int_contents", np.dtype(np.int32)),
+    "INT16": ("int_contents", np.dtype(np.int32)),
+    "INT32": ("int_contents", np.dtype(np.int32)),
+    "INT64": ("int64_contents", np.dtype(np.int64)),
+    "UINT8": ("uint_contents", np.dtype(np.uint32)),
+    "UINT16": ("uint_contents", np.dtype(np.uint32)),
+    "UINT32": ("uint_contents", np.dtype(np.uint32)),
+    "UINT64": ("uint64_contents", np.dtype(np.uint64)),
+    "FP32": ("fp32_contents", np.dtype(np.float32)),
+    "FP64": ("fp64_contents", np.dtype(np.float64)),
+}
+SHARED_MEMORY_KEYS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
+_LENGTH = struct.Struct("<I")
+
+
+def _int_parameter(parameters, key: str) -> int:
+    param = parameters[key]
+    which = param.WhichOneof("parameter_choice")
+    if which in ("int64_param", "uint64_param"):
+        value = getattr(param, which)
+    else:
+        raise InvalidRequest(f"request parameter '{key}' must be an integer, got {which}")
+    if value < 0:
+        raise InvalidRequest(f"request parameter '{key}' must be >= 0, got {value}")
+    return value
+
+
+def decode_request(
+    msg: pb.ModelInferRequest, spec: ModelSpec, *, deadline: float | None = None
+) -> InferenceRequest:
+    """An InferenceRequest with inputs in the model's order, or InvalidRequest saying why."""
+    name = spec.name
+    priority = 0
+    timeout_us = 0
+    if msg.parameters:
+        if "priority" in msg.parameters:
+            priority = _int_parameter(msg.parameters, "priority")
+        if "timeout" in msg.parameters:
+            timeout_us = _int_parameter(msg.parameters, "timeout")
+
+    n_inputs = len(msg.inputs)
+    raw = msg.raw_input_contents
+    if raw and len(raw) != n_inputs:
+        raise InvalidRequest(
+            f"model '{name}': {len(raw)} raw_input_contents for {n_inputs} inputs; "
+            "send one raw buffer per input, in the order of 'inputs'"
+        )
+    batching = spec.batching.max_batch_size > 0
+    arrays: dict[str, np.ndarray] = {}
+    batch_size = -1
+    for index, tensor in enumerate(msg.inputs):
+        tspec = spec.input(tensor.name)
+        if tspec is None:
+            raise InvalidRequest(
+                f"model '{name}' has no input '{tensor.name}'; "
+                f"its inputs are {[t.name for t in spec.inputs]}"
+            )
+        if tensor.name in arrays:
+            raise InvalidRequest(f"model '{name}': input '{tensor.name}' is given twice")
+        if tensor.datatype != tspec.datatype:
+            if tensor.datatype == "BYTES":
+                raise InvalidRequest(
+                    f"model '{name}': input '{tensor.name}' is {tspec.datatype}; BYTES tensors "
+                    "are accepted only by models that declare them (TYPE_STRING)"
+                )
+            raise InvalidRequest(
+                f"model '{name}': input '{tensor.name}' must be {tspec.datatype}, "
+                f"got {tensor.datatype!r}"
+            )
+        if tensor.parameters and any(k in tensor.parameters for k in SHARED_MEMORY_KEYS):
+            raise NotSupported(
+                "shared-memory inputs are not supported by this server; send the tensor data "
+                "in raw_input_contents"
+            )
+        shape = tuple(tensor.shape)
+        rows = _check_shape(name, tspec, shape, batching, spec.batching.max_batch_size)
+        if batching:
+            if batch_size == -1:
+                batch_size = rows
+            elif rows != batch_size:
+                raise InvalidRequest(
+                    f"model '{name}': inputs disagree on the batch dimension "
+                    f"({batch_size} and {rows} for '{tensor.name}')"
+                )
+        if raw:
+            if tensor.HasField("contents"):
+                raise InvalidRequest(
+                    f"model '{name}': input '{tensor.name}' has typed contents while the "
+                    "request uses raw_input_contents; use one or the other"
+                )
+            arrays[tensor.name] = _from_raw(name, tspec, shape, raw[index])
+        else:
+            arrays[tensor.name] = _from_contents(name, tspec, shape, tensor)
+
+    if len(arrays) != len(spec.inputs):
+        missing = [t.name for t in spec.inputs if t.name not in arrays]
+        raise InvalidRequest(f"model '{name}': missing inputs {missing}")
+
+    requested = None
+    if msg.outputs:
+        requested = []
+        for out in msg.outputs:
+            if spec.output(out.name) is None:
+                raise InvalidRequest(
+                    f"model '{name}' has no output '{out.name}'; "
+                    f"its outputs are {[t.name for t in spec.outputs]}"
+                )
+            requested.append(out.name)
+
+    ordered = [arrays[t.name] for t in spec.inputs]
+    shape_key = tuple(a.shape[1:] for a in ordered) if batching else tuple(a.shape for a in ordered)
+    request = InferenceRequest(
+        ordered,
+        batch_size=batch_size if batching else 1,
+        request_id=msg.id,
+        priority=priority,
+        deadline=deadline,
+        timeout_us=timeout_us,
+        requested_outputs=requested,
+        shape_key=shape_key,
+    )
+    return request
+
+
+def _check_shape(model: str, tspec: TensorSpec, shape: tuple, batching: bool,
+                 max_batch: int) -> int:
+    if any(d < 0 for d in shape):
+        raise InvalidRequest(
+            f"model '{model}': input '{tspec.name}' has a negative dimension, got shape {list(shape)}"
+        )
+    dims = tspec.dims
+    rows = 1
+    body = shape
+    if batching:
+        if not shape:
+            raise InvalidRequest(
+                f"model '{model}': input '{tspec.name}' needs a batch dimension first, "
+                f"shape [batch, {', '.join(map(str, dims))}], got []"
+            )
+        rows = shape[0]
+        body = shape[1:]
+        if rows < 1 or rows > max_batch:
+            raise InvalidRequest(
+                f"model '{model}': batch size must lie in 1..{max_batch} (max_batch_size), "
+                f"got {rows} for input '{tspec.name}'"
+            )
+    if len(body) != len(dims) or any(d != -1 and d != s for d, s in zip(dims, body)):
+        expected = (["batch"] if batching else []) + [str(d) for d in dims]
+        raise InvalidRequest(
+            f"model '{model}': input '{tspec.name}' must have shape [{', '.join(expected)}] "
+            f"(-1: any), got {list(shape)}"
+        )
+    return rows
+
+
+def _element_count(shape: tuple) -> int:
+    count = 1
+    for d in shape:
+        count *= d
+    return count
+
+
+def _from_raw(model: str, tspec: TensorSpec, shape: tuple, buffer: bytes) -> np.ndarray:
+    count = _element_count(shape)
+    if tspec.datatype == "BYTES":
+        return _bytes_from_raw(model, tspec, shape, count, buffer)
+    expected = count * ELEMENT_SIZES[tspec.datatype]
+    if len(buffer) != expected:
+        raise InvalidRequest(
+            f"model '{model}': input '{tspec.name}' of shape {list(shape)} and datatype "
+            f"{tspec.datatype} needs {expected} bytes, got {len(buffer)}"
+        )
+    return np.frombuffer(buffer, dtype=NUMPY_DTYPES[tspec.datatype]).reshape(shape)
+
+
+def _bytes_from_raw(model: str, tspec: TensorSpec, shape: tuple, count: int,
+                    buffer: bytes) -> np.ndarray:
+    items = []
+    offset = 0
+    size = len(buffer)
+    while offset < size and len(items) < count:
+        if offset + 4 > size:
+            break
+        (length,) = _LENGTH.unpack_from(buffer, offset)
+        offset += 4
+        if offset + length > size:
+            break
+        items.append(buffer[offset:offset + length])
+        offset += length
+    if len(items) != count or offset != size:
+        raise InvalidRequest(
+            f"model '{model}': BYTES input '{tspec.name}' must hold {count} elements, each a "
+            "4-byte little-endian length followed by that many bytes"
+        )
+    array = np.empty(count, dtype=object)
+    array[:] = items
+    return array.reshape(shape)
+
+
+def _from_contents(model: str, tspec: TensorSpec, shape: tuple, tensor) -> np.ndarray:
+    count = _element_count(shape)
+    datatype = tspec.datatype
+    if datatype == "BYTES":
+        values = tensor.contents.bytes_contents
+        if len(values) != count:
+            raise InvalidRequest(
+                f"model '{model}': input '{tspec.name}' of shape {list(shape)} needs {count} "
+                f"bytes_contents, got {len(values)}"
+            )
+        array = np.empty(count, dtype=object)
+        array[:] = list(values)
+        return array.reshape(shape)
+    typed = TYPED_FIELDS.get(datatype)
+    if typed is None:
+        raise InvalidRequest(
+            f"model '{model}': input '{tspec.name}' is {datatype}, which has no typed contents "
+            "field; send it in raw_input_contents"
+        )
+    field, wire_dtype = typed
+    values = getattr(tensor.contents, field)
+    if len(values) != count:
+        raise InvalidRequest(
+            f"model '{model}': input '{tspec.name}' of shape {list(shape)} needs {count} values "
+            f"in contents.{field}, got {len(values)}"
+        )
+    wire = np.array(values, dtype=wire_dtype)
+    target = NUMPY_DTYPES[datatype]
+    if wire_dtype == target:
+        return wire.reshape(shape)
+    array = wire.astype(target)
+    if not np.array_equal(array, wire):
+        raise InvalidRequest(
+            f"model '{model}': input '{tspec.name}' has values outside the range of {datatype}"
+        )
+    return array.reshape(shape)
+
+
+def encode_outputs(
+    response: pb.ModelInferResponse,
+    spec: ModelSpec,
+    outputs: Mapping[str, np.ndarray],
+    requested: tuple[str, ...] | None,
+) -> pb.ModelInferResponse:
+    """Fill ``response`` with the requested outputs (all when none were named) as raw bytes."""
+    names = requested if requested is not None else [o.name for o in spec.outputs]
+    tensors = response.outputs
+    raws = response.raw_output_contents
+    for name in names:
+        array = outputs[name]
+        datatype = spec.output(name).datatype
+        tensors.add(name=name, datatype=datatype, shape=array.shape)
+        raws.append(_bytes_of(array) if datatype == "BYTES" else array.tobytes())
+    return response
+
+
+def _bytes_of(array: np.ndarray) -> bytes:
+    parts = []
+    for item in array.reshape(-1):
+        data = item if isinstance(item, bytes) else str(item).encode()
+        parts.append(_LENGTH.pack(len(data)))
+        parts.append(data)
+    return b"".join(parts)
+
+
+def deadline_from(time_remaining: float | None) -> float | None:
+    """A monotonic deadline from gRPC's ``context.time_remaining()``."""
+    if time_remaining is None:
+        return None
+    return time.monotonic() + time_remaining

@@ -1,0 +1,31 @@
+"""The server's Prometheus registry: request outcomes, end-to-end latency, and the HTTP endpoint.
+
+The batching path's metrics (``batcher/metrics.py``) live on the same registry, so one scrape of
+``/metrics`` shows the whole server.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+from batcher.metrics import SECONDS_BUCKETS, BatcherMetrics
+
+
+class ServerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.batcher = BatcherMetrics(self.registry)
+        self.requests = Counter(
+            "batchgate_requests", "Inference requests answered, by model and gRPC status.",
+            ["model", "status"], registry=self.registry,
+        )
+        self.request_seconds = Histogram(
+            "batchgate_request_seconds",
+            "End-to-end time of an inference request inside the server, decode to encode.",
+            ["model"], registry=self.registry, buckets=SECONDS_BUCKETS,
+        )
+
+    def serve_http(self, host: str, port: int):
+        """Start ``/metrics`` on a daemon thread; returns the HTTP server (its port for port 0)."""
+        httpd, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return httpd

@@ -1,0 +1,349 @@
+"""ModelRepository: the lifecycle of the models in a Triton-style model repository.
+
+``<root>/<model>/config.pbtxt`` plus numbered version folders ``<root>/<model>/<n>/``. The
+latest version is served: the highest-numbered folder that holds a model artifact (folder names
+that are not numbers, or that start with 0, are ignored, as in Triton).
+
+Each model moves through ``UNAVAILABLE -> LOADING -> READY -> UNLOADING -> UNAVAILABLE``. The
+blocking part of a load (reading the config, building the module, warming it up) runs in a
+worker thread, and the model answers requests only once its warm-up is done. Reloading a READY
+model builds the new version beside the old one, swaps, then drains and stops the old one: the
+old version keeps serving until the swap, and keeps serving if the new version fails to load.
+
+This module knows nothing of gRPC: it raises the ``batcher.errors`` hierarchy, and calls
+``on_state_change(name, state)`` on every state change so the server can mirror it elsewhere
+(per-model health service names). State is only changed on the event loop's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+
+from batcher import loading
+from batcher.errors import (
+    BatchgateError,
+    InvalidRequest,
+    LoadError,
+    ModelNotFound,
+    ModelUnavailable,
+)
+from batcher.model import ServedModel
+from batcher.spec import ModelSpec
+from protos import model_config_pb2
+from server import model_config
+
+log = structlog.get_logger(__name__)
+
+UNAVAILABLE = "UNAVAILABLE"
+LOADING = "LOADING"
+READY = "READY"
+UNLOADING = "UNLOADING"
+STATES = (UNAVAILABLE, LOADING, READY, UNLOADING)
+
+_VERSION_FOLDER = re.compile(r"[1-9][0-9]*")
+# How long a version replaced by a reload may take to finish the requests queued on it.
+RETIRE_DRAIN_TIMEOUT_S = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelIndexEntry:
+    """One row of the repository index (Triton's ``RepositoryIndexResponse.ModelIndex``)."""
+
+    name: str
+    version: str  # the version served, or last tried; "" when never loaded
+    state: str  # one of STATES
+    reason: str  # why the model is not READY ("" when it is)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Loaded:
+    model: ServedModel
+    config: model_config_pb2.ModelConfig  # effective
+
+    @property
+    def version(self) -> str:
+        return self.model.spec.version
+
+
+@dataclasses.dataclass
+class _Slot:
+    name: str
+    state: str = UNAVAILABLE
+    reason: str = "not loaded"
+    version: str = ""
+    loaded: _Loaded | None = None
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+
+
+class ModelRepository:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        metrics=None,
+        cuda_available: bool | None = None,
+        on_state_change: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self._root = Path(root)
+        self._metrics = metrics
+        self._cuda = loading.cuda_available() if cuda_available is None else cuda_available
+        self._on_state_change = on_state_change
+        self._slots: dict[str, _Slot] = {}
+        self._closing = False
+
+    @property
+    def root(self) -> Path:
+        return self._root
+
+    # -- what is there -------------------------------------------------------------------------
+
+    def index(self) -> list[ModelIndexEntry]:
+        """Every model folder under the root, loaded or not, and every model still served."""
+        for name in self._model_folders():
+            self._slot(name)
+        return [
+            ModelIndexEntry(slot.name, slot.version, slot.state, slot.reason)
+            for slot in sorted(self._slots.values(), key=lambda s: s.name)
+        ]
+
+    def loaded(self) -> list[ServedModel]:
+        """The READY models, by name."""
+        return [
+            slot.loaded.model
+            for slot in sorted(self._slots.values(), key=lambda s: s.name)
+            if slot.state == READY and slot.loaded is not None
+        ]
+
+    def get(self, name: str, version: str = "") -> ServedModel:
+        """The READY model serving ``name`` (at ``version``, when given)."""
+        return self._loaded(name, version).model
+
+    def config(self, name: str, version: str = "") -> model_config_pb2.ModelConfig:
+        """The effective config of the READY model (what the ModelConfig RPC reports)."""
+        return self._loaded(name, version).config
+
+    def spec(self, name: str, version: str = "") -> ModelSpec:
+        return self._loaded(name, version).model.spec
+
+    def _loaded(self, name: str, version: str) -> _Loaded:
+        slot = self._slots.get(name)
+        if slot is None:
+            config_file = self._root / name / model_config.CONFIG_FILENAME
+            if self._is_plain_name(name) and config_file.is_file():
+                raise ModelUnavailable(f"model {name!r} is not available: not loaded")
+            raise ModelNotFound(f"unknown model {name!r}")
+        loaded = slot.loaded
+        if slot.state != READY or loaded is None:
+            raise ModelUnavailable(self._unavailable_message(slot))
+        if version and version != loaded.version:
+            raise ModelNotFound(
+                f"model {name!r} has no version {version!r} being served "
+                f"(serving version {loaded.version})"
+            )
+        return loaded
+
+    @staticmethod
+    def _unavailable_message(slot: _Slot) -> str:
+        if slot.state == LOADING:
+            return f"model {slot.name!r} is loading; retry when it is ready"
+        if slot.state == UNLOADING:
+            return f"model {slot.name!r} is unloading and takes no new requests"
+        return f"model {slot.name!r} is not available: {slot.reason}"
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def load_all(self) -> None:
+        """Load every model folder; one that fails is logged and left UNAVAILABLE."""
+        names = self._model_folders()
+        log.info("repository_loading", repository=str(self._root), models=names)
+        for name in names:
+            try:
+                await self.load(name)
+            except BatchgateError:
+                pass  # logged by load(); the model is UNAVAILABLE with the reason
+
+    async def load(self, name: str) -> None:
+        """Load (or reload) the latest version of ``name``; READY once warmed up."""
+        self._check_name(name)
+        if self._closing:
+            raise ModelUnavailable(f"the repository is closing; model {name!r} was not loaded")
+        model_dir = self._root / name
+        if not (model_dir / model_config.CONFIG_FILENAME).is_file():
+            raise ModelNotFound(
+                f"unknown model {name!r}: no {model_config.CONFIG_FILENAME} in {model_dir}"
+            )
+        slot = self._slot(name)
+        async with slot.lock:
+            previous = slot.loaded if slot.state == READY else None
+            if previous is None:
+                self._set_state(slot, LOADING, "loading")
+            log.info("model_loading", model=name, reloading=previous is not None)
+            try:
+                loaded = await asyncio.to_thread(self._build, model_dir)
+            except Exception as exc:
+                error = exc if isinstance(exc, LoadError) else self._unexpected(name, exc)
+                log.error("model_load_failed", model=name, reason=str(error))
+                if previous is not None:
+                    # The old version keeps serving; the failure shows in the index.
+                    slot.reason = f"reload failed: {error}"
+                else:
+                    self._set_state(slot, UNAVAILABLE, f"failed to load: {error}")
+                if error is exc:
+                    raise
+                raise error from exc
+            if self._closing:
+                # close() is waiting for this lock to unload whatever is still served here.
+                await asyncio.to_thread(loaded.model.stop, 0.0)
+                if previous is None:
+                    self._set_state(slot, UNAVAILABLE, "the repository closed while loading")
+                raise ModelUnavailable(
+                    f"the repository is closing; model {name!r} was not loaded"
+                )
+            slot.loaded = loaded
+            slot.version = loaded.version
+            self._set_state(slot, READY, "")
+            log.info("model_ready", model=name, version=loaded.version,
+                     device=loaded.model.spec.device)
+            if previous is not None:
+                # Requests already queued on the old version finish there.
+                await asyncio.to_thread(previous.model.stop, RETIRE_DRAIN_TIMEOUT_S)
+                log.info("model_version_retired", model=name, version=previous.version)
+
+    async def unload(self, name: str, drain_timeout_s: float = 30.0) -> None:
+        """Refuse new requests for ``name``, let queued ones finish, stop it."""
+        self._check_name(name)
+        slot = self._slots.get(name)
+        if slot is None:
+            if not (self._root / name).is_dir():
+                raise ModelNotFound(f"unknown model {name!r}")
+            return  # never loaded: nothing to do
+        async with slot.lock:
+            loaded = slot.loaded
+            if loaded is None:
+                return
+            self._set_state(slot, UNLOADING, "unloading")
+            log.info("model_unloading", model=name, version=loaded.version,
+                     drain_timeout_s=drain_timeout_s)
+            try:
+                await asyncio.to_thread(loaded.model.stop, drain_timeout_s)
+            finally:
+                slot.loaded = None
+                self._set_state(slot, UNAVAILABLE, "unloaded")
+            log.info("model_unloaded", model=name, version=loaded.version)
+
+    async def close(self, drain_timeout_s: float = 30.0) -> None:
+        """Unload every model, draining them together; no load is accepted afterwards."""
+        self._closing = True
+        names = [slot.name for slot in self._slots.values() if slot.loaded is not None]
+        results = await asyncio.gather(
+            *(self.unload(name, drain_timeout_s) for name in names), return_exceptions=True
+        )
+        for name, result in zip(names, results):
+            if isinstance(result, BaseException):
+                log.error("model_unload_failed", model=name, exc_info=result)
+
+    # -- the blocking part of a load (worker thread) -------------------------------------------
+
+    def _build(self, model_dir: Path) -> _Loaded:
+        name = model_dir.name
+        config, unsupported = model_config.read_model_config(model_dir)
+        if unsupported:
+            log.warning("config_fields_not_supported", model=name, fields=unsupported,
+                        config=str(model_dir / model_config.CONFIG_FILENAME))
+        filename = config.default_model_filename or None
+        version_dir = self._latest_version(model_dir, filename)
+        spec = model_config.model_spec_from_config(
+            config, version_dir.name, cuda_available=self._cuda
+        )
+        warmup = model_config.warmup_inputs(config, spec, model_dir)
+        parameters = {key: value.string_value for key, value in config.parameters.items()}
+        module = loading.load_module(
+            version_dir, filename=filename, parameters=parameters, device=spec.device
+        )
+        served = ServedModel(spec, module, metrics=self._metrics, warmup_inputs=warmup)
+        try:
+            served.start()
+        except BaseException:
+            served.stop(0.0)
+            raise
+        return _Loaded(served, model_config.effective_config(config, spec))
+
+    @staticmethod
+    def _latest_version(model_dir: Path, filename: str | None) -> Path:
+        versions = sorted(
+            (int(entry.name), entry)
+            for entry in model_dir.iterdir()
+            if entry.is_dir() and _VERSION_FOLDER.fullmatch(entry.name)
+        )
+        for _, folder in reversed(versions):
+            if loading.find_artifact(folder, filename) is not None:
+                return folder
+        wanted = filename or ", ".join(loading.ARTIFACT_FILENAMES)
+        raise LoadError(
+            f"model {model_dir.name!r}: no version folder under {model_dir} holds {wanted}"
+        )
+
+    @staticmethod
+    def _unexpected(name: str, exc: Exception) -> LoadError:
+        log.error("model_load_crashed", model=name, exc_info=exc)
+        return LoadError(
+            f"model {name!r} failed to load ({type(exc).__name__}); the server log has the details"
+        )
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def _model_folders(self) -> list[str]:
+        try:
+            entries = sorted(self._root.iterdir())
+        except OSError as exc:
+            log.error("repository_unreadable", repository=str(self._root), error=exc.strerror)
+            return []
+        return [
+            entry.name
+            for entry in entries
+            if not entry.name.startswith(".")
+            and entry.is_dir()
+            and (entry / model_config.CONFIG_FILENAME).is_file()
+        ]
+
+    def _slot(self, name: str) -> _Slot:
+        slot = self._slots.get(name)
+        if slot is None:
+            slot = self._slots[name] = _Slot(name)
+        return slot
+
+    def _set_state(self, slot: _Slot, state: str, reason: str) -> None:
+        changed = slot.state != state
+        slot.state = state
+        slot.reason = reason
+        if changed and self._on_state_change is not None:
+            try:
+                self._on_state_change(slot.name, state)
+            except Exception:
+                log.exception("state_callback_failed", model=slot.name, state=state)
+
+    @staticmethod
+    def _is_plain_name(name: str) -> bool:
+        """Whether ``name`` can only mean a folder directly under the root."""
+        return not (
+            not name
+            or name.startswith(".")  # also ".", ".." and hidden folders
+            or "/" in name
+            or "\\" in name
+            or "\x00" in name
+            or Path(name).is_absolute()
+            or Path(name).name != name
+        )
+
+    @classmethod
+    def _check_name(cls, name: str) -> None:
+        if not cls._is_plain_name(name):
+            raise InvalidRequest(
+                f"model name must be a plain folder name under the repository, got {name!r}"
+            )

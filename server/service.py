@@ -1,0 +1,285 @@
+"""The KServe v2 / Triton gRPC service: thin handlers over the model repository and the codec.
+
+Each handler turns protocol messages into calls on ``ModelRepository`` / ``ServedModel`` and back;
+errors go through ``server.errors.status_of`` in one place (``_fail``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+
+from batcher.errors import BatchgateError, ModelUnavailable, NotSupported
+from batcher.stats import Duration
+from protos import inference_pb2 as pb
+from protos import inference_pb2_grpc
+from server import __version__
+from server.codec import decode_request, deadline_from, encode_outputs
+from server.errors import status_of
+from server.metrics import ServerMetrics
+from server.repository import ModelRepository
+
+log = structlog.get_logger(__name__)
+
+_END_OF_STREAM = object()
+SERVER_EXTENSIONS = [
+    "model_repository",
+    "model_configuration",
+    "statistics",
+    "binary_tensor_data",
+    "schedule_policy",
+    "health",
+]
+SHARED_MEMORY_MESSAGE = (
+    "shared-memory tensors are not supported by this server yet; send tensors in "
+    "raw_input_contents"
+)
+
+
+class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, repository: ModelRepository, metrics: ServerMetrics) -> None:
+        self._repository = repository
+        self._metrics = metrics
+        self._ready = False
+        self._draining = False
+        self._status_counters: dict[tuple[str, grpc.StatusCode], object] = {}
+        self._latency: dict[str, object] = {}
+
+    def set_ready(self, ready: bool) -> None:
+        self._ready = ready
+
+    def start_draining(self) -> None:
+        self._draining = True
+
+    # -- health and metadata ---------------------------------------------------------------
+
+    async def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        return pb.ServerReadyResponse(ready=self._ready and not self._draining)
+
+    async def ModelReady(self, request, context):
+        try:
+            model = self._repository.get(request.name, request.version)
+        except BatchgateError:
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=model.ready and not self._draining)
+
+    async def ServerMetadata(self, request, context):
+        return pb.ServerMetadataResponse(
+            name="batchgate", version=__version__, extensions=SERVER_EXTENSIONS
+        )
+
+    async def ModelMetadata(self, request, context):
+        try:
+            spec = self._repository.get(request.name, request.version).spec
+        except BatchgateError as exc:
+            return await _fail(context, exc)
+        batch = [-1] if spec.batching.max_batch_size > 0 else []
+        return pb.ModelMetadataResponse(
+            name=spec.name,
+            versions=[spec.version],
+            platform=spec.platform,
+            inputs=[
+                pb.ModelMetadataResponse.TensorMetadata(
+                    name=t.name, datatype=t.datatype, shape=batch + list(t.dims))
+                for t in spec.inputs
+            ],
+            outputs=[
+                pb.ModelMetadataResponse.TensorMetadata(
+                    name=t.name, datatype=t.datatype, shape=batch + list(t.dims))
+                for t in spec.outputs
+            ],
+        )
+
+    async def ModelConfig(self, request, context):
+        try:
+            config = self._repository.config(request.name, request.version)
+        except BatchgateError as exc:
+            return await _fail(context, exc)
+        return pb.ModelConfigResponse(config=config)
+
+    async def ModelStatistics(self, request, context):
+        try:
+            if request.name:
+                models = [self._repository.get(request.name, request.version)]
+            else:
+                models = self._repository.loaded()
+        except BatchgateError as exc:
+            return await _fail(context, exc)
+        return pb.ModelStatisticsResponse(model_stats=[_statistics(m) for m in models])
+
+    # -- inference ---------------------------------------------------------------------------
+
+    async def ModelInfer(self, request, context):
+        started = time.monotonic()
+        model_name = request.model_name
+        try:
+            response = await self._infer(request, deadline_from(context.time_remaining()))
+        except asyncio.CancelledError:
+            self._count(model_name, grpc.StatusCode.CANCELLED, started)
+            raise
+        except BaseException as exc:
+            code, message = status_of(exc)
+            self._count(model_name, code, started)
+            await context.abort(code, message)
+        self._count(model_name, grpc.StatusCode.OK, started)
+        return response
+
+    async def _infer(self, request: pb.ModelInferRequest, deadline: float | None):
+        if self._draining:
+            raise ModelUnavailable("the server is shutting down; retry on another replica")
+        model = self._repository.get(request.model_name, request.model_version)
+        spec = model.spec
+        decoded = decode_request(request, spec, deadline=deadline)
+        outputs = await model.infer(decoded)
+        response = pb.ModelInferResponse(
+            model_name=spec.name, model_version=spec.version, id=request.id
+        )
+        return encode_outputs(response, spec, outputs, decoded.requested_outputs)
+
+    async def ModelStreamInfer(self, request_iterator, context) -> AsyncIterator:
+        """Answers in completion order; an error answers its own request and keeps the stream."""
+        answers: asyncio.Queue = asyncio.Queue()
+        pending: set[asyncio.Task] = set()
+        deadline = deadline_from(context.time_remaining())
+
+        async def answer(request: pb.ModelInferRequest) -> None:
+            started = time.monotonic()
+            try:
+                response = await self._infer(request, deadline)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:
+                code, message = status_of(exc)
+                self._count(request.model_name, code, started)
+                answers.put_nowait(pb.ModelStreamInferResponse(error_message=message))
+                return
+            self._count(request.model_name, grpc.StatusCode.OK, started)
+            answers.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    task = asyncio.create_task(answer(request))
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
+                if pending:
+                    await asyncio.gather(*pending, return_exceptions=True)
+            finally:
+                answers.put_nowait(_END_OF_STREAM)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (item := await answers.get()) is not _END_OF_STREAM:
+                yield item
+        finally:
+            # The client went away (or the stream broke): queued requests leave their queues.
+            reader.cancel()
+            for task in list(pending):
+                task.cancel()
+
+    # -- repository --------------------------------------------------------------------------
+
+    async def RepositoryIndex(self, request, context):
+        entries = self._repository.index()
+        if request.ready:
+            entries = [e for e in entries if e.state == "READY"]
+        return pb.RepositoryIndexResponse(models=[
+            pb.RepositoryIndexResponse.ModelIndex(
+                name=e.name, version=e.version, state=e.state, reason=e.reason)
+            for e in entries
+        ])
+
+    async def RepositoryModelLoad(self, request, context):
+        try:
+            await self._repository.load(request.model_name)
+        except BatchgateError as exc:
+            return await _fail(context, exc)
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request, context):
+        try:
+            await self._repository.unload(request.model_name)
+        except BatchgateError as exc:
+            return await _fail(context, exc)
+        return pb.RepositoryModelUnloadResponse()
+
+    # -- not provided ------------------------------------------------------------------------
+
+    async def _unsupported(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, SHARED_MEMORY_MESSAGE)
+
+    SystemSharedMemoryStatus = _unsupported
+    SystemSharedMemoryRegister = _unsupported
+    SystemSharedMemoryUnregister = _unsupported
+    CudaSharedMemoryStatus = _unsupported
+    CudaSharedMemoryRegister = _unsupported
+    CudaSharedMemoryUnregister = _unsupported
+
+    async def TraceSetting(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "tracing is not supported by this server")
+
+    async def LogSettings(self, request, context):
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "log settings are fixed at start-up (--log-level, --log-format)",
+        )
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _count(self, model: str, code: grpc.StatusCode, started: float) -> None:
+        key = (model, code)
+        counter = self._status_counters.get(key)
+        if counter is None:
+            if len(self._status_counters) > 10_000:  # unknown names from clients: bound labels
+                model = "_unknown"
+            counter = self._status_counters[key] = self._metrics.requests.labels(model, code.name)
+        counter.inc()
+        if code is grpc.StatusCode.OK:
+            histogram = self._latency.get(model)
+            if histogram is None:
+                histogram = self._latency[model] = self._metrics.request_seconds.labels(model)
+            histogram.observe(time.monotonic() - started)
+
+
+async def _fail(context: grpc.aio.ServicerContext, exc: BaseException):
+    code, message = status_of(exc)
+    await context.abort(code, message)
+
+
+def _duration(d: Duration) -> pb.StatisticDuration:
+    return pb.StatisticDuration(count=d.count, ns=d.ns)
+
+
+def _statistics(model) -> pb.ModelStatistics:
+    snap = model.stats.snapshot()
+    return pb.ModelStatistics(
+        name=model.spec.name,
+        version=model.spec.version,
+        last_inference=snap.last_inference_ms,
+        inference_count=snap.inference_count,
+        execution_count=snap.execution_count,
+        inference_stats=pb.InferStatistics(
+            success=_duration(snap.success),
+            fail=_duration(snap.fail),
+            queue=_duration(snap.queue),
+            compute_input=_duration(snap.compute_input),
+            compute_infer=_duration(snap.compute_infer),
+            compute_output=_duration(snap.compute_output),
+        ),
+        batch_stats=[
+            pb.InferBatchStatistics(
+                batch_size=size,
+                compute_input=_duration(d.compute_input),
+                compute_infer=_duration(d.compute_infer),
+                compute_output=_duration(d.compute_output),
+            )
+            for size, d in snap.batches.items()
+        ],
+    )
