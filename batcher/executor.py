@@ -119,6 +119,7 @@ class Executor:
         deliver: Callable[[Outcome], None],
         on_batch: Callable[[Batch, int, int], None],
         batch_ids: Callable[[], int],
+        on_inflight: Callable[[int], None] | None = None,
     ) -> None:
         self._spec = spec
         self._module = module
@@ -127,6 +128,7 @@ class Executor:
         self._deliver = deliver
         self._on_batch = on_batch
         self._batch_ids = batch_ids
+        self._on_inflight = on_inflight
         self._device = torch.device(spec.device)
         self._cuda = self._device.type == "cuda"
         self._batching = spec.batching.max_batch_size > 0
@@ -210,6 +212,8 @@ class Executor:
                     break
                 requests, reason = taken
                 batch = Batch(self._batch_ids(), requests, reason)
+                if self._on_inflight is not None:
+                    self._on_inflight(1)
                 try:
                     started = time.perf_counter_ns()
                     batch.tensors, batch.ready = self._assemble(requests)
@@ -303,6 +307,8 @@ class Executor:
                 error: Exception | None) -> None:
         batch.tensors = []
         self._slots.release()
+        if self._on_inflight is not None:
+            self._on_inflight(-1)
         self._deliver(Outcome(batch, results, error))
 
     def _outputs_of(self, returned: Any, rows: int) -> list[torch.Tensor]:

@@ -76,6 +76,7 @@ class ServedModel:
             Executor(
                 spec, module, index=i, next_batch=self._queue.next_batch,
                 deliver=self._post, on_batch=self._record_batch, batch_ids=_next_batch_id,
+                on_inflight=self._metrics.inflight_batches.inc if self._metrics else None,
             )
             for i in range(spec.instance_count)
         ]

@@ -107,7 +107,7 @@ _SUPPORTED_FIELDS = frozenset(
 
 # Sub-fields, per message type, that are carried but not acted on.
 _UNSUPPORTED_INPUT_FIELDS = (
-    "reshape", "is_shape_tensor", "allow_ragged_batch", "is_non_linear_format_io",
+    "reshape", "is_shape_tensor", "allow_ragged_batch", "optional", "is_non_linear_format_io",
 )
 _UNSUPPORTED_OUTPUT_FIELDS = (
     "label_filename", "reshape", "is_shape_tensor", "is_non_linear_format_io",

@@ -135,6 +135,7 @@ def build_model(parameters):
 
 TEST_MODELS = {
     "echo": (ECHO_CONFIG, ECHO_MODEL),
+    "spare": (FAILING_CONFIG.replace('"failing"', '"spare"'), FAILING_MODEL),
     "gated": (GATED_CONFIG, GATED_MODEL),
     "failing": (FAILING_CONFIG, FAILING_MODEL),
     "wrongbatch": (WRONGBATCH_CONFIG, WRONGBATCH_MODEL),

@@ -396,8 +396,16 @@ def test_queue_full_is_resource_exhausted(server, stub):
         held.wait_depth(16)
         expect(lambda: stub.ModelInfer(gated(31)), grpc.StatusCode.RESOURCE_EXHAUSTED,
                "max_queue_size 16")
+        samples = scrape(server)
+        assert metric(samples, "batchgate_queue_depth", model="gated") == 16
+        assert metric(samples, "batchgate_inflight_batches", model="gated") == 1
+        assert metric(samples, "batchgate_requests_total", model="gated",
+                      status="RESOURCE_EXHAUSTED") >= 1
     for f in queued:
         f.result(10)
+    samples = scrape(server)
+    assert metric(samples, "batchgate_queue_depth", model="gated") == 0
+    assert metric(samples, "batchgate_inflight_batches", model="gated") == 0
 
 
 def test_priority_out_of_range_is_invalid(stub):
