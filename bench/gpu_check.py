@@ -1,0 +1,1411 @@
+"""The GPU check: every GPU path of batchgate measured in one run of a few minutes.
+
+Without a CUDA device it prints one line saying so and exits 0: nothing is pretended. With one,
+it runs five sections, each in its own try/except and time budget, prints one table at the end
+(the device machine returns only the tail of stdout) and, with ``--json FILE``, writes every
+figure there too:
+
+(a) correctness: the example models (mlp, cnn, encoder) served through ``ServedModel.infer`` on
+    ``cuda:0`` (copy stream, ready event, autocast) in fp32, fp16 and bf16, requests of 1, 7 and
+    max_batch_size rows sent together so that batches really form, against the same module on
+    the CPU in fp32. Error is max |out - ref| / max |ref| over every output of every request;
+    a non-finite output fails. Tolerances (``TOLERANCES``): fp32 1e-4 (``TF32_TOLERANCE``, 2e-3,
+    for a model with convolutions while ``torch.backends.cudnn.allow_tf32`` is on, torch's
+    default, and for every model if matmuls may use TF32: TF32's 10-bit mantissa puts the max
+    error near 5e-4), fp16 2e-2, bf16 5e-2 (8-bit mantissa).
+(b) memory: the device memory pool is not built yet (issue 4); the baseline it will be compared
+    with is measured: PyTorch's caching allocator on a seeded mixed multi-model trace, peak
+    memory_allocated / peak memory_reserved, in a subprocess per allocator setting (default,
+    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: it must be set before CUDA starts).
+(c) throughput: the example encoder, a bigger encoder (d_model 512, 6 layers, sequence 128) and
+    ResNet-50 (if torchvision imports; random weights), fp32 and amp-fp16 in a tight in-process
+    loop at batch ``THROUGHPUT_BATCH``, then amp-fp16 through the whole gateway (in-process
+    ``Gateway`` on port 0, a temporary model repository, the SDK's AsyncClient from
+    ``LOAD_PROCESSES`` processes at ``LOAD_CONCURRENCY`` requests in flight in all, one sample
+    per request): gateway samples/s / in-process samples/s. CUDA graphs: not built yet (issue 4).
+(d) host-to-device time on the critical path: the executor's copy (pageable host memory, copy
+    stream) of an mlp batch of 64 and a cnn batch of 32, against the forward, timed with CUDA
+    events: copy / (copy + forward). GPU-resident staging: not built yet (issue 4).
+(e) GPU busy %: NVML utilisation sampled every 100 ms while the gateway runs (c)'s load.
+
+Exit status: 0; 1 when a correctness check of (a) failed or could not run; 3 when the run hit
+``HARD_LIMIT_S`` (the table so far is printed first).
+
+``--cpu`` runs section (a) on the CPU (fp32 and bf16 autocast), so the harness itself is tested
+on machines without a GPU; ``--cpu --sections a,c`` also exercises (c)'s gateway harness there.
+
+On the device machine (python 3.12 image with torch, torchvision and nvidia-ml-py, but without
+structlog, grpcio-health-checking or grpcio-reflection, and with grpcio/protobuf of unknown
+versions) carry the server's packages as wheels. Here, in the repository root (``.whl/`` is
+in .gitignore, so it travels only when carried)::
+
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d .whl structlog==26.1.0 grpcio==1.81.1 \
+        grpcio-health-checking==1.81.1 grpcio-reflection==1.81.1 protobuf==6.33.6
+
+and run, with ``carry: [".whl"]``::
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; \
+    PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --json $OUT/gpu_check.json
+
+Without structlog a stand-in logger is used (and said so): (b) and (d) need torch alone, (a)
+needs protobuf >= 6.33 too (the generated config module), (c) needs every package above.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import faulthandler
+import importlib.util
+import itertools
+import json
+import os
+import platform
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a file (``python bench/gpu_check.py``), not installed
+    sys.path.insert(0, str(ROOT))
+
+# -- time budgets (seconds): the whole run must stay well under 8 minutes ----------------------
+HARD_LIMIT_S = 420.0  # the watchdog prints the table so far and exits 3
+SOFT_LIMIT_S = 360.0  # no section starts after this
+A_BUDGET_S = 75.0
+D_BUDGET_S = 30.0
+B_BUDGET_S = 120.0
+B_SUBPROCESS_TIMEOUT_S = 55.0
+C_BUDGET_S = 160.0
+
+# -- (a) correctness -----------------------------------------------------------------------------
+EXAMPLE_MODELS = ("mlp", "cnn", "encoder")
+GPU_PRECISIONS = ("fp32", "fp16", "bf16")
+CPU_PRECISIONS = ("fp32", "bf16")  # fp16 autocast on the CPU is neither fast nor served there
+TOLERANCES = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 5e-2}  # max |err| / max |ref|
+TF32_TOLERANCE = 2e-3  # fp32 where TF32 may apply: 10-bit mantissa
+REQUESTS_PER_SIZE = 4  # of each size 1, 7 and max, all sent at once
+AUTOCAST_INERT_BELOW = 1e-6  # an fp16/bf16 error this small means autocast did not apply
+SERVE_TIMEOUT_S = 60.0
+TOKEN_IDS_HIGH = 1000  # integer inputs are token ids below the smallest vocabulary (encoder's)
+
+# -- (b) allocator trace ------------------------------------------------------------------------
+TRACE_SEED = 4
+TRACE_STEPS = 300
+TRACE_SECONDS = 25.0
+TRACE_IN_FLIGHT = 4  # outputs kept alive, as batches in flight overlap in the server
+LINEAR_STACKS = ((256, 4), (1024, 4), (4096, 3), (8192, 2))  # (width, layers)
+LINEAR_MAX_BATCH = 256
+EXAMPLE_MAX_BATCH = 64
+ALLOC_CONFS = ("", "expandable_segments:True")
+
+# -- (c) throughput and (e) busy % -------------------------------------------------------------
+THROUGHPUT_BATCH = 64
+INPROCESS_SECONDS = 2.0
+# A traced module's profiling executor ran its first ~11 calls 10x slower (CPU, here).
+INPROCESS_WARMUP_CALLS = 20
+LOAD_SECONDS = 10.0
+LOAD_PROCESSES = 8  # the client's per-request Python work must not be the bottleneck
+LOAD_CONCURRENCY = 128  # requests in flight, over all load processes
+LOAD_READY_TIMEOUT_S = 30.0
+LATENCY_SAMPLES = 20000  # per load process, for p50/p99
+GATEWAY_QUEUE_DELAY_US = 1000
+NVML_INTERVAL_S = 0.1
+NVML_SETTLE_S = 1.0  # samples from the load's first second are left out (ramp-up)
+
+# -- (d) host-to-device --------------------------------------------------------------------------
+H2D_CASES = (("mlp", 64), ("cnn", 32))
+H2D_WARMUP = 5
+H2D_REPEATS = 30
+
+NOT_BUILT_TEXT = "not built yet (issue 4)"
+# Input of each example model, as in models/<name>/config.pbtxt: (b) and (d) need only torch.
+EXAMPLE_INPUTS: dict[str, tuple[tuple[int, ...], str]] = {
+    "mlp": ((512,), "float32"),
+    "cnn": ((3, 32, 32), "float32"),
+    "encoder": ((16,), "int64"),
+}
+
+BIG_ENCODER_SOURCE = '''\
+"""gpu_check's bigger encoder: INT64 token ids [128] -> mean-pooled FP32 [512].
+
+d_model 512, 6 layers, 8 heads, feed-forward 2048, vocabulary 8192; weights from a fixed seed.
+"""
+
+import torch
+from torch import nn
+
+SEED = 20240515
+VOCAB = 8192
+SEQUENCE = 128
+D_MODEL = 512
+
+
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, D_MODEL)
+        self.positions = nn.Parameter(torch.randn(SEQUENCE, D_MODEL) * 0.02)
+        layer = nn.TransformerEncoderLayer(
+            d_model=D_MODEL, nhead=8, dim_feedforward=4 * D_MODEL, dropout=0.0, batch_first=True
+        )
+        self.encoder = nn.TransformerEncoder(layer, num_layers=6, enable_nested_tensor=False)
+
+    def forward(self, ids):
+        return self.encoder(self.tokens(ids) + self.positions).mean(dim=1)
+
+
+def build_model(parameters):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        model = Encoder()
+    return model.eval()
+'''
+
+RESNET50_SOURCE = '''\
+"""ResNet-50 with random weights (nothing is downloaded): FP32 [3, 224, 224] -> [1000]."""
+
+import torch
+import torchvision
+
+
+def build_model(parameters):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(20240516)
+        model = torchvision.models.resnet50(weights=None)
+    return model.eval()
+'''
+
+
+@dataclasses.dataclass(frozen=True)
+class ThroughputModel:
+    """A model of section (c): where its ``model.py`` comes from and its one input and output."""
+
+    name: str
+    label: str
+    source: Path | str  # a model.py to copy, or its text
+    input_dims: tuple[int, ...]
+    input_dtype: str  # numpy dtype name
+    output_dims: tuple[int, ...]
+
+
+def throughput_models() -> list[ThroughputModel]:
+    return [
+        ThroughputModel("encoder", "encoder (example: d64 x2, seq 16, traced)",
+                        ROOT / "models" / "encoder" / "1" / "model.py", (16,), "int64", (64,)),
+        ThroughputModel("encoder_big", "encoder d512 x6, seq 128 (eager)",
+                        BIG_ENCODER_SOURCE, (128,), "int64", (512,)),
+        ThroughputModel("resnet50", "ResNet-50 (torchvision, random weights)",
+                        RESNET50_SOURCE, (3, 224, 224), "float32", (1000,)),
+    ]
+
+
+# -- the table -----------------------------------------------------------------------------------
+
+PASS, FAIL, INFO, SKIP, ERROR, NOTBUILT = "PASS", "FAIL", "INFO", "SKIP", "ERROR", "NOT BUILT"
+
+
+@dataclasses.dataclass
+class Row:
+    section: str
+    check: str
+    result: str
+    status: str
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class Report:
+    """Rows as they come (each printed at once), section timings, and the final table."""
+
+    def __init__(self) -> None:
+        self.rows: list[Row] = []
+        self.sections: dict[str, dict[str, Any]] = {}
+        self.machine: dict[str, Any] = {}
+        self.started = time.monotonic()
+        self._lock = threading.Lock()
+
+    def add(self, section: str, check: str, result: str, status: str, **data: Any) -> Row:
+        row = Row(section, check, result, status, data)
+        with self._lock:
+            self.rows.append(row)
+        say(f"  [{section}] {check}: {result}  {status}")
+        return row
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def correctness_failed(self) -> bool:
+        return any(r.section == "a" and r.status in (FAIL, ERROR) for r in self.rows)
+
+    def table(self) -> str:
+        with self._lock:
+            rows = list(self.rows)
+        width = min(44, max([len(r.check) for r in rows] + [5]))
+        lines = [f"{'':2}{'check':<{width}}  {'status':<9}  result"]
+        for section in [*"abcde", "run"]:
+            chosen = [r for r in rows if r.section == section]
+            if not chosen:
+                continue
+            timing = self.sections.get(section, {}).get("elapsed_s")
+            spent = f" ({timing:.1f} s)" if timing is not None else ""
+            lines.append(f"({section}) {SECTION_TITLES[section]}{spent}")
+            lines.extend(f"{'':2}{r.check:<{width}}  {r.status:<9}  {r.result}" for r in chosen)
+        return "\n".join(lines)
+
+    def to_json(self, exit_code: int | None) -> dict[str, Any]:
+        with self._lock:
+            rows = [dataclasses.asdict(r) for r in self.rows]
+        return {"machine": self.machine, "sections": self.sections, "rows": rows,
+                "elapsed_s": round(self.elapsed(), 2), "exit_code": exit_code}
+
+
+SECTION_TITLES = {
+    "a": "correctness: served on the device vs the CPU in fp32",
+    "b": "memory: in use / reserved on a mixed multi-model trace",
+    "c": "throughput: in-process loop vs the whole gateway",
+    "d": "host-to-device time on the critical path",
+    "e": "GPU busy % under load (NVML)",
+    "run": "the run as a whole",
+}
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+class Budget:
+    """A section's time allowance; the run's soft limit caps it too."""
+
+    def __init__(self, report: Report, seconds: float) -> None:
+        self._deadline = min(time.monotonic() + seconds, report.started + SOFT_LIMIT_S)
+
+    def left(self) -> float:
+        return self._deadline - time.monotonic()
+
+    def over(self) -> bool:
+        return self.left() <= 0
+
+
+def run_section(report: Report, section: str, budget_s: float,
+                body: Callable[[Report, Budget], None]) -> None:
+    """Run one section; an exception becomes an ERROR row and the run goes on."""
+    started = time.monotonic()
+    say(f"({section}) {SECTION_TITLES[section]}: budget {budget_s:.0f} s, "
+        f"run at {report.elapsed():.0f} s")
+    info: dict[str, Any] = {"budget_s": budget_s}
+    report.sections[section] = info
+    if report.elapsed() >= SOFT_LIMIT_S:
+        report.add(section, "section", f"not run: the run passed its {SOFT_LIMIT_S:.0f} s limit", SKIP)
+    else:
+        try:
+            body(report, Budget(report, budget_s))
+        except Exception as exc:
+            info["error"] = f"{type(exc).__name__}: {exc}"
+            info["traceback"] = traceback.format_exc()
+            sys.stderr.write(info["traceback"])
+            report.add(section, "section", f"raised {_chain(exc)}", ERROR)
+    info["elapsed_s"] = round(time.monotonic() - started, 2)
+    say(f"({section}) done in {info['elapsed_s']:.1f} s")
+
+
+def _summary(exc: BaseException, limit: int = 160) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0].strip() if text else ""
+    if len(first) > limit:
+        first = first[: limit - 3] + "..."
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _chain(exc: BaseException) -> str:
+    """The exception and what caused it: the project's errors keep details out of messages."""
+    parts = [_summary(exc)]
+    cause = exc.__cause__ or exc.__context__
+    while cause is not None and len(parts) < 3:
+        parts.append(_summary(cause, 200))
+        cause = cause.__cause__ or cause.__context__
+    return " <- ".join(parts)
+
+
+# -- environment ---------------------------------------------------------------------------------
+
+PACKAGES = ("numpy", "grpcio", "protobuf", "structlog", "grpcio-health-checking",
+            "grpcio-reflection", "prometheus-client", "torchvision", "nvidia-ml-py")
+
+
+def package_versions() -> dict[str, str]:
+    from importlib import metadata
+
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "missing"
+    return versions
+
+
+def ensure_structlog() -> str:
+    """Import structlog, or install a stand-in that logs through ``logging`` (said so)."""
+    try:
+        import structlog  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        try:
+            from server.logs import configure_logging
+
+            configure_logging("warning", "console")  # keep the server's info lines off the tail
+        except Exception as exc:  # the check still runs with structlog's defaults
+            return f"structlog set-up failed ({_summary(exc)})"
+        return ""
+    import logging
+    import types
+
+    class StandInLogger:
+        def __init__(self, name: str = "") -> None:
+            self._log = logging.getLogger(name)
+
+        def _emit(self, level: int, event: str, exc_info: Any = None, **fields: Any) -> None:
+            self._log.log(level, "%s %s", event, fields, exc_info=exc_info)
+
+        def debug(self, event: str, **fields: Any) -> None:
+            self._emit(logging.DEBUG, event, **fields)
+
+        def info(self, event: str, **fields: Any) -> None:
+            self._emit(logging.INFO, event, **fields)
+
+        def warning(self, event: str, **fields: Any) -> None:
+            self._emit(logging.WARNING, event, **fields)
+
+        def error(self, event: str, **fields: Any) -> None:
+            self._emit(logging.ERROR, event, **fields)
+
+        def exception(self, event: str, **fields: Any) -> None:
+            fields.setdefault("exc_info", True)
+            self._emit(logging.ERROR, event, **fields)
+
+    stand_in = types.ModuleType("structlog")
+    stand_in.get_logger = StandInLogger  # type: ignore[attr-defined]
+    sys.modules["structlog"] = stand_in
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    return "structlog missing: a stand-in logger is used (carry its wheel, see the docstring)"
+
+
+def project_imports() -> dict[str, str]:
+    """Which parts of the project import here: 'ok' or the error."""
+    found = {}
+    for module in ("batcher.model", "server.model_config", "server.app", "clients"):
+        try:
+            importlib.import_module(module)
+            found[module] = "ok"
+        except Exception as exc:
+            found[module] = _summary(exc)
+    return found
+
+
+def machine_facts(device: str) -> dict[str, Any]:
+    import torch
+
+    facts: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cpus": os.cpu_count(),
+        "packages": package_versions(),
+    }
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(0)
+        facts.update(
+            gpu=torch.cuda.get_device_name(0),
+            capability=f"{props.major}.{props.minor}",
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            multiprocessors=props.multi_processor_count,
+            driver=driver_version(),
+            cudnn=torch.backends.cudnn.version(),
+            tf32=tf32_flags(),
+            alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        )
+    return facts
+
+
+def tf32_flags() -> dict[str, bool | None]:
+    """Whether fp32 matmuls / cuDNN convolutions may run in TF32 (None: could not tell)."""
+    import warnings
+
+    import torch
+
+    flags: dict[str, bool | None] = {}
+    for key, read in (("matmul", lambda: torch.backends.cuda.matmul.allow_tf32),
+                      ("cudnn", lambda: torch.backends.cudnn.allow_tf32)):
+        with warnings.catch_warnings(), contextlib.suppress(Exception):
+            warnings.simplefilter("ignore")  # newer torch nudges towards fp32_precision
+            flags[key] = bool(read())
+        flags.setdefault(key, None)
+    return flags
+
+
+def driver_version() -> str:
+    with contextlib.suppress(Exception):
+        import pynvml
+
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    with contextlib.suppress(Exception):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=15)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip().splitlines()[0]
+    return "unknown"
+
+
+def print_machine(report: Report) -> None:
+    m = report.machine
+    say("machine: " + ", ".join(
+        f"{key} {m[key]}" for key in ("gpu", "capability", "gpu_memory_gib", "driver", "torch",
+                                      "torch_cuda", "cudnn", "python", "cpus") if key in m))
+    if "tf32" in m:
+        say(f"tf32 allowed: matmul {m['tf32']['matmul']}, cudnn {m['tf32']['cudnn']}; "
+            f"PYTORCH_CUDA_ALLOC_CONF={m['alloc_conf']!r}")
+    say("packages: " + ", ".join(f"{k} {v}" for k, v in m["packages"].items()))
+    if m.get("structlog_note"):
+        say(m["structlog_note"])
+    say("imports: " + ", ".join(f"{k} {v}" for k, v in m.get("imports", {}).items()))
+
+
+# -- helpers shared by the sections -------------------------------------------------------------
+
+_source_numbers = itertools.count(1)
+
+
+def build_from_source(path: Path, device: str) -> Any:
+    """``build_model({})`` of a model.py, on ``device``, in eval mode (torch only, no batcher)."""
+    name = f"gpu_check_model_{next(_source_numbers)}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module.build_model({}).to(device).eval()
+
+
+def random_array(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    if np.issubdtype(np.dtype(dtype), np.integer):
+        return rng.integers(0, TOKEN_IDS_HIGH, shape).astype(dtype)
+    return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+
+
+def random_tensor(shape: tuple[int, ...], dtype: str, device: str) -> Any:
+    import torch
+
+    if dtype == "int64":
+        return torch.randint(0, TOKEN_IDS_HIGH, shape, device=device)
+    return torch.randn(shape, device=device)
+
+
+def autocast_for(precision: str, device: str) -> contextlib.AbstractContextManager:
+    import torch
+
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    if precision not in dtypes:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=dtypes[precision])
+
+
+def synchronize(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def torchvision_problem() -> str:
+    """Why ResNet-50 cannot be built here ("" when torchvision imports)."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception as exc:  # a torchvision built for another torch fails here too
+        return f"torchvision does not import ({_summary(exc, 100)})"
+    return ""
+
+
+def has_convolutions(module: Any) -> bool:
+    # A traced module's submodules are ScriptModules that keep the eager class name here.
+    return any((getattr(m, "original_name", "") or type(m).__name__).startswith("Conv")
+               for m in module.modules())
+
+
+def tensors_of(returned: Any) -> list[Any]:
+    if isinstance(returned, dict):
+        return list(returned.values())
+    if isinstance(returned, (tuple, list)):
+        return list(returned)
+    return [returned]
+
+
+# -- (a) correctness -----------------------------------------------------------------------------
+
+
+def section_correctness(report: Report, budget: Budget, device: str,
+                        precisions: Sequence[str], models: Sequence[str]) -> None:
+    from batcher.loading import find_artifact, load_module
+    from server.model_config import model_spec_from_config, read_model_config
+
+    cuda = device.startswith("cuda")
+    # TF32 unknown (None) counts as on: a false FAIL would cost a GPU run to tell apart.
+    tf32 = {k: v is not False for k, v in tf32_flags().items()} if cuda else {}
+    rng = np.random.default_rng()  # fresh inputs every run: any valid input must pass
+    for name in models:
+        model_dir = ROOT / "models" / name
+        try:
+            config, _ = read_model_config(model_dir)
+            filename = config.default_model_filename or None
+            version_dir = max((d for d in model_dir.iterdir()
+                               if d.name.isdigit() and find_artifact(d, filename)),
+                              key=lambda d: int(d.name))
+            base = model_spec_from_config(config, version_dir.name, cuda_available=cuda)
+            parameters = {k: v.string_value for k, v in config.parameters.items()}
+            reference = load_module(version_dir, filename=filename, parameters=parameters,
+                                    device="cpu")
+            served_module = load_module(version_dir, filename=filename, parameters=parameters,
+                                        device=device)
+        except Exception as exc:
+            sys.stderr.write(traceback.format_exc())
+            report.add("a", name, f"could not load: {_chain(exc)}", ERROR)
+            continue
+        max_batch = base.batching.max_batch_size
+        if max_batch < 1:
+            report.add("a", name, "max_batch_size 0: this check needs a batching model", ERROR)
+            continue
+        sizes = sorted({1, min(7, max_batch), max_batch})
+        for precision in precisions:
+            check = f"{name} {precision} on {device}"
+            if budget.over():
+                report.add("a", check, "not run: over the section's budget", FAIL)
+                continue
+            spec = dataclasses.replace(base, device=device, precision=precision)
+            tolerance = TOLERANCES[precision]
+            if precision == "fp32" and (tf32.get("matmul") or (
+                    tf32.get("cudnn") and has_convolutions(reference))):
+                tolerance = TF32_TOLERANCE
+            try:
+                row = correctness_case(spec, served_module, reference, sizes, tolerance, rng)
+            except Exception as exc:
+                sys.stderr.write(traceback.format_exc())
+                report.add("a", check, f"raised {_chain(exc)}", ERROR)
+                continue
+            report.add("a", check, row.pop("result"), row.pop("status"), **row)
+
+
+def correctness_case(spec: Any, module: Any, reference: Any, sizes: list[int], tolerance: float,
+                     rng: np.random.Generator) -> dict[str, Any]:
+    """Serve requests of ``sizes`` rows (REQUESTS_PER_SIZE of each, all at once) through a
+    ServedModel of ``spec``; compare every answer with ``reference`` run on the CPU alone."""
+    import torch
+
+    from batcher.model import ServedModel
+    from batcher.request import InferenceRequest
+
+    requests_arrays = [
+        [random_array(rng, (size, *t.dims), t.numpy_dtype.name) for t in spec.inputs]
+        for size in sizes * REQUESTS_PER_SIZE
+    ]
+    rng.shuffle(requests_arrays)
+
+    served = ServedModel(spec, module)
+    served.start()
+    try:
+        async def serve_all() -> list[dict[str, np.ndarray]]:
+            requests = [InferenceRequest(arrays, batch_size=arrays[0].shape[0])
+                        for arrays in requests_arrays]
+            return await asyncio.wait_for(
+                asyncio.gather(*(served.infer(r) for r in requests)), SERVE_TIMEOUT_S)
+
+        answers = asyncio.run(serve_all())
+    finally:
+        served.stop(5.0)
+    batches = served.stats.snapshot().execution_count
+
+    worst_abs = 0.0
+    ref_max = 0.0
+    finite = True
+    for arrays, answer in zip(requests_arrays, answers):
+        with torch.inference_mode():
+            expected = tensors_of(reference(*[torch.from_numpy(a.copy()) for a in arrays]))
+        for out_spec, want in zip(spec.outputs, expected):
+            want = want.float().numpy()
+            got = np.asarray(answer[out_spec.name], dtype=np.float32)
+            if got.shape != want.shape:
+                return {"result": f"output {out_spec.name} has shape {got.shape}, "
+                                  f"the CPU reference {want.shape}", "status": FAIL}
+            finite = finite and bool(np.isfinite(got).all())
+            worst_abs = max(worst_abs, float(np.abs(got - want).max(initial=0.0)))
+            ref_max = max(ref_max, float(np.abs(want).max(initial=0.0)))
+    relative = worst_abs / ref_max if ref_max > 0 else float("inf")
+    ok = finite and relative <= tolerance
+    notes = []
+    if not finite:
+        notes.append("non-finite outputs")
+    if spec.precision != "fp32" and relative < AUTOCAST_INERT_BELOW:
+        notes.append("error at fp32 level: did autocast apply?")
+    if batches >= len(requests_arrays):
+        notes.append("no two requests shared a batch")
+    result = (f"max|err| {worst_abs:.2e}, rel {relative:.2e} <= {tolerance:.0e}? "
+              f"{len(requests_arrays)} requests (sizes {'/'.join(map(str, sizes))}) "
+              f"in {batches} batches" + ("; " + "; ".join(notes) if notes else ""))
+    return {"result": result, "status": PASS if ok else FAIL, "max_abs_error": worst_abs,
+            "max_relative_error": relative, "tolerance": tolerance, "max_abs_reference": ref_max,
+            "requests": len(requests_arrays), "batches": batches, "sizes": sizes,
+            "finite": finite}
+
+
+# -- (b) allocator trace -------------------------------------------------------------------------
+
+
+def section_memory(report: Report, budget: Budget) -> None:
+    report.add("b", "batchgate device memory pool", NOT_BUILT_TEXT, NOTBUILT)
+    for conf in ALLOC_CONFS:
+        label = f"caching allocator, {conf or 'default'}"
+        timeout = min(B_SUBPROCESS_TIMEOUT_S, budget.left())
+        if timeout < 10:
+            report.add("b", label, "not run: over the section's budget", SKIP)
+            continue
+        env = dict(os.environ)
+        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        if conf:
+            env["PYTORCH_CUDA_ALLOC_CONF"] = conf
+        try:
+            out = run_child([sys.executable, str(Path(__file__).resolve()), "--_alloc-trace"],
+                            env=env, timeout_s=timeout)
+        except subprocess.TimeoutExpired:
+            report.add("b", label, f"the trace subprocess ran past {timeout:.0f} s", ERROR)
+            continue
+        result = marked_json(out.stdout, "ALLOC_TRACE ")
+        if out.returncode != 0 or result is None:
+            tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+            report.add("b", label, f"subprocess exit {out.returncode}: {tail}", ERROR)
+            continue
+        mib = 2**20
+        report.add(
+            "b", label,
+            f"peak in use {result['peak_allocated'] / mib:.0f} MiB / peak reserved "
+            f"{result['peak_reserved'] / mib:.0f} MiB = {result['ratio']:.1%}; beyond the "
+            f"{result['weights'] / mib:.0f} MiB of weights {result['activation_ratio']:.1%}; "
+            f"{result['steps']} forwards over {len(result['models'])} models, "
+            f"{result['alloc_retries']} alloc retries",
+            INFO, **result)
+
+
+_children: list[subprocess.Popen] = []
+_children_lock = threading.Lock()
+
+
+def run_child(command: list[str], *, env: dict[str, str] | None, timeout_s: float
+              ) -> subprocess.CompletedProcess:
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, cwd=ROOT) as proc:
+        with _children_lock:
+            _children.append(proc)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+        finally:
+            with _children_lock:
+                _children.remove(proc)
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
+def marked_json(text: str, marker: str) -> dict[str, Any] | None:
+    for line in reversed(text.splitlines()):
+        if line.startswith(marker):
+            return json.loads(line[len(marker):])
+    return None
+
+
+def trace_models(device: str) -> list[tuple[str, Any, tuple[int, ...], str, int]]:
+    """(name, module, input dims, input dtype, max batch) of every model in (b)'s trace."""
+    import torch
+
+    models = []
+    for name in EXAMPLE_MODELS:
+        shape, dtype = EXAMPLE_INPUTS[name]
+        module = build_from_source(ROOT / "models" / name / "1" / "model.py", device)
+        models.append((name, module, shape, dtype, EXAMPLE_MAX_BATCH))
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as folder:
+        path = Path(folder) / "encoder_big.py"
+        path.write_text(BIG_ENCODER_SOURCE)
+        models.append(("encoder_big", build_from_source(path, device), (128,), "int64", 32))
+        if not torchvision_problem():
+            path = Path(folder) / "resnet50.py"
+            path.write_text(RESNET50_SOURCE)
+            models.append(("resnet50", build_from_source(path, device), (3, 224, 224),
+                           "float32", 64))
+    for width, layers in LINEAR_STACKS:
+        # Initialised on the device: only the sizes matter to the allocator.
+        stack = torch.nn.Sequential(
+            *[torch.nn.Linear(width, width, device=device) for _ in range(layers)])
+        models.append((f"linear{width}x{layers}", stack.eval(), (width,), "float32",
+                       LINEAR_MAX_BATCH))
+    return models
+
+
+def run_trace(models: list[tuple[str, Any, tuple[int, ...], str, int]], device: str,
+              precision: str, steps: int, seconds: float) -> int:
+    """Forward passes over a seeded random sequence of models and batch sizes; steps run."""
+    import collections
+
+    import torch
+
+    rng = np.random.default_rng(TRACE_SEED)
+    in_flight: collections.deque = collections.deque(maxlen=TRACE_IN_FLIGHT)
+    started = time.monotonic()
+    done = 0
+    with torch.inference_mode(), autocast_for(precision, device):
+        while done < steps and time.monotonic() - started < seconds:
+            _, module, shape, dtype, max_batch = models[int(rng.integers(len(models)))]
+            batch = int(rng.integers(1, max_batch + 1))
+            in_flight.append(module(random_tensor((batch, *shape), dtype, device)))
+            done += 1
+    synchronize(device)
+    return done
+
+
+def alloc_trace_main() -> int:
+    """Child of (b): the mixed trace under whatever PYTORCH_CUDA_ALLOC_CONF it was started with."""
+    import torch
+
+    device = "cuda:0"
+    torch.cuda.init()
+    models = trace_models(device)
+    torch.cuda.synchronize()
+    weights = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    started = time.monotonic()
+    steps = run_trace(models, device, "fp16", TRACE_STEPS, TRACE_SECONDS)
+    peak_allocated = torch.cuda.max_memory_allocated()
+    peak_reserved = torch.cuda.max_memory_reserved()
+    stats = torch.cuda.memory_stats()
+    result = {
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        "models": [m[0] for m in models],
+        "steps": steps,
+        "seconds": round(time.monotonic() - started, 2),
+        "weights": weights,
+        "peak_allocated": peak_allocated,
+        "peak_reserved": peak_reserved,
+        "ratio": peak_allocated / peak_reserved if peak_reserved else 0.0,
+        "activation_ratio": ((peak_allocated - weights) / (peak_reserved - weights)
+                             if peak_reserved > weights else 0.0),
+        "alloc_retries": stats.get("num_alloc_retries", 0),
+        "segments_peak": stats.get("segment.all.peak", 0),
+        "inactive_split_bytes_peak": stats.get("inactive_split_bytes.all.peak", 0),
+    }
+    print("ALLOC_TRACE " + json.dumps(result), flush=True)
+    return 0
+
+
+# -- (c) throughput and (e) busy % -------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ThroughputSettings:
+    device: str
+    precision: str  # the amp precision compared with fp32 and served by the gateway
+    batch: int
+    inprocess_s: float
+    load_s: float
+    processes: int
+    concurrency: int
+    models: tuple[str, ...]
+
+
+GPU_THROUGHPUT = ThroughputSettings("cuda:0", "fp16", THROUGHPUT_BATCH, INPROCESS_SECONDS,
+                                    LOAD_SECONDS, LOAD_PROCESSES, LOAD_CONCURRENCY,
+                                    ("encoder", "encoder_big", "resnet50"))
+# The same harness on a CPU, small enough to prove its code paths in seconds.
+CPU_THROUGHPUT = ThroughputSettings("cpu", "bf16", 8, 0.3, 1.5, 2, 8, ("encoder",))
+
+
+class NvmlSampler:
+    """GPU utilisation (NVML, % of time a kernel ran) every ``NVML_INTERVAL_S`` on a thread."""
+
+    def __init__(self) -> None:
+        self.unavailable = ""
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            import pynvml
+        except ImportError as exc:
+            self.unavailable = f"pynvml (nvidia-ml-py) does not import: {_summary(exc)}"
+            return
+        try:
+            pynvml.nvmlInit()
+            self._handle = self._device_handle(pynvml)
+        except Exception as exc:
+            self.unavailable = f"NVML unavailable: {_summary(exc)}"
+            return
+        self._nvml = pynvml
+
+    @staticmethod
+    def _device_handle(pynvml: Any) -> Any:
+        # cuda:0 is not NVML's device 0 when CUDA_VISIBLE_DEVICES reorders: match by UUID.
+        with contextlib.suppress(Exception):
+            import torch
+
+            uuid = str(torch.cuda.get_device_properties(0).uuid)
+            for candidate in (uuid, f"GPU-{uuid}"):
+                with contextlib.suppress(Exception):
+                    return pynvml.nvmlDeviceGetHandleByUUID(candidate)
+        return pynvml.nvmlDeviceGetHandleByIndex(0)
+
+    def __enter__(self) -> NvmlSampler:
+        self._stop.clear()
+        if not self.unavailable:
+            self._thread = threading.Thread(target=self._run, name="nvml-sampler", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(NVML_INTERVAL_S):
+            with contextlib.suppress(Exception):
+                rates = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
+                self.samples.append((time.monotonic(), int(rates.gpu)))
+
+    def between(self, start: float, stop: float) -> list[int]:
+        return [u for t, u in self.samples if start <= t <= stop]
+
+
+def busy_summary(values: list[int]) -> tuple[str, dict[str, Any]]:
+    if not values:
+        return "no samples", {"samples": 0}
+    mean = sum(values) / len(values)
+    return (f"mean {mean:.0f} %, min {min(values)} % ({len(values)} samples)",
+            {"mean_pct": mean, "min_pct": min(values), "samples": len(values)})
+
+
+def inprocess_rate(module: Any, model: ThroughputModel, settings: ThroughputSettings,
+                   precision: str) -> dict[str, Any]:
+    """Samples/s of ``module`` called back to back on one fixed batch already on the device."""
+    import torch
+
+    x = random_tensor((settings.batch, *model.input_dims), model.input_dtype, settings.device)
+    with torch.inference_mode(), autocast_for(precision, settings.device):
+        for _ in range(INPROCESS_WARMUP_CALLS):
+            module(x)
+        synchronize(settings.device)
+        started = time.monotonic()  # the NVML samples' clock
+        calls = 0
+        while True:
+            module(x)
+            calls += 1
+            # The host runs ahead of the device; the synchronize below settles the account.
+            if calls % 4 == 0 and time.monotonic() - started >= settings.inprocess_s:
+                break
+        synchronize(settings.device)
+        wall = time.monotonic() - started
+    return {"samples_per_s": calls * settings.batch / wall, "calls": calls, "seconds": wall,
+            "window": (started, started + wall)}
+
+
+def write_model(repository: Path, model: ThroughputModel, settings: ThroughputSettings) -> Path:
+    folder = repository / model.name
+    (folder / "1").mkdir(parents=True)
+    target = folder / "1" / "model.py"
+    if isinstance(model.source, Path):
+        shutil.copyfile(model.source, target)
+    else:
+        target.write_text(model.source)
+    datatype = {"int64": "TYPE_INT64", "float32": "TYPE_FP32"}[model.input_dtype]
+    kind = "KIND_GPU" if settings.device.startswith("cuda") else "KIND_CPU"
+    (folder / "config.pbtxt").write_text(textwrap.dedent(f"""\
+        name: "{model.name}"
+        backend: "pytorch"
+        max_batch_size: {settings.batch}
+        input [ {{ name: "INPUT__0" data_type: {datatype} dims: [ {", ".join(map(str, model.input_dims))} ] }} ]
+        output [ {{ name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ {", ".join(map(str, model.output_dims))} ] }} ]
+        dynamic_batching {{
+          preferred_batch_size: [ {settings.batch} ]
+          max_queue_delay_microseconds: {GATEWAY_QUEUE_DELAY_US}
+        }}
+        instance_group [ {{ kind: {kind} count: 1 }} ]
+        parameters {{ key: "precision" value: {{ string_value: "{settings.precision}" }} }}
+        """))
+    return target
+
+
+class RunningGateway:
+    """The whole server (``server.app.Gateway``) on port 0, on its own thread and event loop."""
+
+    def __init__(self, repository: Path) -> None:
+        from server.app import Gateway, Settings
+
+        settings = Settings(host="127.0.0.1", grpc_port=0, metrics_port=None,
+                            model_repository=repository)
+        self.gateway = Gateway(settings)
+        self.loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="gateway", daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self.gateway.start())
+        except BaseException as exc:  # handed to start() below
+            self._error = exc
+            self._started.set()
+            return
+        self._started.set()
+        self.loop.run_forever()
+
+    def start(self, timeout_s: float) -> None:
+        self.thread.start()
+        if not self._started.wait(timeout_s):
+            raise TimeoutError(f"the gateway did not start within {timeout_s:.0f} s")
+        if self._error is not None:
+            raise self._error
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.gateway.grpc_port}"
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(
+                    self.gateway.stop(drain_timeout_s=5.0), self.loop).result(30)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def section_throughput(report: Report, budget: Budget, settings: ThroughputSettings) -> None:
+    import torch
+
+    report.add("c", "CUDA graphs (captured per batch bucket)", NOT_BUILT_TEXT, NOTBUILT)
+    nvml = NvmlSampler() if settings.device.startswith("cuda") else None
+    if nvml is None:
+        report.add("e", "NVML sampling", "no CUDA device: not sampled", SKIP)
+    elif nvml.unavailable:
+        report.add("e", "NVML sampling", nvml.unavailable, SKIP)
+
+    repository = Path(tempfile.mkdtemp(prefix="gpu_check_repository_"))
+    try:
+        served: list[tuple[ThroughputModel, float]] = []  # with its in-process amp rate
+        for model in throughput_models():
+            if model.name not in settings.models:
+                continue
+            problem = torchvision_problem() if model.name == "resnet50" else ""
+            if problem:
+                report.add("c", model.label, f"skipped: {problem}", SKIP)
+                continue
+            if budget.left() < 4 * settings.inprocess_s + 10:
+                report.add("c", model.label, "not run: over the section's budget", SKIP)
+                continue
+            try:
+                path = write_model(repository, model, settings)
+                module = build_from_source(path, settings.device)
+                rates = {p: inprocess_rate(module, model, settings, p)
+                         for p in ("fp32", settings.precision)}
+                # The amp loop again, sampled by NVML: the busy % of the in-process ceiling.
+                if nvml is not None and not nvml.unavailable:
+                    with nvml:
+                        again = inprocess_rate(module, model, settings, settings.precision)
+                    text, figures = busy_summary(nvml.between(*again["window"]))
+                    report.add("e", f"{model.name} in-process loop (reference)", text, INFO,
+                               **figures)
+                del module
+            except Exception as exc:
+                sys.stderr.write(traceback.format_exc())
+                report.add("c", model.label, f"in-process loop raised {_chain(exc)}", ERROR)
+                shutil.rmtree(repository / model.name, ignore_errors=True)
+                continue
+            fp32 = rates["fp32"]["samples_per_s"]
+            amp = rates[settings.precision]["samples_per_s"]
+            report.add("c", f"{model.name} in-process b{settings.batch} fp32",
+                       f"{fp32:,.0f} samples/s", INFO, samples_per_s=fp32)
+            report.add("c", f"{model.name} in-process b{settings.batch} amp-{settings.precision}",
+                       f"{amp:,.0f} samples/s ({amp / fp32:.2f}x fp32)", INFO,
+                       samples_per_s=amp, speedup_vs_fp32=amp / fp32)
+            served.append((model, amp))
+        if settings.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        if not served:
+            return
+        gateway_load(report, budget, settings, repository, served, nvml)
+    finally:
+        shutil.rmtree(repository, ignore_errors=True)
+
+
+def gateway_load(report: Report, budget: Budget, settings: ThroughputSettings, repository: Path,
+                 served: list[tuple[ThroughputModel, float]], nvml: NvmlSampler | None) -> None:
+    running = RunningGateway(repository)
+    try:
+        running.start(timeout_s=max(budget.left(), 10))
+        states = {e.name: e for e in running.gateway.repository.index()}
+        for model, amp in served:
+            check = f"{model.name} gateway amp-{settings.precision} c{settings.concurrency}"
+            entry = states.get(model.name)
+            if entry is None or entry.state != "READY":
+                reason = entry.reason if entry is not None else "not in the repository"
+                report.add("c", check, f"model not READY: {reason}", ERROR)
+                continue
+            if budget.left() < settings.load_s + 10:
+                report.add("c", check, "not run: over the section's budget", SKIP)
+                continue
+            try:
+                one_load(report, settings, running, model, amp, check, nvml)
+            except Exception as exc:
+                sys.stderr.write(traceback.format_exc())
+                report.add("c", check, f"raised {_chain(exc)}", ERROR)
+    finally:
+        running.stop()
+
+
+def one_load(report: Report, settings: ThroughputSettings, running: RunningGateway,
+             model: ThroughputModel, inprocess_amp: float, check: str,
+             nvml: NvmlSampler | None) -> None:
+    served_model = running.gateway.repository.get(model.name)
+    before = served_model.stats.snapshot()
+    workers = LoadWorkers(running.address, model, settings)
+    try:
+        workers.wait_ready(LOAD_READY_TIMEOUT_S)
+        sampling = nvml if nvml is not None and not nvml.unavailable else contextlib.nullcontext()
+        with sampling:
+            went = time.monotonic()
+            workers.go()
+            results = workers.results(settings.load_s + 30)
+    finally:
+        workers.close()
+    after = served_model.stats.snapshot()
+    ok = sum(r["ok"] for r in results)
+    errors = sum(r["errors"] for r in results)
+    rate = sum(r["samples"] for r in results) / settings.load_s
+    batches = after.execution_count - before.execution_count
+    samples = after.inference_count - before.inference_count
+    mean_batch = samples / batches if batches else 0.0
+    latencies = sorted(itertools.chain.from_iterable(r["latencies_ms"] for r in results))
+    p50 = latencies[len(latencies) // 2] if latencies else float("nan")
+    p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] if latencies else float("nan")
+    first_error = next((r["first_error"] for r in results if r["first_error"]), "")
+    ratio = rate / inprocess_amp if inprocess_amp else 0.0
+    result = (f"{rate:,.0f} samples/s = {ratio:.2f} x in-process; mean batch {mean_batch:.1f}; "
+              f"p50 {p50:.1f} ms, p99 {p99:.1f} ms; {errors} errors"
+              + (f" (first: {first_error})" if first_error else ""))
+    report.add("c", check, result, INFO if errors == 0 else ERROR, samples_per_s=rate,
+               ratio_vs_inprocess=ratio, inprocess_samples_per_s=inprocess_amp, requests_ok=ok,
+               errors=errors, mean_batch=mean_batch, p50_ms=p50, p99_ms=p99,
+               first_error=first_error, load_processes=settings.processes,
+               concurrency=settings.concurrency, samples_per_request=1,
+               seconds=settings.load_s)
+    if nvml is not None and not nvml.unavailable:
+        text, figures = busy_summary(
+            nvml.between(went + NVML_SETTLE_S, went + settings.load_s))
+        report.add("e", f"{model.name} under gateway load", text, INFO, **figures)
+
+
+class LoadWorkers:
+    """Load-generator processes (the SDK's AsyncClient; no torch), started together by 'go'."""
+
+    def __init__(self, address: str, model: ThroughputModel, settings: ThroughputSettings) -> None:
+        per_process = max(1, settings.concurrency // settings.processes)
+        self._lines: list[queue.SimpleQueue] = []
+        self._procs: list[subprocess.Popen] = []
+        self._stderr: list[Any] = []
+        for index in range(settings.processes):
+            job = {"address": address, "model": model.name, "input": "INPUT__0",
+                   "dims": list(model.input_dims), "dtype": model.input_dtype,
+                   "concurrency": per_process, "seconds": settings.load_s, "seed": index}
+            errors = tempfile.TemporaryFile(mode="w+")
+            proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "--_load-worker", json.dumps(job)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True, cwd=ROOT)
+            with _children_lock:
+                _children.append(proc)
+            lines: queue.SimpleQueue = queue.SimpleQueue()
+            threading.Thread(target=self._pump, args=(proc, lines), daemon=True).start()
+            self._procs.append(proc)
+            self._lines.append(lines)
+            self._stderr.append(errors)
+
+    @staticmethod
+    def _pump(proc: subprocess.Popen, lines: queue.SimpleQueue) -> None:
+        for line in proc.stdout:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    def _expect(self, index: int, marker: str, deadline: float) -> str:
+        while True:
+            try:
+                line = self._lines[index].get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"load worker {index} sent no {marker.strip()!r} in time") from None
+            if line is None:
+                self._procs[index].wait(5)
+                self._stderr[index].seek(0)
+                tail = (self._stderr[index].read().strip().splitlines() or ["no output"])[-1]
+                raise RuntimeError(f"load worker {index} exited "
+                                   f"{self._procs[index].returncode}: {tail}")
+            if line.startswith(marker):
+                return line[len(marker):]
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for index in range(len(self._procs)):
+            self._expect(index, "LOAD_READY", deadline)
+
+    def go(self) -> None:
+        for proc in self._procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+
+    def results(self, timeout_s: float) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout_s
+        return [json.loads(self._expect(i, "LOAD_RESULT ", deadline))
+                for i in range(len(self._procs))]
+
+    def close(self) -> None:
+        for proc, errors in zip(self._procs, self._stderr):
+            with contextlib.suppress(Exception):
+                proc.stdin.close()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+            with _children_lock, contextlib.suppress(ValueError):
+                _children.remove(proc)
+            errors.close()
+
+
+def load_worker_main(job_json: str) -> int:
+    """Child of (c): ``concurrency`` requests in flight for ``seconds`` once 'go' arrives."""
+    from clients import AsyncClient
+
+    job = json.loads(job_json)
+    rng = np.random.default_rng(job["seed"])
+    array = random_array(rng, (1, *job["dims"]), job["dtype"])
+    inputs = {job["input"]: array}
+
+    async def main() -> dict[str, Any]:
+        client = AsyncClient(job["address"], timeout_s=30.0)
+        try:
+            await client.infer(job["model"], inputs)  # opens the channel before the clock starts
+            print("LOAD_READY", flush=True)
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+            end = time.monotonic() + job["seconds"]
+            tally = {"ok": 0, "samples": 0, "errors": 0, "first_error": "", "latencies_ms": []}
+
+            async def one_stream() -> None:
+                while (started := time.monotonic()) < end:
+                    try:
+                        await client.infer(job["model"], inputs)
+                    except Exception as exc:
+                        tally["errors"] += 1
+                        tally["first_error"] = tally["first_error"] or _summary(exc, 120)
+                        await asyncio.sleep(0.01)
+                        continue
+                    finished = time.monotonic()
+                    if finished <= end:
+                        tally["ok"] += 1
+                        tally["samples"] += array.shape[0]
+                        tally["latencies_ms"].append(round((finished - started) * 1e3, 3))
+
+            await asyncio.gather(*(one_stream() for _ in range(job["concurrency"])))
+            # Enough for p50/p99 without a megabyte-long result line.
+            stride = max(1, len(tally["latencies_ms"]) // LATENCY_SAMPLES)
+            tally["latencies_ms"] = tally["latencies_ms"][::stride]
+            return tally
+        finally:
+            await client.close()
+
+    print("LOAD_RESULT " + json.dumps(asyncio.run(main())), flush=True)
+    return 0
+
+
+# -- (d) host-to-device --------------------------------------------------------------------------
+
+
+def section_h2d(report: Report, budget: Budget) -> None:
+    import statistics
+
+    import torch
+
+    device = "cuda:0"
+    copy_stream = torch.cuda.Stream(device)
+    compute_stream = torch.cuda.Stream(device)
+    rng = np.random.default_rng()
+    for name, batch in H2D_CASES:
+        shape, dtype = EXAMPLE_INPUTS[name]
+        module = build_from_source(ROOT / "models" / name / "1" / "model.py", device)
+        # As the assembler makes it: a tensor over a freshly concatenated (pageable) array.
+        pageable = torch.from_numpy(random_array(rng, (batch, *shape), dtype))
+        pinned = pageable.pin_memory()
+        for precision in ("fp32", "fp16"):
+            check = f"{name} b{batch} {precision}"
+            if budget.over():
+                report.add("d", check, "not run: over the section's budget", SKIP)
+                continue
+            timings: dict[str, list[tuple[float, float]]] = {"pageable": [], "pinned": []}
+            for source_name, source in (("pageable", pageable), ("pinned", pinned)):
+                for repeat in range(H2D_WARMUP + H2D_REPEATS):
+                    events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+                    with torch.cuda.stream(copy_stream):
+                        events[0].record()
+                        x = source.to(device, non_blocking=True)
+                        events[1].record()
+                    compute_stream.wait_event(events[1])
+                    with torch.cuda.stream(compute_stream), torch.inference_mode(), \
+                            autocast_for(precision, device):
+                        x.record_stream(compute_stream)
+                        events[2].record()
+                        module(x)
+                        events[3].record()
+                    torch.cuda.synchronize()
+                    if repeat >= H2D_WARMUP:
+                        timings[source_name].append((events[0].elapsed_time(events[1]),
+                                                     events[2].elapsed_time(events[3])))
+            copy_ms = statistics.median(c for c, _ in timings["pageable"])
+            pinned_ms = statistics.median(c for c, _ in timings["pinned"])
+            forward_ms = statistics.median(f for _, f in timings["pageable"] + timings["pinned"])
+            share = copy_ms / (copy_ms + forward_ms)
+            pinned_share = pinned_ms / (pinned_ms + forward_ms)
+            report.add(
+                "d", check,
+                f"copy {copy_ms * 1e3:.0f} us, forward {forward_ms * 1e3:.0f} us: copy share "
+                f"{share:.0%} without staging (from pinned memory: {pinned_ms * 1e3:.0f} us, "
+                f"{pinned_share:.0%})", INFO,
+                bytes=int(pageable.numel() * pageable.element_size()), copy_ms=copy_ms,
+                pinned_copy_ms=pinned_ms, forward_ms=forward_ms, copy_share=share,
+                pinned_copy_share=pinned_share)
+    report.add("d", "with GPU-resident staging", NOT_BUILT_TEXT, NOTBUILT)
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+def finish(report: Report, json_path: Path | None, exit_code: int) -> int:
+    say("")
+    print_machine(report)
+    say(report.table())
+    say(f"gpu_check: {report.elapsed():.0f} s, exit {exit_code}"
+        + (" (a correctness check failed or did not run)" if exit_code == 1 else ""))
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report.to_json(exit_code), indent=2, default=str))
+    return exit_code
+
+
+def start_watchdog(report: Report, json_path: Path | None) -> None:
+    """At HARD_LIMIT_S: stacks to stderr, then the table so far, then exit 3 (children too)."""
+
+    def fire() -> None:
+        time.sleep(max(0.0, HARD_LIMIT_S - report.elapsed()))
+        sys.stderr.write(f"gpu_check: watchdog: {HARD_LIMIT_S:.0f} s passed; stacks:\n")
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        with _children_lock:
+            for proc in _children:
+                with contextlib.suppress(Exception):
+                    proc.kill()
+        report.add("run", "watchdog", f"the run passed {HARD_LIMIT_S:.0f} s and was stopped", ERROR)
+        with contextlib.suppress(Exception):
+            finish(report, json_path, 3)
+        sys.stdout.flush()
+        os._exit(3)
+
+    threading.Thread(target=fire, name="watchdog", daemon=True).start()
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Check and measure batchgate's GPU paths (see the module docstring).")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write every figure here")
+    parser.add_argument("--cpu", action="store_true",
+                        help="run section (a) on the CPU (fp32, bf16) to test the harness")
+    parser.add_argument("--sections", default=None,
+                        help="comma-separated subset of a,b,c,d,e (default: all; with --cpu: a)")
+    parser.add_argument("--models", default=",".join(EXAMPLE_MODELS),
+                        help="example models for section (a)")
+    parser.add_argument("--_alloc-trace", dest="alloc_trace", action="store_true",
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--_load-worker", dest="load_worker", default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.load_worker is not None:
+        return load_worker_main(args.load_worker)
+    if args.alloc_trace:
+        return alloc_trace_main()
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.cpu:
+        say(f"gpu_check: no GPU present (torch {torch.__version__}: torch.cuda.is_available() "
+            "is False); every GPU figure is unmeasured. `--cpu` tests the harness on the CPU.")
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"cuda": False, "torch": torch.__version__}))
+        return 0
+
+    device = "cpu" if args.cpu else "cuda:0"
+    sections = set((args.sections or ("a" if args.cpu else "a,b,c,d,e")).split(","))
+    unknown = sections - set("abcde")
+    if unknown:
+        raise SystemExit(f"--sections takes letters among a,b,c,d,e, got {sorted(unknown)}")
+    models = [m for m in args.models.split(",") if m]
+
+    report = Report()
+    start_watchdog(report, args.json)
+    report.machine = machine_facts(device)
+    report.machine["structlog_note"] = ensure_structlog()
+    report.machine["imports"] = project_imports()
+    report.machine["device"] = device
+    print_machine(report)
+
+    precisions = CPU_PRECISIONS if args.cpu else GPU_PRECISIONS
+    if "a" in sections:
+        run_section(report, "a", A_BUDGET_S,
+                    lambda r, b: section_correctness(r, b, device, precisions, models))
+    for section, budget_s, body in (("d", D_BUDGET_S, section_h2d),
+                                    ("b", B_BUDGET_S, section_memory)):
+        if section not in sections:
+            continue
+        if not cuda or args.cpu:
+            report.add(section, "section", "needs a CUDA device", SKIP)
+            continue
+        run_section(report, section, budget_s, body)
+    if sections & {"c", "e"}:
+        settings = CPU_THROUGHPUT if args.cpu else GPU_THROUGHPUT
+        run_section(report, "c", C_BUDGET_S, lambda r, b: section_throughput(r, b, settings))
+    return finish(report, args.json, 1 if report.correctness_failed() else 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""`bench/gpu_check.py` as it is run: a real process, here without a GPU, on one when there is."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "gpu_check.py"
+CUDA = torch.cuda.is_available()
+
+
+def run_check(*args: str, timeout_s: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout_s)
+
+
+@pytest.mark.skipif(CUDA, reason="a CUDA device is present: test_full_run_on_cuda covers it")
+def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
+    result = run_check("--json", str(tmp_path / "out.json"), timeout_s=60)
+
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1, result.stdout
+    assert "no GPU present" in lines[0]
+    assert "unmeasured" in lines[0]
+    assert json.loads((tmp_path / "out.json").read_text())["cuda"] is False
+
+
+def test_cpu_mode_runs_the_correctness_harness(tmp_path):
+    out = tmp_path / "out.json"
+    result = run_check("--cpu", "--json", str(out), timeout_s=120)
+
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    rows = {row["check"]: row for row in report["rows"]}
+    mlp = rows["mlp fp32 on cpu"]
+    assert mlp["status"] == "PASS", mlp
+    assert mlp["data"]["max_relative_error"] <= mlp["data"]["tolerance"] == 1e-4
+    assert mlp["data"]["sizes"] == [1, 7, 64]
+    assert mlp["data"]["requests"] == 12
+    assert {row["section"] for row in report["rows"]} == {"a"}
+    assert all(row["status"] == "PASS" for row in report["rows"]), report["rows"]
+    assert any(line.split()[:4] == ["mlp", "fp32", "on", "cpu"] and "PASS" in line
+               for line in result.stdout.splitlines()), result.stdout
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device; this machine has none")
+def test_full_run_on_cuda(tmp_path):
+    out = tmp_path / "out.json"
+    result = run_check("--json", str(out), timeout_s=540)
+
+    print(result.stdout[-12000:])
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    report = json.loads(out.read_text())
+    correctness = [row for row in report["rows"] if row["section"] == "a"]
+    assert len(correctness) == 9, correctness
+    assert all(row["status"] == "PASS" for row in correctness), correctness
+
+
+@pytest.mark.slow
+def test_cpu_mode_runs_the_gateway_throughput_harness(tmp_path):
+    # Section (c)'s code (temporary repository, in-process Gateway, load-generator processes)
+    # is the most involved part of the GPU run: prove it here, small, on the CPU.
+    out = tmp_path / "out.json"
+    result = run_check("--cpu", "--sections", "c", "--json", str(out), timeout_s=120)
+
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {row["check"]: row for row in json.loads(out.read_text())["rows"]}
+    gateway = rows["encoder gateway amp-bf16 c8"]
+    assert gateway["status"] == "INFO", gateway
+    assert gateway["data"]["errors"] == 0
+    assert gateway["data"]["requests_ok"] > 0
+    assert gateway["data"]["ratio_vs_inprocess"] > 0
+    assert rows["CUDA graphs (captured per batch bucket)"]["status"] == "NOT BUILT"
