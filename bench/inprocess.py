@@ -1,0 +1,203 @@
+"""The in-process ceiling: one model in a tight loop, no server, no batching, no copies.
+
+The model is loaded exactly as the server loads it (``read_model_config`` →
+``model_spec_from_config`` → ``load_module`` on the latest version folder) and called on fixed
+inputs of ``batch_size`` rows under ``torch.inference_mode()``, on a thread of its own that sets
+``torch.set_num_threads(threads)`` itself: OpenMP's thread count is per calling thread, so setting
+it on the main thread would leave the loop on torch's default (PERF-NOTES.md, "Pitfall").
+
+    python -m bench.inprocess --model mlp --batch 64 --seconds 5
+    python -m bench.inprocess --model mlp --batch 64 1 --seconds 3 --json out.json
+
+This module is the one place in ``bench/`` that imports torch and the server's loading code;
+``bench.serving`` runs it in a subprocess, so the load generator's process stays torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import platform
+import re
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from batcher.loading import cuda_available, find_artifact, load_module
+from batcher.spec import NUMPY_DTYPES, ModelSpec
+from server.logs import configure_logging
+from server.model_config import model_spec_from_config, read_model_config
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_REPOSITORY = ROOT / "models"
+# Autocast dtypes by the config's ``precision`` parameter, as the executor applies them.
+_AUTOCAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# Calls before timing starts: a traced module's profiling executor specialises on its first runs.
+_WARMUP_CALLS = 5
+_VERSION_FOLDER = re.compile(r"[0-9]+")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    spec: ModelSpec
+    module: torch.nn.Module
+    version_dir: Path
+
+
+def load(model_dir: Path | str) -> LoadedModel:
+    """Load ``model_dir`` (``<repository>/<model>``) the way the server's repository does."""
+    model_dir = Path(model_dir)
+    config, _unsupported = read_model_config(model_dir)
+    filename = config.default_model_filename or None
+    version_dir = _latest_version(model_dir, filename)
+    spec = model_spec_from_config(config, version_dir.name, cuda_available=cuda_available())
+    parameters = {key: value.string_value for key, value in config.parameters.items()}
+    module = load_module(version_dir, filename=filename, parameters=parameters, device=spec.device)
+    return LoadedModel(spec, module, version_dir)
+
+
+def _latest_version(model_dir: Path, filename: str | None) -> Path:
+    # The repository's rule: the highest-numbered version folder that holds an artifact.
+    versions = sorted(
+        (int(entry.name), entry)
+        for entry in model_dir.iterdir()
+        if entry.is_dir() and _VERSION_FOLDER.fullmatch(entry.name)
+    )
+    for _, folder in reversed(versions):
+        if find_artifact(folder, filename) is not None:
+            return folder
+    raise FileNotFoundError(f"{model_dir}: no version folder holds a model artifact")
+
+
+def sample_inputs(spec: ModelSpec, batch_size: int, seed: int = 0) -> list[torch.Tensor]:
+    """Inputs of ``batch_size`` rows: uniform floats, 0/1 integers (valid as token ids)."""
+    rng = np.random.default_rng(seed)
+    tensors = []
+    for tensor in spec.inputs:
+        if tensor.datatype in ("BYTES", "BF16"):
+            raise ValueError(f"input {tensor.name!r}: {tensor.datatype} inputs are not supported here")
+        # A variable dimension (-1) gets one element: the smallest valid shape.
+        dims = tuple(d if d >= 0 else 1 for d in tensor.dims)
+        shape = (batch_size, *dims) if spec.max_batch_size else dims
+        dtype = NUMPY_DTYPES[tensor.datatype]
+        if np.issubdtype(dtype, np.floating):
+            array = rng.random(shape, dtype=np.float32).astype(dtype)
+        else:
+            array = rng.integers(0, 2, shape).astype(dtype)
+        tensors.append(torch.from_numpy(array).to(spec.device))
+    return tensors
+
+
+def run(model: LoadedModel, batch_size: int, seconds: float, threads: int = 1) -> dict[str, Any]:
+    """Call ``model`` on ``batch_size`` rows for ``seconds`` on a fresh thread; the figures."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if model.spec.max_batch_size and batch_size > model.spec.max_batch_size:
+        raise ValueError(
+            f"batch_size must be <= max_batch_size ({model.spec.max_batch_size}), got {batch_size}"
+        )
+    if seconds <= 0:
+        raise ValueError(f"seconds must be > 0, got {seconds}")
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    inputs = sample_inputs(model.spec, batch_size)
+    outcome: dict[str, Any] = {}
+
+    def loop() -> None:
+        try:
+            outcome["times_ns"] = _timed_calls(model, inputs, seconds, threads)
+        except BaseException as exc:  # handed to the caller's thread
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=loop, name="inprocess-model", daemon=True)
+    worker.start()
+    worker.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    times_ns: list[int] = outcome["times_ns"]
+    total_s = sum(times_ns) / 1e9
+    ordered = sorted(times_ns)
+    return {
+        "model": model.spec.name,
+        "version": model.spec.version,
+        "device": model.spec.device,
+        "batch_size": batch_size,
+        "threads": threads,
+        "calls": len(times_ns),
+        "seconds": total_s,
+        "samples_per_s": len(times_ns) * batch_size / total_s,
+        "batch_p50_ms": statistics.median(times_ns) / 1e6,
+        "batch_p99_ms": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] / 1e6,
+        "batch_mean_ms": total_s * 1e3 / len(times_ns),
+    }
+
+
+def _timed_calls(model: LoadedModel, inputs: list[torch.Tensor], seconds: float, threads: int) -> list[int]:
+    torch.set_num_threads(threads)
+    module = model.module
+    dtype = _AUTOCAST.get(model.spec.precision)
+    device_type = torch.device(model.spec.device).type
+    cuda = device_type == "cuda"
+    autocast = torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+    times_ns: list[int] = []
+    with torch.inference_mode(), autocast:
+        for _ in range(_WARMUP_CALLS):
+            module(*inputs)
+        if cuda:
+            torch.cuda.synchronize()
+        clock = time.perf_counter_ns
+        deadline = clock() + int(seconds * 1e9)
+        while True:
+            started = clock()
+            module(*inputs)
+            if cuda:
+                torch.cuda.synchronize()
+            ended = clock()
+            times_ns.append(ended - started)
+            if ended >= deadline:
+                break
+    return times_ns
+
+
+def measure(model_dir: Path | str, batch_size: int, seconds: float, threads: int = 1) -> dict[str, Any]:
+    """Load ``model_dir`` as the server does and run it in a tight loop; samples/s and p50."""
+    return run(load(model_dir), batch_size, seconds, threads)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.inprocess", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="mlp", help="model folder name (default: %(default)s)")
+    parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY,
+                        help="model repository folder (default: the example models)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[64],
+                        help="batch size(s), measured in the order given (default: 64)")
+    parser.add_argument("--seconds", type=float, default=5.0,
+                        help="timed seconds per batch size (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads of the model thread (default: %(default)s)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    configure_logging("warning", "console")  # the loader's debug lines would mix into stdout
+
+    model = load(args.model_repository / args.model)
+    results = [run(model, batch, args.seconds, args.threads) for batch in args.batch]
+    for r in results:
+        print(f"{r['model']} batch {r['batch_size']:>3}, {r['threads']} thread(s): "
+              f"{r['samples_per_s']:9.1f} samples/s, batch p50 {r['batch_p50_ms']:.3f} ms, "
+              f"p99 {r['batch_p99_ms']:.3f} ms ({r['calls']} calls in {r['seconds']:.1f} s)")
+    if args.json is not None:
+        report = {"torch": torch.__version__, "python": platform.python_version(), "results": results}
+        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

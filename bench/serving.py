@@ -1,0 +1,548 @@
+"""The serving benchmark: the gateway against the same model in a tight in-process loop.
+
+One run, one machine, the model on one intra-op thread in both:
+
+1. the in-process ceiling (``bench.inprocess``, in a subprocess): samples/s at batch 64 and the
+   per-call p50 at batch 1;
+2. the server as a subprocess on loopback, serving only the measured model;
+3. ``perf_analyzer`` (gRPC, synchronous, closed loop) at concurrency 1 and 64, with the server's
+   ``/metrics`` and CPU time read around each step;
+4. SIGTERM, checking the server exits 0, then the in-process figures again: the machine is
+   shared, so the ceiling is the mean of before and after and both are shown.
+
+Figures, as DESIGN.md's "Measuring performance" asks (ratios within one run):
+
+- ratio: throughput at c=64 ÷ in-process samples/s at batch 64;
+- p99 at c=64;
+- added p50: p50 at c=1 minus the in-process batch-1 time.
+
+    python -m bench.serving [--model mlp] [--seconds-per-step 4] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import queue
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from bench._perf_analyzer import (
+    DEFAULT_PERF_ANALYZER,
+    PerfAnalyzerError,
+    PerfRow,
+    PerfRun,
+    parse_perf_analyzer_csv,
+    run_perf_analyzer,
+)
+from protos import inference_pb2, inference_pb2_grpc
+
+__all__ = ["PerfRow", "main", "parse_metrics", "parse_perf_analyzer_csv"]
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_REPOSITORY = ROOT / "models"
+HIGH_CONCURRENCY = 64
+CEILING_BATCH = 64
+THREADS = 1
+
+# Targets for the single-process serving path on a 2-core machine (the issue's figures).
+TARGET_RATIO = 0.45
+TARGET_P99_MS = 50.0
+TARGET_ADDED_P50_MS = 1.0
+
+SERVER_START_TIMEOUT_S = 120.0
+SERVER_STOP_TIMEOUT_S = 60.0
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+# -- the machine -------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    cpu_model = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)),
+        "cpu_model": cpu_model,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "grpcio": grpc.__version__,
+    }
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid``, all its threads, from ``/proc/PID/stat``."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
+    fields = text[text.rindex(")") + 2:].split()
+    utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of proc(5)
+    return (utime + stime) / _CLOCK_TICKS
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all processes have used since boot (``/proc/stat``), idle and iowait left out."""
+    with open("/proc/stat") as stat:
+        fields = [int(v) for v in stat.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal [guest guest_nice, already inside user/nice]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / _CLOCK_TICKS
+
+
+# -- the in-process ceiling --------------------------------------------------------------------
+
+
+def measure_inprocess(repository: Path, model: str, seconds: float) -> dict[int, dict[str, Any]]:
+    """Batch 64 and batch 1 in a fresh interpreter, so this process never loads torch."""
+    with tempfile.TemporaryDirectory(prefix="bench-inprocess-") as scratch:
+        out = Path(scratch) / "inprocess.json"
+        command = [
+            sys.executable, "-m", "bench.inprocess", "--model-repository", str(repository),
+            "--model", model, "--batch", str(CEILING_BATCH), "1", "--seconds", f"{seconds:g}",
+            "--threads", str(THREADS), "--json", str(out),
+        ]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise BenchError(f"bench.inprocess failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+        report = json.loads(out.read_text(encoding="utf-8"))
+    return {r["batch_size"]: r | {"torch": report["torch"]} for r in report["results"]}
+
+
+# -- the server --------------------------------------------------------------------------------
+
+
+class ServerProcess:
+    """``server.cli serve`` as a subprocess; its stderr JSON lines are read on a thread."""
+
+    def __init__(self, repository: Path, model: str, extra_args: list[str]) -> None:
+        self.command = [
+            sys.executable, "-m", "server.cli", "serve", "--grpc-port", "0", "--metrics-port", "0",
+            "--host", "127.0.0.1", "--log-format", "json", "--model-repository", str(repository),
+            *extra_args,
+        ]
+        self.model = model
+        self.grpc_port = 0
+        self.metrics_port = 0
+        self.tail: collections.deque[str] = collections.deque(maxlen=50)
+        self._events: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.process = subprocess.Popen(
+            self.command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True,
+        )
+        self._reader = threading.Thread(target=self._read_stderr, name="server-stderr", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def _read_stderr(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.tail.append(line.rstrip())
+            with contextlib.suppress(ValueError):
+                event = json.loads(line)
+                if isinstance(event, dict):
+                    self._events.put(event)
+        self._events.put(None)
+
+    def wait_serving(self, timeout_s: float = SERVER_START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BenchError(f"the server did not report 'serving' within {timeout_s:g} s")
+            try:
+                event = self._events.get(timeout=left)
+            except queue.Empty:
+                continue
+            if event is None:
+                raise BenchError(f"the server exited while starting:\n{self.log_tail()}")
+            if event.get("event") == "listening":
+                self.grpc_port = int(event["grpc_port"])
+                self.metrics_port = int(event["metrics_port"])
+            elif event.get("event") == "serving":
+                if self.model not in event.get("models", []):
+                    raise BenchError(f"the server is serving without {self.model!r}:\n{self.log_tail()}")
+                if not (self.grpc_port and self.metrics_port):
+                    raise BenchError("the server reported 'serving' before its ports")
+                return
+
+    def stop(self, timeout_s: float = SERVER_STOP_TIMEOUT_S) -> int:
+        """SIGTERM, then the exit status (the server is killed if it does not stop in time)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._reader.join(5)
+        return self.process.returncode
+
+    def log_tail(self, lines: int = 20) -> str:
+        return "\n".join(list(self.tail)[-lines:])
+
+    def model_config(self) -> Any:
+        with grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}") as channel:
+            stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
+            reply = stub.ModelConfig(inference_pb2.ModelConfigRequest(name=self.model), timeout=10)
+        return reply.config
+
+    def scrape(self) -> dict[str, float]:
+        """The model's ``batchgate_*`` samples from ``/metrics``: name -> value."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            text = reply.read().decode("utf-8")
+        return parse_metrics(text, self.model)
+
+
+_SAMPLE = re.compile(r'^(batchgate_\w+)\{([^}]*)\}\s+(\S+)$')
+
+
+def parse_metrics(text: str, model: str) -> dict[str, float]:
+    """Samples of ``model`` (label ``model="..."``); other labels join the name, sorted."""
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if not match:
+            continue
+        name, labels, value = match.groups()
+        pairs = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        if pairs.pop("model", None) != model:
+            continue
+        key = name + "".join(f"{{{k}={v}}}" for k, v in sorted(pairs.items()))
+        samples[key] = float(value)
+    return samples
+
+
+@contextlib.contextmanager
+def single_model_repository(repository: Path, model: str) -> Iterator[Path]:
+    """A repository holding only ``model`` (a link), so the server loads nothing else."""
+    source = (repository / model).resolve()
+    if not (source / "config.pbtxt").is_file():
+        raise BenchError(f"{source}: no config.pbtxt; is {model!r} a model of {repository}?")
+    with tempfile.TemporaryDirectory(prefix="bench-repository-") as scratch:
+        (Path(scratch) / model).symlink_to(source, target_is_directory=True)
+        yield Path(scratch)
+
+
+# -- one step under load -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Step:
+    concurrency: int
+    perf: PerfRun
+    batches: float
+    samples: float
+    compute_s: float
+    queue_waits: float
+    queue_s: float
+    reasons: dict[str, float]
+    server_cpu_s: float
+    machine_busy_s: float
+
+    @property
+    def mean_batch(self) -> float | None:
+        return self.samples / self.batches if self.batches else None
+
+    @property
+    def mean_compute_ms(self) -> float | None:
+        return self.compute_s * 1e3 / self.batches if self.batches else None
+
+    @property
+    def mean_queue_ms(self) -> float | None:
+        return self.queue_s * 1e3 / self.queue_waits if self.queue_waits else None
+
+    @property
+    def server_cores(self) -> float:
+        return self.server_cpu_s / self.perf.wall_s
+
+    @property
+    def perf_analyzer_cores(self) -> float:
+        return self.perf.cpu_s / self.perf.wall_s
+
+    @property
+    def other_cores(self) -> float:
+        """Cores busy with anything but the server and perf_analyzer: the shared machine's noise."""
+        return max(0.0, self.machine_busy_s / self.perf.wall_s - self.server_cores - self.perf_analyzer_cores)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "concurrency": self.concurrency,
+            "perf_analyzer": dataclasses.asdict(self.perf.row),
+            "stability_percentage": self.perf.stability_percentage,
+            "wall_s": self.perf.wall_s,
+            "perf_analyzer_command": self.perf.command,
+            "batches": self.batches,
+            "mean_batch_size": self.mean_batch,
+            "mean_compute_ms": self.mean_compute_ms,
+            "mean_queue_ms": self.mean_queue_ms,
+            "dispatch_reasons": self.reasons,
+            "server_cores": self.server_cores,
+            "perf_analyzer_cores": self.perf_analyzer_cores,
+            "other_cores": self.other_cores,
+        }
+
+
+_REASON_PREFIX = "batchgate_batches_total{reason="
+
+
+def load_step(server: ServerProcess, concurrency: int, seconds: float, perf_analyzer: Path) -> Step:
+    name = server.model
+    before, cpu_before, busy_before = server.scrape(), process_cpu_s(server.pid), machine_busy_s()
+    perf = run_perf_analyzer(
+        url=f"127.0.0.1:{server.grpc_port}", model=name, concurrency=concurrency,
+        measurement_interval_ms=int(seconds * 1000), perf_analyzer=perf_analyzer,
+    )
+    after, cpu_after, busy_after = server.scrape(), process_cpu_s(server.pid), machine_busy_s()
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    # Counted over perf_analyzer's whole run (warm-up and unstable windows included).
+    return Step(
+        concurrency=concurrency,
+        perf=perf,
+        batches=delta("batchgate_batch_size_count"),
+        samples=delta("batchgate_batch_size_sum"),
+        compute_s=delta("batchgate_compute_seconds_sum"),
+        queue_waits=delta("batchgate_queue_seconds_count"),
+        queue_s=delta("batchgate_queue_seconds_sum"),
+        reasons={
+            key[len(_REASON_PREFIX):-1]: delta(key)
+            for key in sorted(set(before) | set(after))
+            if key.startswith(_REASON_PREFIX) and delta(key)
+        },
+        server_cpu_s=cpu_after - cpu_before,
+        machine_busy_s=busy_after - busy_before,
+    )
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    repository: Path = args.model_repository.resolve()
+    seconds = args.seconds_per_step
+    started = time.monotonic()
+    _say(f"in-process ceiling (before), {seconds:g} s per batch size ...")
+    before = measure_inprocess(repository, args.model, seconds)
+
+    steps: list[Step] = []
+    with single_model_repository(repository, args.model) as serving_repository:
+        _say("starting the server ...")
+        server = ServerProcess(serving_repository, args.model, args.server_arg)
+        try:
+            server.wait_serving()
+            config = server.model_config()
+            for concurrency in (1, HIGH_CONCURRENCY):
+                _say(f"perf_analyzer at concurrency {concurrency}, {seconds:g} s windows ...")
+                steps.append(load_step(server, concurrency, seconds, args.perf_analyzer))
+        except BaseException:
+            server.stop()
+            raise
+        exit_code = server.stop()
+    if exit_code != 0:
+        raise BenchError(f"the server exited {exit_code} after SIGTERM:\n{server.log_tail()}")
+
+    _say("in-process ceiling (after) ...")
+    after = measure_inprocess(repository, args.model, seconds)
+    return summarize(args, before, after, steps, config, server, exit_code, time.monotonic() - started)
+
+
+def summarize(
+    args: argparse.Namespace,
+    before: dict[int, dict[str, Any]],
+    after: dict[int, dict[str, Any]],
+    steps: list[Step],
+    config: Any,
+    server: ServerProcess,
+    exit_code: int,
+    wall_s: float,
+) -> dict[str, Any]:
+    """Every figure of the run; ``config`` is the model's ModelConfig as the server reports it."""
+    low, high = steps
+    ceiling = _mean(before[CEILING_BATCH]["samples_per_s"], after[CEILING_BATCH]["samples_per_s"])
+    batch1_ms = _mean(before[1]["batch_p50_ms"], after[1]["batch_p50_ms"])
+    ratio = high.perf.row.throughput_per_s / ceiling
+    added_p50 = low.perf.row.p50_ms - batch1_ms
+    params = {key: value.string_value for key, value in config.parameters.items()}
+    dynamic = config.dynamic_batching if config.HasField("dynamic_batching") else None
+    return {
+        "machine": machine(),
+        "model": args.model,
+        "settings": {
+            "version": before[CEILING_BATCH]["version"],
+            "device": before[CEILING_BATCH]["device"],
+            "torch": before[CEILING_BATCH]["torch"],
+            "inprocess_threads": THREADS,
+            "server_intra_op_threads": params.get("INTRA_OP_THREAD_COUNT"),
+            "max_batch_size": config.max_batch_size,
+            "preferred_batch_sizes": list(dynamic.preferred_batch_size) if dynamic else None,
+            "max_queue_delay_us": dynamic.max_queue_delay_microseconds if dynamic else None,
+            "max_inflight_batches": params.get("max_inflight_batches"),
+            "server_args": args.server_arg,
+            "seconds_per_step": args.seconds_per_step,
+            "server_command": server.command,
+        },
+        "inprocess": {"before": before, "after": after},
+        "steps": [s.as_dict() for s in steps],
+        "figures": {
+            "ceiling_samples_per_s": ceiling,
+            "c64_throughput_per_s": high.perf.row.throughput_per_s,
+            "ratio": ratio,
+            "c64_p99_ms": high.perf.row.p99_ms,
+            "c1_p50_ms": low.perf.row.p50_ms,
+            "inprocess_batch1_ms": batch1_ms,
+            "added_p50_ms": added_p50,
+        },
+        "targets": {
+            "ratio": {"target": TARGET_RATIO, "pass": ratio >= TARGET_RATIO},
+            "c64_p99_ms": {"target": TARGET_P99_MS, "pass": high.perf.row.p99_ms <= TARGET_P99_MS},
+            "added_p50_ms": {"target": TARGET_ADDED_P50_MS, "pass": added_p50 <= TARGET_ADDED_P50_MS},
+        },
+        "server_exit_code": exit_code,
+        "wall_s": wall_s,
+    }
+
+
+def render(report: dict[str, Any]) -> str:
+    m, s, f, t = report["machine"], report["settings"], report["figures"], report["targets"]
+    before, after = report["inprocess"]["before"], report["inprocess"]["after"]
+    low, high = report["steps"]
+    b64, a64 = before[str(CEILING_BATCH)], after[str(CEILING_BATCH)]
+    b1, a1 = before["1"], after["1"]
+
+    def verdict(key: str) -> str:
+        return "pass" if t[key]["pass"] else "short"
+
+    def opt(value: float | None, fmt: str) -> str:
+        return "n/a" if value is None else format(value, fmt)
+
+    delay = s["max_queue_delay_us"]
+    batching = (
+        f"preferred {s['preferred_batch_sizes']}, max queue delay {delay} µs"
+        if delay is not None else "no dynamic batching"
+    )
+    rows = [
+        ("ceiling, in-process batch 64", f"{f['ceiling_samples_per_s']:,.0f} samples/s",
+         f"before {b64['samples_per_s']:,.0f}, after {a64['samples_per_s']:,.0f}", ""),
+        ("in-process batch-1 time (p50)", f"{f['inprocess_batch1_ms']:.2f} ms",
+         f"before {b1['batch_p50_ms']:.2f}, after {a1['batch_p50_ms']:.2f}", ""),
+        ("c=64 throughput", f"{f['c64_throughput_per_s']:,.0f} infer/s", "", ""),
+        ("ratio c=64 ÷ ceiling", f"{f['ratio']:.2f}", f"≥ {TARGET_RATIO:.2f}", verdict("ratio")),
+        ("c=64 p99", f"{f['c64_p99_ms']:.1f} ms", f"≤ {TARGET_P99_MS:.0f} ms", verdict("c64_p99_ms")),
+        ("c=64 p50", f"{high['perf_analyzer']['p50_ms']:.1f} ms", "", ""),
+        ("c=1 p50", f"{f['c1_p50_ms']:.2f} ms", "", ""),
+        ("added p50 (c=1 p50 − batch-1 time)", f"{f['added_p50_ms']:+.2f} ms",
+         f"≤ {TARGET_ADDED_P50_MS:.1f} ms", verdict("added_p50_ms")),
+        ("c=64 mean batch size", opt(high["mean_batch_size"], ".1f"),
+         f"c=1: {opt(low['mean_batch_size'], '.2f')}", ""),
+        ("c=64 batches by dispatch reason", _shares(high["dispatch_reasons"]), "", ""),
+        ("c=64 mean compute per batch", f"{opt(high['mean_compute_ms'], '.2f')} ms", "", ""),
+        ("c=64 server queue / infer (per request)",
+         f"{opt(high['perf_analyzer']['server_queue_ms'], '.1f')} / "
+         f"{opt(high['perf_analyzer']['server_compute_infer_ms'], '.1f')} ms", "", ""),
+        ("c=1 server queue / infer (per request)",
+         f"{opt(low['perf_analyzer']['server_queue_ms'], '.2f')} / "
+         f"{opt(low['perf_analyzer']['server_compute_infer_ms'], '.2f')} ms", "", ""),
+        ("CPU at c=64: server / perf_analyzer / other",
+         f"{high['server_cores']:.2f} / {high['perf_analyzer_cores']:.2f} / "
+         f"{high['other_cores']:.2f} cores",
+         f"c=1: {low['server_cores']:.2f} / {low['perf_analyzer_cores']:.2f} / "
+         f"{low['other_cores']:.2f}", ""),
+        ("server exit after SIGTERM", str(report["server_exit_code"]), "0",
+         "pass" if report["server_exit_code"] == 0 else "short"),
+    ]
+    widths = [max(len(str(r[i])) for r in rows) for i in range(4)]
+    lines = [
+        f"machine:  {m['usable_cores']} usable cores of {m['cores']}, {m['cpu_model']}, "
+        f"Linux {m['kernel']}, Python {m['python']}, torch {s['torch']}, grpcio {m['grpcio']}",
+        f"model:    {report['model']} v{s['version']} on {s['device']}, max_batch_size "
+        f"{s['max_batch_size']}, {batching}",
+        f"settings: {s['inprocess_threads']} intra-op thread in-process, server "
+        f"INTRA_OP_THREAD_COUNT={s['server_intra_op_threads']}, max_inflight_batches="
+        f"{s['max_inflight_batches']}; perf_analyzer gRPC sync closed loop on loopback, "
+        f"{s['seconds_per_step']:g} s windows (stability {low['stability_percentage']:g}% / "
+        f"{high['stability_percentage']:g}%); server flags: {' '.join(s['server_args']) or 'defaults'}",
+        "",
+    ]
+    for r in rows:
+        lines.append("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())
+    lines.append(f"\nwhole run: {report['wall_s']:.0f} s")
+    return "\n".join(lines)
+
+
+def _shares(counts: dict[str, float]) -> str:
+    total = sum(counts.values())
+    if not total:
+        return "n/a"
+    return ", ".join(f"{reason} {100 * n / total:.0f}%" for reason, n in
+                     sorted(counts.items(), key=lambda item: -item[1]))
+
+
+def _mean(a: float, b: float) -> float:
+    return (a + b) / 2
+
+
+def _say(message: str) -> None:
+    print(f"[bench.serving] {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="mlp", help="model to measure (default: %(default)s)")
+    parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY,
+                        help="repository holding the model (default: the example models)")
+    parser.add_argument("--seconds-per-step", type=float, default=4.0,
+                        help="in-process seconds per batch size, and perf_analyzer's measurement "
+                             "window (default: %(default)s)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the full report here")
+    parser.add_argument("--perf-analyzer", type=Path, default=DEFAULT_PERF_ANALYZER,
+                        help="perf_analyzer executable (default: scripts/perf_analyzer)")
+    parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                        help="extra flag for the server, repeatable "
+                             "(e.g. --server-arg=--switch-interval-s=0.005)")
+    args = parser.parse_args(argv)
+    if args.seconds_per_step <= 0:
+        parser.error(f"--seconds-per-step must be > 0, got {args.seconds_per_step}")
+    try:
+        report = run(args)
+    except (BenchError, PerfAnalyzerError) as exc:
+        print(f"bench.serving: {exc}", file=sys.stderr)
+        return 1
+    # JSON keys are strings: render reads the report as it is written.
+    report = json.loads(json.dumps(report))
+    print(render(report))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""The benchmark harness works: the in-process loop runs, and perf_analyzer's CSV reads back.
+
+No timing is asserted: figures on a shared machine are for ``python -m bench.serving`` to report.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import inprocess
+from bench.serving import PerfRow, parse_metrics, parse_perf_analyzer_csv
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+
+# Written by perf_analyzer 2.51 with -f (latencies in µs), and a --collect-metrics section
+# after a blank line, which the parser must ignore.
+PERF_ANALYZER_CSV = """\
+Concurrency,Inferences/Second,Client Send,Network+Server Send/Recv,Server Queue,Server Compute Input,Server Compute Infer,Server Compute Output,Client Recv,p50 latency,p90 latency,p95 latency,p99 latency
+1,210.379,7,1535,1179,43,1925,50,3,4335,5459,7873,10986
+64,1401.11,4,29855,4399,503,10693,100,1,43018,61026,69082,87589
+
+Concurrency,Avg GPU Utilization,Avg GPU Power Usage,Max GPU Memory Usage,Total GPU Memory
+1,,,,
+"""
+
+
+def test_inprocess_measure_runs_the_mlp():
+    result = inprocess.measure(MODELS / "mlp", batch_size=4, seconds=0.2)
+
+    assert result["model"] == "mlp"
+    assert result["batch_size"] == 4
+    assert result["threads"] == 1
+    assert result["calls"] >= 1
+    assert result["samples_per_s"] > 0
+    assert result["batch_p50_ms"] > 0
+
+
+def test_inprocess_rejects_a_batch_over_max_batch_size():
+    model = inprocess.load(MODELS / "mlp")
+    with pytest.raises(ValueError, match="max_batch_size"):
+        inprocess.run(model, batch_size=65, seconds=0.1)
+
+
+def test_perf_analyzer_csv_rows_in_milliseconds():
+    rows = parse_perf_analyzer_csv(PERF_ANALYZER_CSV)
+
+    assert [r.concurrency for r in rows] == [1, 64]
+    low, high = rows
+    assert isinstance(low, PerfRow)
+    assert low.throughput_per_s == pytest.approx(210.379)
+    assert low.p50_ms == pytest.approx(4.335)
+    assert low.p99_ms == pytest.approx(10.986)
+    assert low.server_queue_ms == pytest.approx(1.179)
+    assert high.throughput_per_s == pytest.approx(1401.11)
+    assert high.p50_ms == pytest.approx(43.018)
+    assert high.p90_ms == pytest.approx(61.026)
+    assert high.p99_ms == pytest.approx(87.589)
+    assert high.server_compute_infer_ms == pytest.approx(10.693)
+
+
+def test_perf_analyzer_csv_without_latency_columns_is_an_error():
+    with pytest.raises(RuntimeError, match="p99 latency"):
+        parse_perf_analyzer_csv("Concurrency,Inferences/Second,p50 latency\n1,100,900\n")
+
+
+def test_metrics_of_one_model_are_picked_out():
+    text = """\
+# HELP batchgate_batch_size Samples per executed batch.
+batchgate_batch_size_count{model="cnn"} 3.0
+batchgate_batch_size_count{model="mlp"} 590.0
+batchgate_batch_size_sum{model="mlp"} 1588.0
+batchgate_batches_total{model="mlp",reason="delay"} 12.0
+"""
+    samples = parse_metrics(text, "mlp")
+
+    assert samples == {
+        "batchgate_batch_size_count": 590.0,
+        "batchgate_batch_size_sum": 1588.0,
+        "batchgate_batches_total{reason=delay}": 12.0,
+    }
