@@ -115,7 +115,8 @@ class Executor:
         module: Callable[..., Any],
         *,
         index: int,
-        next_batch: Callable[[], tuple[list[InferenceRequest], str] | None],
+        next_batch: Callable[..., tuple[list[InferenceRequest], str] | None],
+        wake: Callable[[], None],
         deliver: Callable[[Outcome], None],
         on_batch: Callable[[Batch, int, int], None],
         batch_ids: Callable[[], int],
@@ -125,6 +126,9 @@ class Executor:
         self._module = module
         self._index = index
         self._next_batch = next_batch
+        self._wake = wake
+        # Batches handed to the compute thread and not finished yet.
+        self._running = 0
         self._deliver = deliver
         self._on_batch = on_batch
         self._batch_ids = batch_ids
@@ -133,6 +137,7 @@ class Executor:
         self._cuda = self._device.type == "cuda"
         self._batching = spec.batching.max_batch_size > 0
         self._slots = threading.Semaphore(spec.batching.max_inflight_batches)
+        self._running_lock = threading.Lock()
         self._handoff: queue_module.SimpleQueue[Batch | None] = queue_module.SimpleQueue()
         self._copy_stream = torch.cuda.Stream(self._device) if self._cuda else None
         self._compute_stream = torch.cuda.Stream(self._device) if self._cuda else None
@@ -171,10 +176,17 @@ class Executor:
 
     def start(self) -> None:
         name = f"{self._spec.name}-{self._index}"
-        self._threads = [
-            threading.Thread(target=self._assemble_loop, name=f"{name}-assemble", daemon=True),
-            threading.Thread(target=self._compute_loop, name=f"{name}-compute", daemon=True),
-        ]
+        if self._spec.batching.max_inflight_batches == 1:
+            # One batch at a time: forming, assembling and computing on one thread saves a
+            # thread hand-off (and a GIL hand-off) per batch.
+            self._threads = [
+                threading.Thread(target=self._serial_loop, name=f"{name}-batch", daemon=True),
+            ]
+        else:
+            self._threads = [
+                threading.Thread(target=self._assemble_loop, name=f"{name}-assemble", daemon=True),
+                threading.Thread(target=self._compute_loop, name=f"{name}-compute", daemon=True),
+            ]
         self.alive.set()
         for thread in self._threads:
             thread.start()
@@ -207,32 +219,61 @@ class Executor:
         try:
             while True:
                 self._slots.acquire()
-                taken = self._next_batch()
+                taken = self._next_batch(self._busy)
                 if taken is None:
                     break
-                requests, reason = taken
-                batch = Batch(self._batch_ids(), requests, reason)
-                if self._on_inflight is not None:
-                    self._on_inflight(1)
-                try:
-                    started = time.perf_counter_ns()
-                    batch.tensors, batch.ready = self._assemble(requests)
-                    batch.input_ns = time.perf_counter_ns() - started
-                except Exception as exc:
-                    log.exception("batch_assembly_failed", model=self._spec.name, batch=batch.id)
-                    self._finish(batch, None, ModelExecutionError(
-                        f"model '{self._spec.name}': could not assemble a batch of "
-                        f"{batch.samples} ({type(exc).__name__})"))
+                batch = self._prepare(*taken)
+                if batch is None:
                     continue
+                with self._running_lock:
+                    self._running += 1
                 self._handoff.put(batch)
         finally:
             self._handoff.put(None)
+
+    def _serial_loop(self) -> None:
+        self._configure_thread()
+        try:
+            while True:
+                self._slots.acquire()
+                taken = self._next_batch(None)
+                if taken is None:
+                    break
+                batch = self._prepare(*taken)
+                if batch is not None:
+                    self._compute(batch)
+        finally:
+            self.alive.clear()
+
+    def _prepare(self, requests: list[InferenceRequest], reason: str) -> Batch | None:
+        """The batch with its inputs assembled (on the device), or None if that failed."""
+        batch = Batch(self._batch_ids(), requests, reason)
+        if self._on_inflight is not None:
+            self._on_inflight(1)
+        try:
+            started = time.perf_counter_ns()
+            batch.tensors, batch.ready = self._assemble(requests)
+            batch.input_ns = time.perf_counter_ns() - started
+        except Exception as exc:
+            log.exception("batch_assembly_failed", model=self._spec.name, batch=batch.id)
+            self._finish(batch, None, ModelExecutionError(
+                f"model '{self._spec.name}': could not assemble a batch of "
+                f"{batch.samples} ({type(exc).__name__})"))
+            return None
+        return batch
+
+    def _busy(self) -> bool:
+        return self._running > 0
 
     def _compute_loop(self) -> None:
         self._configure_thread()
         try:
             while (batch := self._handoff.get()) is not None:
                 self._compute(batch)
+                with self._running_lock:
+                    self._running -= 1
+                # The assembler may be holding back a partial batch until this one ended.
+                self._wake()
         finally:
             self.alive.clear()
 

@@ -74,7 +74,7 @@ class ServedModel:
         )
         self._executors = [
             Executor(
-                spec, module, index=i, next_batch=self._queue.next_batch,
+                spec, module, index=i, next_batch=self._queue.next_batch, wake=self._queue.wake,
                 deliver=self._post, on_batch=self._record_batch, batch_ids=_next_batch_id,
                 on_inflight=self._metrics.inflight_batches.inc if self._metrics else None,
             )

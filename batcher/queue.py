@@ -18,6 +18,11 @@ Batch formation (``next_batch``), for the requests sharing the head request's no
 
 The batch then takes up to the largest preferred size not above what is queued when dispatching
 for ``preferred``, and up to ``max_batch_size`` otherwise.
+
+An executor that still has a batch running asks with ``busy`` true: it then gets only a *full*
+batch (worth assembling early, so it is ready the moment the running one ends) and otherwise
+waits until its running batch finishes (``wake``) and takes everything queued by then. Forming
+a partial batch early would freeze it small while later arrivals wait a whole batch time.
 """
 
 from __future__ import annotations
@@ -56,6 +61,9 @@ class ModelQueue:
         # Without dynamic batching (Triton's default scheduler) each request runs alone.
         self._batching = config.max_batch_size > 0 and config.dynamic_batching
         self._preferred = sorted(config.preferred_batch_sizes)
+        # Executors waiting that would act on any arrival (not just on a full batch). put()
+        # wakes a thread only when one of them exists or a batch just became full.
+        self._eager_waiters = 0
 
     # -- the event loop's side ------------------------------------------------------------
 
@@ -75,10 +83,12 @@ class ModelQueue:
             request.enqueued = self._clock()
             self._levels[index].append(request)
             self._level_counts[index] += 1
-            self._samples_by_shape[request.shape_key] += request.batch_size
+            waiting = self._samples_by_shape[request.shape_key] + request.batch_size
+            self._samples_by_shape[request.shape_key] = waiting
             self._live += 1
             depth = self._live
-            self._cond.notify()
+            if self._eager_waiters or waiting >= self._max_batch:
+                self._cond.notify_all()
         if self._on_depth_change is not None:
             self._on_depth_change(depth)
 
@@ -94,6 +104,11 @@ class ModelQueue:
         if self._on_depth_change is not None:
             self._on_depth_change(depth)
         return True
+
+    def wake(self) -> None:
+        """An executor's running batch finished: waiting executors re-evaluate the queue."""
+        with self._cond:
+            self._cond.notify_all()
 
     def close(self) -> None:
         """Refuse new requests; executors drain what is queued, then ``next_batch`` returns None."""
@@ -120,10 +135,13 @@ class ModelQueue:
 
     # -- the executors' side ----------------------------------------------------------------
 
-    def next_batch(self) -> tuple[list[InferenceRequest], str] | None:
+    def next_batch(
+        self, busy: Callable[[], bool] | None = None
+    ) -> tuple[list[InferenceRequest], str] | None:
         """Block until a batch is due; return it with the reason it was dispatched.
 
-        Returns None once the queue is closed and empty.
+        ``busy()`` says whether the asking executor still has a batch running (see the module
+        docstring). Returns None once the queue is closed and empty.
         """
         with self._cond:
             while True:
@@ -131,22 +149,28 @@ class ModelQueue:
                 if head is None:
                     if self._closed:
                         return None
-                    self._cond.wait()
+                    self._wait(None, eager=True)
                     continue
-                now = self._clock()
                 if not self._batching:
+                    if busy is not None and busy():
+                        self._wait(None, eager=False)
+                        continue
                     return self._take_one(head), "idle"
                 waiting = self._samples_by_shape[head.shape_key]
                 if waiting >= self._max_batch:
                     reason = "full"
+                elif busy is not None and busy():
+                    self._wait(None, eager=False)
+                    continue
                 elif self._delay_s == 0.0 or self._closed:
                     reason = "idle"
                 elif waiting >= self._min_batch:
                     reason = "preferred"
                 else:
+                    now = self._clock()
                     due = self._oldest_enqueued() + self._delay_s
                     if now < due:
-                        self._cond.wait(due - now)
+                        self._wait(due - now, eager=True)
                         continue
                     reason = "delay"
                 limit = self._max_batch
@@ -162,6 +186,16 @@ class ModelQueue:
         return batch, reason
 
     # -- internals (lock held) ---------------------------------------------------------------
+
+    def _wait(self, timeout_s: float | None, *, eager: bool) -> None:
+        if eager:
+            self._eager_waiters += 1
+            try:
+                self._cond.wait(timeout_s)
+            finally:
+                self._eager_waiters -= 1
+        else:
+            self._cond.wait(timeout_s)
 
     def _forget(self, request: InferenceRequest, state: int) -> None:
         request.state = state

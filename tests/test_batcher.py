@@ -323,3 +323,29 @@ def test_without_dynamic_batching_each_request_runs_alone():
     for _ in range(3):
         batch, _ = q.next_batch()
         assert [r.batch_size for r in batch] == [2]
+
+
+async def test_busy_executor_forms_only_full_batches_early(served):
+    fake = RecordingModel()
+    model = served(make_spec(max_batch_size=8, max_inflight_batches=2), fake)
+    blocker = await hold_executor(model, fake)
+    first = [asyncio.ensure_future(model.infer(request(10.0 + i))) for i in range(3)]
+    await wait_until(lambda: model.queue_depth == 3)
+    rest = [asyncio.ensure_future(model.infer(request(20.0 + i))) for i in range(5)]
+    # Eight samples make a full batch: it is assembled while the first batch still runs.
+    await wait_until(lambda: model.queue_depth == 0)
+    assert len(fake.batches) == 1
+    fake.gate.set()
+    await asyncio.gather(blocker, *first, *rest)
+    assert fake.batches[1] == [10.0, 11.0, 12.0, 20.0, 21.0, 22.0, 23.0, 24.0]
+
+
+async def test_partial_batch_waits_for_the_running_one_and_takes_all(served):
+    fake = RecordingModel()
+    model = served(make_spec(max_batch_size=8, max_inflight_batches=2), fake)
+    blocker = await hold_executor(model, fake)
+    queued = [asyncio.ensure_future(model.infer(request(10.0 + i))) for i in range(5)]
+    await wait_until(lambda: model.queue_depth == 5)
+    fake.gate.set()
+    await asyncio.gather(blocker, *queued)
+    assert fake.batches[1:] == [[10.0, 11.0, 12.0, 13.0, 14.0]]
