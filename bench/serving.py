@@ -30,6 +30,7 @@ import os
 import platform
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -240,13 +241,25 @@ def parse_metrics(text: str, model: str) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def single_model_repository(repository: Path, model: str) -> Iterator[Path]:
-    """A repository holding only ``model`` (a link), so the server loads nothing else."""
+def single_model_repository(repository: Path, model: str,
+                            parameters: dict[str, str] | None = None) -> Iterator[Path]:
+    """A repository holding only ``model``, so the server loads nothing else.
+
+    ``parameters`` are added to (or override) the model's config ``parameters``; without them
+    the model folder is linked, not copied.
+    """
     source = (repository / model).resolve()
     if not (source / "config.pbtxt").is_file():
         raise BenchError(f"{source}: no config.pbtxt; is {model!r} a model of {repository}?")
     with tempfile.TemporaryDirectory(prefix="bench-repository-") as scratch:
-        (Path(scratch) / model).symlink_to(source, target_is_directory=True)
+        target = Path(scratch) / model
+        if parameters:
+            shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
+            with (target / "config.pbtxt").open("a", encoding="utf-8") as config:
+                for key, value in parameters.items():
+                    config.write(f'\nparameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n')
+        else:
+            target.symlink_to(source, target_is_directory=True)
         yield Path(scratch)
 
 
@@ -354,7 +367,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     before = measure_inprocess(repository, args.model, seconds)
 
     steps: list[Step] = []
-    with single_model_repository(repository, args.model) as serving_repository:
+    with single_model_repository(repository, args.model, args.parameter) as serving_repository:
         _say("starting the server ...")
         server = ServerProcess(serving_repository, args.model, args.server_arg)
         try:
@@ -528,7 +541,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                         help="extra flag for the server, repeatable "
                              "(e.g. --server-arg=--switch-interval-s=0.005)")
+    parser.add_argument("--parameter", action="append", default=[], metavar="KEY=VALUE",
+                        help="set a config parameter of the served model, repeatable "
+                             "(e.g. --parameter max_inflight_batches=1)")
     args = parser.parse_args(argv)
+    try:
+        args.parameter = dict(item.split("=", 1) for item in args.parameter)
+    except ValueError:
+        parser.error(f"--parameter takes KEY=VALUE, got {args.parameter}")
     if args.seconds_per_step <= 0:
         parser.error(f"--seconds-per-step must be > 0, got {args.seconds_per_step}")
     try:
