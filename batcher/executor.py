@@ -331,16 +331,20 @@ class Executor:
             host = [to_numpy(t, o.datatype) for t, o in zip(outputs, self._output_specs)]
             results = self._split(batch.requests, host)
         except ModelExecutionError as exc:
-            log.error("batch_failed", model=spec.name, batch=batch.id, error=str(exc))
+            log.error("batch_failed", model=spec.name, batch=batch.id, error=str(exc),
+                      requests=[r.id for r in batch.requests])
             self._finish(batch, None, exc)
             return
         except Exception as exc:
-            log.exception("model_raised", model=spec.name, batch=batch.id, size=batch.samples)
+            log.exception("model_raised", model=spec.name, batch=batch.id, size=batch.samples,
+                          requests=[r.id for r in batch.requests])
             self._finish(batch, None, ModelExecutionError(
                 f"model '{spec.name}' raised {type(exc).__name__} while running a batch of "
                 f"{batch.samples}; the server log has the details"))
             return
         done = time.perf_counter_ns()
+        log.debug("batch_done", model=spec.name, batch=batch.id, size=batch.samples,
+                  reason=batch.reason, infer_ms=(infer_done - started) / 1e6)
         self._on_batch(batch, infer_done - started, done - infer_done)
         self._finish(batch, results, None)
 

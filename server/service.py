@@ -127,6 +127,8 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         except BaseException as exc:
             code, message = status_of(exc)
             self._count(model_name, code, started)
+            log.debug("request_failed", model=model_name, request=request.id, code=code.name,
+                      error=message)
             await context.abort(code, message)
         self._count(model_name, grpc.StatusCode.OK, started)
         return response

@@ -133,8 +133,33 @@ def build_model(parameters):
     return Echo()
 """
 
+STRLEN_CONFIG = """
+name: "strlen"
+backend: "pytorch"
+max_batch_size: 8
+input [ { name: "TEXT" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "LENGTH" data_type: TYPE_INT64 dims: [ 1 ] } ]
+dynamic_batching { max_queue_delay_microseconds: 0 }
+"""
+STRLEN_MODEL = '''
+import numpy as np
+import torch
+
+
+class StrLen(torch.nn.Module):
+    """BYTES in: the module gets the numpy object array of the batch; returns byte lengths."""
+
+    def forward(self, text):
+        return torch.from_numpy(np.vectorize(len, otypes=[np.int64])(text))
+
+
+def build_model(parameters):
+    return StrLen()
+'''
+
 TEST_MODELS = {
     "echo": (ECHO_CONFIG, ECHO_MODEL),
+    "strlen": (STRLEN_CONFIG, STRLEN_MODEL),
     "spare": (FAILING_CONFIG.replace('"failing"', '"spare"'), FAILING_MODEL),
     "gated": (GATED_CONFIG, GATED_MODEL),
     "failing": (FAILING_CONFIG, FAILING_MODEL),

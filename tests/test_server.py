@@ -436,3 +436,24 @@ def test_statistics_and_metrics_count_real_work(server, stub):
                   for r in ("full", "preferred", "delay", "idle"))
     assert reasons == metric(samples, "batchgate_batch_size_count", model="mlp")
     assert metric(samples, "batchgate_requests_total", model="nope", status="NOT_FOUND") >= 0
+
+
+def test_bytes_input_reaches_a_model_that_declares_it(stub):
+    import struct
+
+    words = [b"a", "héllo".encode(), b""]
+    req = pb.ModelInferRequest(model_name="strlen")
+    req.inputs.add(name="TEXT", datatype="BYTES", shape=[3, 1])
+    req.raw_input_contents.append(b"".join(struct.pack("<I", len(w)) + w for w in words))
+    raw = stub.ModelInfer(req)
+    np.testing.assert_array_equal(output(raw, "LENGTH", np.int64).ravel(), [1, 6, 0])
+
+    typed = pb.ModelInferRequest(model_name="strlen")
+    tensor = typed.inputs.add(name="TEXT", datatype="BYTES", shape=[3, 1])
+    tensor.contents.bytes_contents.extend(words)
+    np.testing.assert_array_equal(output(stub.ModelInfer(typed), "LENGTH", np.int64).ravel(), [1, 6, 0])
+
+    bad = pb.ModelInferRequest(model_name="strlen")
+    bad.inputs.add(name="TEXT", datatype="BYTES", shape=[2, 1])
+    bad.raw_input_contents.append(struct.pack("<I", 10) + b"abc")
+    expect(lambda: stub.ModelInfer(bad), grpc.StatusCode.INVALID_ARGUMENT, "must hold 2 elements")
