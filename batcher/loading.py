@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import itertools
+import re
 import sys
 import threading
 import warnings
@@ -71,6 +72,24 @@ def find_artifact(version_dir: Path, filename: str | None = None) -> Path | None
         if path.is_file():
             return path
     return None
+
+
+# Version folders are positive integers without leading zeros, as in Triton.
+_VERSION_FOLDER = re.compile(r"[1-9][0-9]*")
+
+
+def latest_version(model_dir: Path, filename: str | None = None) -> Path:
+    """The highest-numbered version folder of ``model_dir`` that holds a model artifact."""
+    versions = sorted(
+        (int(entry.name), entry)
+        for entry in model_dir.iterdir()
+        if entry.is_dir() and _VERSION_FOLDER.fullmatch(entry.name)
+    )
+    for _, folder in reversed(versions):
+        if find_artifact(folder, filename) is not None:
+            return folder
+    wanted = filename or ", ".join(ARTIFACT_FILENAMES)
+    raise LoadError(f"model {model_dir.name!r}: no version folder under {model_dir} holds {wanted}")
 
 
 def load_module(

@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import json
 import platform
-import re
 import statistics
 import sys
 import threading
@@ -31,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from batcher.loading import cuda_available, find_artifact, load_module
+from batcher.loading import cuda_available, latest_version, load_module
 from batcher.spec import NUMPY_DTYPES, ModelSpec
 from server.logs import configure_logging
 from server.model_config import model_spec_from_config, read_model_config
@@ -42,7 +41,6 @@ DEFAULT_REPOSITORY = ROOT / "models"
 _AUTOCAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Calls before timing starts: a traced module's profiling executor specialises on its first runs.
 _WARMUP_CALLS = 5
-_VERSION_FOLDER = re.compile(r"[0-9]+")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,24 +55,11 @@ def load(model_dir: Path | str) -> LoadedModel:
     model_dir = Path(model_dir)
     config, _unsupported = read_model_config(model_dir)
     filename = config.default_model_filename or None
-    version_dir = _latest_version(model_dir, filename)
+    version_dir = latest_version(model_dir, filename)
     spec = model_spec_from_config(config, version_dir.name, cuda_available=cuda_available())
     parameters = {key: value.string_value for key, value in config.parameters.items()}
     module = load_module(version_dir, filename=filename, parameters=parameters, device=spec.device)
     return LoadedModel(spec, module, version_dir)
-
-
-def _latest_version(model_dir: Path, filename: str | None) -> Path:
-    # The repository's rule: the highest-numbered version folder that holds an artifact.
-    versions = sorted(
-        (int(entry.name), entry)
-        for entry in model_dir.iterdir()
-        if entry.is_dir() and _VERSION_FOLDER.fullmatch(entry.name)
-    )
-    for _, folder in reversed(versions):
-        if find_artifact(folder, filename) is not None:
-            return folder
-    raise FileNotFoundError(f"{model_dir}: no version folder holds a model artifact")
 
 
 def sample_inputs(spec: ModelSpec, batch_size: int, seed: int = 0) -> list[torch.Tensor]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,7 +45,6 @@ READY = "READY"
 UNLOADING = "UNLOADING"
 STATES = (UNAVAILABLE, LOADING, READY, UNLOADING)
 
-_VERSION_FOLDER = re.compile(r"[1-9][0-9]*")
 # How long a version replaced by a reload may take to finish the requests queued on it.
 RETIRE_DRAIN_TIMEOUT_S = 30.0
 
@@ -257,7 +255,7 @@ class ModelRepository:
             log.warning("config_fields_not_supported", model=name, fields=unsupported,
                         config=str(model_dir / model_config.CONFIG_FILENAME))
         filename = config.default_model_filename or None
-        version_dir = self._latest_version(model_dir, filename)
+        version_dir = loading.latest_version(model_dir, filename)
         spec = model_config.model_spec_from_config(
             config, version_dir.name, cuda_available=self._cuda
         )
@@ -273,21 +271,6 @@ class ModelRepository:
             served.stop(0.0)
             raise
         return _Loaded(served, model_config.effective_config(config, spec))
-
-    @staticmethod
-    def _latest_version(model_dir: Path, filename: str | None) -> Path:
-        versions = sorted(
-            (int(entry.name), entry)
-            for entry in model_dir.iterdir()
-            if entry.is_dir() and _VERSION_FOLDER.fullmatch(entry.name)
-        )
-        for _, folder in reversed(versions):
-            if loading.find_artifact(folder, filename) is not None:
-                return folder
-        wanted = filename or ", ".join(loading.ARTIFACT_FILENAMES)
-        raise LoadError(
-            f"model {model_dir.name!r}: no version folder under {model_dir} holds {wanted}"
-        )
 
     @staticmethod
     def _unexpected(name: str, exc: Exception) -> LoadError:

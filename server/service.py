@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
-from batcher.errors import BatchgateError, ModelUnavailable, NotSupported
+from batcher.errors import BatchgateError, ModelUnavailable
 from batcher.stats import Duration
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc

@@ -8,8 +8,6 @@ JSON, and the assertions run here.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 import textwrap

@@ -7,7 +7,6 @@ sent beside good ones leaves the good ones answered correctly.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import grpc
@@ -364,7 +363,7 @@ def test_priority_high_runs_before_earlier_low(server, stub):
 
 def test_timeout_parameter_expires_request_in_queue(server, stub):
     with Held(server, stub) as held:
-        err = expect(lambda: stub.ModelInfer(gated(5, timeout=20_000)),
+        expect(lambda: stub.ModelInfer(gated(5, timeout=20_000)),
                      grpc.StatusCode.DEADLINE_EXCEEDED, "expired")
         held.wait_depth(0)
     assert 5.0 not in held.module.seen
