@@ -41,13 +41,15 @@ class BatcherMetrics:
             "batchgate_batches", "Batches dispatched, by the reason they were dispatched.",
             ["model", "reason"], registry=r,
         )
+        # With several processes (server/multiproc_metrics.py) a gauge is summed over the live
+        # ones: a dead process's queue is gone. One process ignores multiprocess_mode.
         self.queue_depth = Gauge(
             "batchgate_queue_depth", "Requests waiting in the model's queue.",
-            ["model"], registry=r,
+            ["model"], registry=r, multiprocess_mode="livesum",
         )
         self.inflight_batches = Gauge(
             "batchgate_inflight_batches", "Batches being assembled or computed.",
-            ["model"], registry=r,
+            ["model"], registry=r, multiprocess_mode="livesum",
         )
         self.failures = Counter(
             "batchgate_request_failures", "Requests that got no result, by reason.",

@@ -29,7 +29,7 @@ from batcher.errors import (
 from batcher.executor import Batch, Executor, Outcome
 from batcher.metrics import BatcherMetrics, ModelMetrics
 from batcher.queue import ModelQueue
-from batcher.request import InferenceRequest
+from batcher.request import DONE, InferenceRequest
 from batcher.spec import ModelSpec
 from batcher.stats import ModelStats
 
@@ -210,6 +210,10 @@ class ServedModel:
 
     def _deliver(self, outcome: Outcome) -> None:
         requests = outcome.batch.requests
+        for request in requests:
+            request.state = DONE
+            if request.on_release is not None:
+                request.on_release()
         if outcome.error is not None:
             self._count_failure("model_error", requests)
             for request in requests:

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 # Life of a request inside a ModelQueue. A request leaves QUEUED exactly once, under the
-# queue's lock: taken into a batch, or removed (cancelled, expired, refused at close).
+# queue's lock: taken into a batch, or removed (cancelled, expired, refused at close). A taken
+# request is DONE when its batch has finished: from then on nothing reads its input arrays.
 QUEUED = 0
 TAKEN = 1
 REMOVED = 2
+DONE = 3
 
 
 class InferenceRequest:
@@ -36,6 +38,7 @@ class InferenceRequest:
         "enqueued",
         "state",
         "future",
+        "on_release",
     )
 
     def __init__(
@@ -66,4 +69,12 @@ class InferenceRequest:
         self.enqueued = 0.0
         self.state = QUEUED
         self.future: asyncio.Future | None = None
+        # Called on the event loop when a taken request's batch has finished (its inputs may
+        # live in shared memory that their owner reuses only after this).
+        self.on_release: Callable[[], None] | None = None
+
+    @property
+    def holds_inputs(self) -> bool:
+        """True while a running batch may still read this request's input arrays."""
+        return self.state == TAKEN
 

@@ -182,6 +182,8 @@ class ServerProcess:
                 continue
             if event is None:
                 raise BenchError(f"the server exited while starting:\n{self.log_tail()}")
+            if "role" in event:  # a child process's line (multi-process mode)
+                continue
             if event.get("event") == "listening":
                 self.grpc_port = int(event["grpc_port"])
                 self.metrics_port = int(event["metrics_port"])

@@ -9,11 +9,8 @@ UNAVAILABLE, queued ones finish within ``drain_timeout_s``, then the server stop
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import gc
-import os
 import sys
-from pathlib import Path
 
 import grpc
 import structlog
@@ -24,57 +21,32 @@ from protos import inference_pb2, inference_pb2_grpc
 from server.metrics import ServerMetrics
 from server.repository import ModelRepository
 from server.service import InferenceService
+from server.settings import DEFAULT_REPOSITORY, Settings  # noqa: F401 (re-exported)
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_REPOSITORY = Path(__file__).resolve().parent.parent / "models"
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-@dataclasses.dataclass
-class Settings:
-    """Server settings; every one is also a command-line flag (``batchgate serve --help``)."""
-
-    host: str = "0.0.0.0"
-    grpc_port: int = 8001
-    metrics_port: int | None = 8002  # None: no metrics endpoint
-    model_repository: Path = dataclasses.field(
-        default_factory=lambda: Path(os.environ.get("BATCHGATE_MODEL_REPOSITORY", DEFAULT_REPOSITORY))
-    )
-    max_message_bytes: int = 64 * 1024 * 1024
-    drain_timeout_s: float = 30.0
-    switch_interval_s: float = 0.0005
-    gc_freeze: bool = True
-    reflection: bool = True
-
-    def __post_init__(self) -> None:
-        self.model_repository = Path(self.model_repository)
-        if not 0 <= self.grpc_port <= 65535:
-            raise ValueError(f"grpc_port must lie in 0..65535, got {self.grpc_port}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port must lie in 0..65535, got {self.metrics_port}")
-        if self.max_message_bytes < 1024:
-            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
-        if self.drain_timeout_s < 0:
-            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
-        if self.switch_interval_s <= 0:
-            raise ValueError(f"switch_interval_s must be > 0, got {self.switch_interval_s}")
-        if not self.model_repository.is_dir():
-            raise ValueError(f"model_repository must be a folder, got {str(self.model_repository)!r}")
-
-
 class Gateway:
-    def __init__(self, settings: Settings, *, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, settings: Settings, *, metrics: ServerMetrics | None = None,
+                 repository=None) -> None:
+        """``repository``: a front end's ``RemoteRepository``; by default the models load here."""
         self.settings = settings
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self.health = health.aio.HealthServicer()
-        self.repository = ModelRepository(
-            settings.model_repository,
-            metrics=self.metrics.batcher,
-            on_state_change=self._on_model_state,
-        )
+        if repository is None:
+            repository = ModelRepository(
+                settings.model_repository,
+                metrics=self.metrics.batcher,
+                on_state_change=self._on_model_state,
+            )
+        else:
+            repository.bind(on_state_change=self._on_model_state,
+                            on_connection_change=self._on_executor)
+        self.repository = repository
         self.service = InferenceService(self.repository, self.metrics)
         self.grpc_port = 0
         self.metrics_port: int | None = None
@@ -90,7 +62,7 @@ class Gateway:
         options = [
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", 1 if s.reuse_port else 0),
         ]
         server = grpc.aio.server(options=options)
         inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self.service, server)
@@ -142,6 +114,15 @@ class Gateway:
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
+
+    def _on_executor(self, connected: bool) -> None:
+        """A front end's executor came or went: the whole server's health follows it."""
+        if self.service.draining:
+            return
+        self.service.set_ready(connected)
+        status = SERVING if connected else NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            asyncio.ensure_future(self.health.set(name, status))
 
     def _on_model_state(self, name: str, state: str) -> None:
         status = SERVING if state == "READY" else NOT_SERVING

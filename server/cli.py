@@ -12,8 +12,9 @@ import signal
 import sys
 from pathlib import Path
 
-from server.app import DEFAULT_REPOSITORY, Gateway, Settings
+from server.settings import DEFAULT_REPOSITORY, Settings
 from server.logs import LOG_FORMATS, configure_logging
+from server.supervisor import DEFAULT_ARENA_BYTES, Supervisor
 
 
 def _serve_parser(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +40,12 @@ def _serve_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-gc-freeze", action="store_true",
                         help="do not freeze the garbage collector's view after loading")
     parser.add_argument("--no-reflection", action="store_true", help="disable server reflection")
+    parser.add_argument("--frontends", type=int, default=0,
+                        help="front-end processes sharing the gRPC port, fed by one executor "
+                             "process; 0 serves from one process (default: %(default)s)")
+    parser.add_argument("--arena-bytes", type=int, default=DEFAULT_ARENA_BYTES,
+                        help="size of the shared-memory arena between front ends and the "
+                             "executor; pages are used only when touched (default: %(default)s)")
     parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
     parser.add_argument("--log-format", default="auto", choices=LOG_FORMATS,
                         help="json, console, or auto: console on a terminal, else json")
@@ -61,6 +68,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 async def serve(settings: Settings) -> None:
+    from server.app import Gateway  # torch and grpc: only the process that serves needs them
+
     gateway = Gateway(settings)
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
@@ -82,8 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level, args.log_format)
     try:
         settings = settings_from(args)
+        if args.frontends < 0:
+            raise ValueError(f"--frontends must be >= 0, got {args.frontends}")
+        supervisor = None
+        if args.frontends > 0:
+            supervisor = Supervisor(settings, frontends=args.frontends,
+                                    arena_bytes=args.arena_bytes, log_level=args.log_level,
+                                    log_format=args.log_format)
     except ValueError as exc:
         parser.error(str(exc))
+    if supervisor is not None:
+        return supervisor.run()
     asyncio.run(serve(settings))
     return 0
 

@@ -273,7 +273,12 @@ def encode_outputs(
         array = outputs[name]
         datatype = spec.output(name).datatype
         tensors.add(name=name, datatype=datatype, shape=array.shape)
-        raws.append(_bytes_of(array) if datatype == "BYTES" else array.tobytes())
+        if datatype == "BYTES":
+            raws.append(_bytes_of(array))
+        elif isinstance(array.base, bytes) and len(array.base) == array.nbytes:
+            raws.append(array.base)  # already the reply's bytes (multi-process front end)
+        else:
+            raws.append(array.tobytes())
     return response
 
 

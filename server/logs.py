@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 
@@ -37,3 +38,9 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
         cache_logger_on_first_use=True,
     )
     logging.basicConfig(level=numeric, stream=sys.stderr, format="%(levelname)s %(name)s %(message)s")
+
+
+def announce(event: str, **fields) -> None:
+    """A JSON line on stderr whatever the log level: how child processes tell the supervisor
+    they are ready (``executor_ready``, ``frontend_ready``)."""
+    print(json.dumps({"event": event, **fields}), file=sys.stderr, flush=True)

@@ -118,6 +118,11 @@ class ModelRepository:
             if slot.state == READY and slot.loaded is not None
         ]
 
+    async def statistics(self, name: str = "", version: str = "") -> list[tuple]:
+        """``(name, version, StatsSnapshot)`` of one model, or of every READY one."""
+        models = [self.get(name, version)] if name else self.loaded()
+        return [(m.spec.name, m.spec.version, m.stats.snapshot()) for m in models]
+
     def get(self, name: str, version: str = "") -> ServedModel:
         """The READY model serving ``name`` (at ``version``, when given)."""
         return self._loaded(name, version).model

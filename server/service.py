@@ -55,6 +55,10 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
     def start_draining(self) -> None:
         self._draining = True
 
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
     # -- health and metadata ---------------------------------------------------------------
 
     async def ServerLive(self, request, context):
@@ -106,13 +110,10 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelStatistics(self, request, context):
         try:
-            if request.name:
-                models = [self._repository.get(request.name, request.version)]
-            else:
-                models = self._repository.loaded()
+            stats = await self._repository.statistics(request.name, request.version)
         except BatchgateError as exc:
             return await _fail(context, exc)
-        return pb.ModelStatisticsResponse(model_stats=[_statistics(m) for m in models])
+        return pb.ModelStatisticsResponse(model_stats=[_statistics(*s) for s in stats])
 
     # -- inference ---------------------------------------------------------------------------
 
@@ -259,11 +260,10 @@ def _duration(d: Duration) -> pb.StatisticDuration:
     return pb.StatisticDuration(count=d.count, ns=d.ns)
 
 
-def _statistics(model) -> pb.ModelStatistics:
-    snap = model.stats.snapshot()
+def _statistics(name: str, version: str, snap) -> pb.ModelStatistics:
     return pb.ModelStatistics(
-        name=model.spec.name,
-        version=model.spec.version,
+        name=name,
+        version=version,
         last_inference=snap.last_inference_ms,
         inference_count=snap.inference_count,
         execution_count=snap.execution_count,

@@ -9,13 +9,17 @@ repository: ``gated`` (y = 2x, can be held by a gate so queues can be observed),
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import shutil
 import textwrap
 import threading
+import time
+import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from server.app import Gateway, Settings
 
@@ -37,33 +41,36 @@ dynamic_batching {
 instance_group [ { kind: KIND_CPU count: 1 } ]
 parameters { key: "max_inflight_batches" value: { string_value: "1" } }
 parameters { key: "warmup" value: { string_value: "false" } }
+parameters { key: "gate_dir" value: { string_value: "GATE_DIR" } }
 """
 
 GATED_MODEL = '''
-import threading
+import time
+from pathlib import Path
+
 import torch
 
 
 class Gated(torch.nn.Module):
-    """y = 2x. While ``gate`` is clear, each batch waits for it; ``entered`` says one arrived.
-    ``seen`` records the first value of every row, in execution order."""
+    """y = 2x. Files in ``gate_dir`` drive it from another process: while ``closed`` exists each
+    batch waits; ``entered`` appears when a batch starts; ``seen`` logs each row's first value."""
 
-    def __init__(self):
+    def __init__(self, gate_dir):
         super().__init__()
-        self.gate = threading.Event()
-        self.gate.set()
-        self.entered = threading.Event()
-        self.seen = []
+        self.dir = Path(gate_dir)
 
     def forward(self, x):
-        self.seen.extend(x[:, 0].tolist())
-        self.entered.set()
-        self.gate.wait(30)
+        with open(self.dir / "seen", "a") as log:
+            log.write("".join(f"{v}\\n" for v in x[:, 0].tolist()))
+        (self.dir / "entered").touch()
+        deadline = time.monotonic() + 30
+        while (self.dir / "closed").exists() and time.monotonic() < deadline:
+            time.sleep(0.001)
         return x * 2
 
 
 def build_model(parameters):
-    return Gated()
+    return Gated(parameters["gate_dir"])
 '''
 
 FAILING_CONFIG = """
@@ -167,13 +174,14 @@ TEST_MODELS = {
 }
 
 
-def write_test_repository(root: Path) -> Path:
+def write_test_repository(root: Path, gate_dir: Path) -> Path:
     for child in EXAMPLE_MODELS.iterdir():
         if child.is_dir() and (child / "config.pbtxt").exists():
             shutil.copytree(child, root / child.name, ignore=shutil.ignore_patterns("__pycache__"))
     for name, (config, model) in TEST_MODELS.items():
         (root / name / "1").mkdir(parents=True)
-        (root / name / "config.pbtxt").write_text(textwrap.dedent(config))
+        (root / name / "config.pbtxt").write_text(
+            textwrap.dedent(config).replace("GATE_DIR", str(gate_dir)))
         (root / name / "1" / "model.py").write_text(model)
     # wrongbatch would fail its warm-up; it must load so that the server can report the error.
     (root / "wrongbatch" / "config.pbtxt").write_text(
@@ -183,36 +191,96 @@ def write_test_repository(root: Path) -> Path:
     return root
 
 
-@dataclasses.dataclass
+class Gate:
+    """Drives the ``gated`` test model through files, so it works across processes."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+
+    def close(self) -> None:
+        (self.dir / "entered").unlink(missing_ok=True)
+        (self.dir / "seen").unlink(missing_ok=True)
+        (self.dir / "closed").touch()
+
+    def open(self) -> None:
+        (self.dir / "closed").unlink(missing_ok=True)
+
+    def wait_entered(self, timeout_s: float = 30) -> None:
+        poll(lambda: (self.dir / "entered").exists(), timeout_s, "the gated model never ran")
+
+    def seen(self) -> list[float]:
+        path = self.dir / "seen"
+        return [float(v) for v in path.read_text().split()] if path.exists() else []
+
+
+def poll(predicate, timeout_s: float = 30, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not reached within {timeout_s} s")
+        time.sleep(0.002)
+
+
+_REFERENCE_MODULES: dict[str, object] = {}
+
+
+def reference(model: str, x: np.ndarray) -> np.ndarray:
+    """The example model's own output on ``x`` alone, computed in this process (seeded weights)."""
+    module = _REFERENCE_MODULES.get(model)
+    if module is None:
+        from batcher.loading import latest_version, load_module
+
+        version = latest_version(EXAMPLE_MODELS / model)
+        module = _REFERENCE_MODULES[model] = load_module(
+            version, filename=None, parameters={}, device="cpu")
+    with torch.inference_mode():
+        return module(torch.from_numpy(np.ascontiguousarray(x))).numpy()
+
+
 class RunningServer:
-    gateway: Gateway
-    loop: asyncio.AbstractEventLoop
-    thread: threading.Thread
+    """A server under test: ``mode`` "single" (one process: the server runs on a thread here)
+    or "multi" (the supervisor, an executor process and front-end processes)."""
+
+    def __init__(self, mode: str, grpc_port: int, metrics_port: int, gate: Gate, stop) -> None:
+        self.mode = mode
+        self.grpc_port = grpc_port
+        self.metrics_port = metrics_port
+        self.gate = gate
+        self._stop = stop
+        self.gateway: Gateway | None = None  # single mode only
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: threading.Thread | None = None
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.gateway.grpc_port}"
+        return f"127.0.0.1:{self.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.gateway.metrics_port}/metrics"
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def call(self, coroutine, timeout_s: float = 60):
-        """Run ``coroutine`` on the server's loop and return its result."""
+        """Run ``coroutine`` on the in-process server's loop (single mode)."""
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
 
-    def module(self, model: str):
-        """The loaded torch module of ``model`` (for test models' gates)."""
-        return self.gateway.repository.get(model).module
+    def metric(self, name: str, **labels) -> float:
+        text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
+        total = 0.0
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    total += sample.value
+        return total
+
+    def queue_depth(self, model: str) -> float:
+        return self.metric("batchgate_queue_depth", model=model)
 
     def stop(self) -> None:
-        if self.loop.is_running():
-            self.call(self.gateway.stop(drain_timeout_s=5))
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(30)
+        self._stop()
 
 
-def start_server(repository: Path, **overrides) -> RunningServer:
+def start_server(repository: Path, gate: Gate | None = None, **overrides) -> RunningServer:
+    """A single-process server on a thread of this process."""
     settings = Settings(
         host="127.0.0.1", grpc_port=0, metrics_port=0, model_repository=repository,
         gc_freeze=False, **overrides,
@@ -242,16 +310,52 @@ def start_server(repository: Path, **overrides) -> RunningServer:
         raise RuntimeError("the test server did not start within 120 s")
     if "error" in box:
         raise box["error"]
-    return RunningServer(box["gateway"], box["loop"], thread)
+    gateway, loop = box["gateway"], box["loop"]
+
+    def stop() -> None:
+        if loop.is_running():
+            asyncio.run_coroutine_threadsafe(gateway.stop(drain_timeout_s=5), loop).result(60)
+            loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+
+    running = RunningServer("single", gateway.grpc_port, gateway.metrics_port, gate, stop)
+    running.gateway, running.loop, running.thread = gateway, loop, thread
+    return running
+
+
+def start_multiprocess_server(repository: Path, gate: Gate | None = None, frontends: int = 2,
+                              **overrides) -> RunningServer:
+    """The supervisor with an executor process and ``frontends`` front-end processes."""
+    from server.supervisor import Supervisor
+
+    settings = Settings(
+        host="127.0.0.1", grpc_port=0, metrics_port=0, model_repository=repository,
+        gc_freeze=False, **overrides,
+    )
+    supervisor = Supervisor(settings, frontends=frontends, arena_bytes=256 << 20,
+                            log_level="warning", log_format="json")
+    supervisor.start()
+    running = RunningServer("multi", supervisor.grpc_port, supervisor.metrics_port, gate,
+                            lambda: supervisor.stop(10))
+    running.supervisor = supervisor
+    return running
 
 
 @pytest.fixture(scope="session")
-def model_repository(tmp_path_factory) -> Path:
-    return write_test_repository(tmp_path_factory.mktemp("models"))
+def gate(tmp_path_factory) -> Gate:
+    return Gate(tmp_path_factory.mktemp("gate"))
 
 
 @pytest.fixture(scope="session")
-def server(model_repository) -> RunningServer:
-    running = start_server(model_repository)
+def model_repository(tmp_path_factory, gate) -> Path:
+    return write_test_repository(tmp_path_factory.mktemp("models"), gate.dir)
+
+
+@pytest.fixture(scope="session", params=["single", "multi"])
+def server(request, model_repository, gate) -> RunningServer:
+    """The server in both modes: every test that uses it runs against each."""
+    start = start_server if request.param == "single" else start_multiprocess_server
+    running = start(model_repository, gate)
     yield running
+    gate.open()
     running.stop()

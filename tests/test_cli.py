@@ -46,10 +46,11 @@ class ServerProcess:
     def wait_for(self, name: str, timeout_s: float = 120) -> dict:
         with self._seen:
             found = self._seen.wait_for(
-                lambda: any(e.get("event") == name for e in self.events) or self.proc.poll() is not None,
+                lambda: any(e.get("event") == name and "role" not in e for e in self.events)
+                or self.proc.poll() is not None,
                 timeout_s,
             )
-            match = [e for e in self.events if e.get("event") == name]
+            match = [e for e in self.events if e.get("event") == name and "role" not in e]
         assert found and match, f"no '{name}' event; got {[e.get('event') for e in self.events]}"
         return match[0]
 

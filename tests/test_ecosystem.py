@@ -18,6 +18,7 @@ import pytest
 
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
+from tests.conftest import reference
 
 ROOT = Path(__file__).resolve().parent.parent
 PERF_ANALYZER = ROOT / "scripts" / "perf_analyzer"
@@ -120,10 +121,7 @@ def test_tritonclient_speaks_to_us(server, tmp_path):
     assert out["max_batch_size"] == 64
     assert out["raw_id"] == "tc-1"
     x = np.load(tmp_path / "x.npy")
-    import torch
-
-    with torch.inference_mode():
-        expected = server.module("mlp")(torch.from_numpy(x)).numpy()
+    expected = reference("mlp", x)
     np.testing.assert_allclose(np.load(tmp_path / "raw.npy"), expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.load(tmp_path / "typed.npy"), np.load(tmp_path / "raw.npy"))
     assert out["fp16_equal"] and out["fp16_dtype"] == "float16"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
-import torch
 
 from clients import AsyncClient, BatchgateError, Client, RetryPolicy
+from tests import conftest
 
 
 @pytest.fixture(scope="module")
@@ -17,8 +17,7 @@ def client(server):
 
 
 def reference(server, model: str, x: np.ndarray) -> np.ndarray:
-    with torch.inference_mode():
-        return server.module(model)(torch.from_numpy(x)).numpy()
+    return conftest.reference(model, x)
 
 
 def test_infer_matches_the_model(server, client):

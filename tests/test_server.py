@@ -7,7 +7,6 @@ sent beside good ones leaves the good ones answered correctly.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import numpy as np
@@ -19,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
-from tests.conftest import NUMERIC_TYPES
+from tests.conftest import NUMERIC_TYPES, poll, reference
 
 BF16 = "BF16"
 
@@ -51,9 +50,7 @@ def output(response: pb.ModelInferResponse, name: str, dtype=np.float32) -> np.n
 
 
 def mlp_reference(server, x: np.ndarray) -> np.ndarray:
-    module = server.module("mlp")
-    with torch.inference_mode():
-        return module(torch.from_numpy(x)).numpy()
+    return reference("mlp", x)
 
 
 def scrape(server) -> dict:
@@ -63,7 +60,8 @@ def scrape(server) -> dict:
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+            key = (sample.name, tuple(sorted(sample.labels.items())))
+            samples[key] = samples.get(key, 0.0) + sample.value
     return samples
 
 
@@ -189,10 +187,14 @@ def test_stream_answers_each_request_and_keeps_going_after_an_error(server, stub
 async def test_concurrent_clients_are_batched_and_answers_match(server):
     rng = np.random.default_rng(3)
     inputs = [rng.standard_normal((1, 512), dtype=np.float32) for _ in range(32 * 6)]
-    before = await asyncio.to_thread(
-        lambda: server.gateway.repository.get("mlp").stats.snapshot())
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+        async def stats():
+            response = await stub.ModelStatistics(pb.ModelStatisticsRequest(name="mlp"))
+            return response.model_stats[0]
+
+        before = await stats()
         results: list = [None] * len(inputs)
 
         async def client(k: int) -> None:
@@ -200,7 +202,7 @@ async def test_concurrent_clients_are_batched_and_answers_match(server):
                 results[i] = await stub.ModelInfer(infer_request("mlp", {"INPUT__0": inputs[i]}))
 
         await asyncio.gather(*(client(k) for k in range(32)))
-    after = server.gateway.repository.get("mlp").stats.snapshot()
+        after = await stats()
     samples = after.inference_count - before.inference_count
     batches = after.execution_count - before.execution_count
     assert samples == len(inputs)
@@ -285,7 +287,7 @@ def test_message_too_large_is_resource_exhausted(server):
     with grpc.insecure_channel(server.address, options=[("grpc.max_send_message_length", -1)]) as ch:
         stub = inference_pb2_grpc.GRPCInferenceServiceStub(ch)
         req = infer_request("mlp", {"INPUT__0": big})
-        req.parameters["padding"].string_param = "x" * (server.gateway.settings.max_message_bytes + 1)
+        req.parameters["padding"].string_param = "x" * (64 * 1024 * 1024 + 1)  # the default limit
         expect(lambda: stub.ModelInfer(req), grpc.StatusCode.RESOURCE_EXHAUSTED, "")
 
 
@@ -316,29 +318,26 @@ class Held:
     """Holds the gated model's executor so requests pile up in its queue."""
 
     def __init__(self, server, stub):
-        self.server, self.stub = server, stub
-        self.module = server.module("gated")
-        self.model = server.gateway.repository.get("gated")
+        self.server, self.stub, self.gate = server, stub, server.gate
 
     def __enter__(self):
-        self.module.seen.clear()
-        self.module.entered.clear()
-        self.module.gate.clear()
+        self.gate.close()
         self.blocker = self.stub.ModelInfer.future(
             infer_request("gated", {"INPUT__0": np.full((1, 2), -1, np.float32)},
                           parameters={"priority": pb.InferParameter(uint64_param=1)}))
-        assert self.module.entered.wait(10)
+        self.gate.wait_entered()
         return self
 
-    def wait_depth(self, depth: int, timeout_s: float = 10) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.model.queue_depth != depth:
-            assert time.monotonic() < deadline, f"queue depth {self.model.queue_depth}, want {depth}"
-            time.sleep(0.002)
+    def wait_depth(self, depth: int, timeout_s: float = 30) -> None:
+        poll(lambda: self.server.queue_depth("gated") == depth, timeout_s,
+             f"queue depth of gated never became {depth}")
+
+    def seen(self) -> list[float]:
+        return self.gate.seen()
 
     def __exit__(self, *exc):
-        self.module.gate.set()
-        self.blocker.result(10)
+        self.gate.open()
+        self.blocker.result(30)
 
 
 def gated(value: float, **params) -> pb.ModelInferRequest:
@@ -355,7 +354,7 @@ def test_priority_high_runs_before_earlier_low(server, stub):
     for f in low + high:
         f.result(10)
     # After the blocker, the high-priority rows run first, each level in arrival order.
-    seen = held.module.seen[1:]
+    seen = held.seen()[1:]
     assert seen.index(20.0) < seen.index(10.0)
     assert [v for v in seen if v >= 20] == [20.0, 21.0, 22.0]
     assert [v for v in seen if 10 <= v < 20] == [10.0, 11.0, 12.0]
@@ -366,7 +365,7 @@ def test_timeout_parameter_expires_request_in_queue(server, stub):
         expect(lambda: stub.ModelInfer(gated(5, timeout=20_000)),
                      grpc.StatusCode.DEADLINE_EXCEEDED, "expired")
         held.wait_depth(0)
-    assert 5.0 not in held.module.seen
+    assert 5.0 not in held.seen()
 
 
 def test_grpc_deadline_expires_request_in_queue(server, stub):
@@ -374,7 +373,7 @@ def test_grpc_deadline_expires_request_in_queue(server, stub):
         expect(lambda: stub.ModelInfer(gated(6), timeout=0.05),
                grpc.StatusCode.DEADLINE_EXCEEDED, "")
         held.wait_depth(0)
-    assert 6.0 not in held.module.seen
+    assert 6.0 not in held.seen()
 
 
 def test_cancellation_removes_request_from_queue(server, stub):
@@ -383,7 +382,7 @@ def test_cancellation_removes_request_from_queue(server, stub):
         held.wait_depth(1)
         future.cancel()
         held.wait_depth(0)
-    assert 7.0 not in held.module.seen
+    assert 7.0 not in held.seen()
     samples = scrape(server)
     assert metric(samples, "batchgate_queue_depth", model="gated") == 0
     assert metric(samples, "batchgate_request_failures_total", model="gated", reason="cancelled") >= 1

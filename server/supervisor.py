@@ -1,0 +1,620 @@
+"""The supervisor of ``batchgate serve --frontends N``: one executor process and N front ends.
+
+A thin parent that imports neither torch nor grpc. It owns the shared arena (a memfd, handed to
+each child by descriptor), reserves the gRPC port so that every front end binds the same one with
+SO_REUSEPORT, starts the executor and waits for its ``executor_ready`` line, then the front ends
+and their ``frontend_ready`` lines, and serves one ``/metrics`` for all of them
+(``server/multiproc_metrics.py``). Children log JSON lines on stderr; a thread per child forwards
+each line to the supervisor's stderr as it comes, so the server's log stays one stream.
+
+A child that exits while serving is started again with the same command line after a backoff
+that doubles with each crash; one child crashing ``RestartPolicy.max_crashes`` times within
+``window_s`` makes the supervisor give up: it drains the others and exits 1. SIGTERM or SIGINT
+drains: front ends first (they go NOT_SERVING, refuse new requests, finish in-flight ones), then
+the executor; whatever outlives its time is killed.
+
+Children run in their own session, so a terminal's Ctrl-C reaches only the supervisor, which
+then stops them in order. Each has PR_SET_PDEATHSIG=SIGKILL, so a supervisor that is killed takes
+its children along. The kernel sends that signal when the *thread* that forked the child exits,
+which is why one supervisor thread spawns every child and outlives them all.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import queue
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, BinaryIO
+
+import structlog
+
+from batcher.arena import ArenaLayout, SharedArena
+from server.multiproc_metrics import MultiProcessMetrics
+
+if TYPE_CHECKING:
+    from server.app import Settings
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_ARENA_BYTES = 1 << 30
+EXECUTOR_COMMAND = (sys.executable, "-m", "server.executor_process")
+FRONTEND_COMMAND = (sys.executable, "-m", "server.frontend")
+# How long an exited child's last log lines may take to be forwarded (a grandchild that
+# inherited its stderr could hold the pipe open for ever).
+LAST_LINES_S = 2.0
+# The executor's share of a drain whose front ends used up the whole timeout: enough to close.
+EXECUTOR_MIN_GRACE_S = 5.0
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+class SupervisorError(RuntimeError):
+    """The server could not start: a child failed before it was ready."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RestartPolicy:
+    """When a child that exited is started again, and when the supervisor stops trying."""
+
+    backoff_s: float = 0.5
+    """Delay before the first restart; it doubles with each crash inside ``window_s``."""
+    max_backoff_s: float = 10.0
+    """Longest delay before a restart."""
+    max_crashes: int = 5
+    """One child exiting this many times within ``window_s`` makes the supervisor give up."""
+    window_s: float = 60.0
+    """The window, in seconds, in which crashes are counted."""
+
+    def __post_init__(self) -> None:
+        if self.backoff_s < 0:
+            raise ValueError(f"backoff_s must be >= 0, got {self.backoff_s}")
+        if self.max_backoff_s < self.backoff_s:
+            raise ValueError(f"max_backoff_s must be >= backoff_s, got {self.max_backoff_s}")
+        if self.max_crashes < 1:
+            raise ValueError(f"max_crashes must be >= 1, got {self.max_crashes}")
+        if self.window_s <= 0:
+            raise ValueError(f"window_s must be > 0, got {self.window_s}")
+
+    def delay_s(self, recent_crashes: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * 2 ** max(0, recent_crashes - 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class ChildInfo:
+    """A snapshot of one child: ``pid`` is None while it waits to be restarted."""
+
+    role: str  # "executor" or "frontend"
+    slot: int | None  # the front end's arena slot; None for the executor
+    pid: int | None
+    ready: bool
+    starts: int
+
+
+class _Child:
+    """One child's place: its command line, and the process currently filling it."""
+
+    def __init__(self, role: str, slot: int | None, argv: list[str]) -> None:
+        self.role = role
+        self.slot = slot
+        self.argv = argv
+        self.proc: subprocess.Popen | None = None
+        self.ready = False
+        self.starts = 0
+        self.ready_deadline: float | None = None
+        self.restart_at: float | None = None
+        self.crashes: deque[float] = deque()
+
+    @property
+    def name(self) -> str:
+        return self.role if self.slot is None else f"{self.role} {self.slot}"
+
+    def fields(self, proc: subprocess.Popen | None = None) -> dict:
+        proc = proc or self.proc
+        return {"role": self.role, "slot": self.slot, "pid": proc.pid if proc else None}
+
+
+class _StartupFailed(Exception):
+    pass
+
+
+class Supervisor:
+    """Runs the executor and ``frontends`` front ends; ``start()``, then ``stop()`` or ``run()``.
+
+    ``executor_command`` and ``frontend_command`` are the argv prefixes the protocol arguments
+    are appended to (tests pass stand-in scripts). ``log_stream`` is the binary stream child
+    log lines are forwarded to (default: this process's stderr).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        frontends: int,
+        arena_bytes: int = DEFAULT_ARENA_BYTES,
+        log_level: str = "info",
+        log_format: str = "auto",
+        executor_command: Sequence[str] = EXECUTOR_COMMAND,
+        frontend_command: Sequence[str] = FRONTEND_COMMAND,
+        restart_policy: RestartPolicy | None = None,
+        ready_timeout_s: float = 300.0,
+        log_stream: BinaryIO | None = None,
+    ) -> None:
+        if not isinstance(frontends, int) or frontends < 1:
+            raise ValueError(f"frontends must be an int >= 1, got {frontends!r}")
+        ArenaLayout(arena_bytes, frontends)  # refuses an arena too small for the slots
+        if ready_timeout_s <= 0:
+            raise ValueError(f"ready_timeout_s must be > 0, got {ready_timeout_s}")
+        if str(log_level).upper() not in LOG_LEVELS:
+            raise ValueError(f"unknown log level, got {log_level!r}")
+        self.settings = settings
+        self.frontends = frontends
+        self.arena_bytes = arena_bytes
+        self.log_level = log_level
+        self.log_format = log_format
+        self.executor_command = list(executor_command)
+        self.frontend_command = list(frontend_command)
+        self.policy = restart_policy if restart_policy is not None else RestartPolicy()
+        self.ready_timeout_s = ready_timeout_s
+        self.grpc_port = 0
+        self.metrics_port: int | None = None
+        self.metrics_dir = None
+        self.socket_name = f"batchgate-{os.getpid()}-{secrets.token_hex(4)}"
+        self.models: list[str] = []
+        self.serving = False
+        self.exit_code: int | None = None
+
+        self._log_stream = log_stream
+        self._console_renderer = None
+        # Children log at info at least, since their ready lines are info lines; the
+        # supervisor drops what is below the level asked for.
+        self._forward_level = _level_number(log_level)
+        self._child_log_level = log_level if self._forward_level <= logging.INFO else "info"
+        self._write_lock = threading.Lock()
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._children: list[_Child] = []
+        self._restarts = {"executor": 0, "frontend": 0}
+        self._phase = "idle"
+        self._stop_requested = False
+        self._drain_timeout_s = settings.drain_timeout_s
+        self._gave_up = False
+        self._failure: str | None = None
+        self._started = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._arena: SharedArena | None = None
+        self._port_reservation: socket.socket | None = None
+        self._metrics: MultiProcessMetrics | None = None
+        self._env: dict[str, str] = {}
+
+    # -- the public surface ---------------------------------------------------------------
+
+    def start(self) -> None:
+        """Bind the ports, start every child, return once all are ready.
+
+        Raises ``SupervisorError`` (after stopping whatever had started) when a child exits or
+        stays unready past ``ready_timeout_s``; ``OSError`` when a port cannot be bound.
+        """
+        if self._thread is not None:
+            raise RuntimeError("the supervisor was already started")
+        if self._log_stream is None:
+            self._log_stream = sys.stderr.buffer
+        if _resolve_format(self.log_format, self._log_stream) == "console":
+            self._console_renderer = structlog.dev.ConsoleRenderer(colors=_isatty(self._log_stream))
+        s = self.settings
+        try:
+            self._arena = SharedArena.create(self.arena_bytes)
+            self._port_reservation = reserve_port(s.host, s.grpc_port)
+            self.grpc_port = self._port_reservation.getsockname()[1]
+            self._metrics = MultiProcessMetrics(restarts=lambda: dict(self._restarts))
+            self.metrics_dir = self._metrics.path
+            if s.metrics_port is not None:
+                self.metrics_port = self._metrics.serve_http(s.host, s.metrics_port)
+        except BaseException:
+            self._release()
+            self.exit_code = 1
+            raise
+        self._env = {**os.environ, **self._metrics.child_env()}
+        self._children = [_Child("executor", None, self._executor_argv())]
+        self._children += [_Child("frontend", slot, self._frontend_argv(slot))
+                           for slot in range(self.frontends)]
+        self._thread = threading.Thread(target=self._supervise, name="batchgate-supervisor",
+                                        daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._failure is not None:
+            self.wait()
+            raise SupervisorError(self._failure)
+
+    def request_stop(self, drain_timeout_s: float | None = None) -> None:
+        """Ask for a drain; returns at once. Safe from a signal handler."""
+        self._events.put(("stop", drain_timeout_s))
+
+    def stop(self, drain_timeout_s: float | None = None) -> int:
+        """Drain (front ends, then the executor) and return the exit code."""
+        self.request_stop(drain_timeout_s)
+        return self.wait()
+
+    def wait(self, timeout_s: float | None = None) -> int | None:
+        """Wait until every child is gone and everything is released: the exit code, or None
+        when ``timeout_s`` passed first."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                return None
+        return 1 if self.exit_code is None else self.exit_code
+
+    def run(self) -> int:
+        """The CLI's entry: start, serve until SIGTERM/SIGINT or giving up, drain; exit code."""
+        def on_signal(signum, frame) -> None:
+            self.request_stop()
+
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            try:
+                self.start()
+            except (SupervisorError, OSError) as exc:
+                log.error("supervisor_failed", error=str(exc))
+                return 1
+            return self.wait()
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+
+    def children(self) -> list[ChildInfo]:
+        return [ChildInfo(c.role, c.slot, c.proc.pid if c.proc else None, c.ready, c.starts)
+                for c in self._children]
+
+    # -- the supervisor thread ---------------------------------------------------------------
+
+    def _supervise(self) -> None:
+        try:
+            self._phase = "starting"
+            try:
+                self._start_children()
+            except _StartupFailed as exc:
+                self._failure = str(exc)
+                self.exit_code = 1
+            if self._failure is None and not self._stop_requested:
+                self._phase = "serving"
+                self.serving = True
+                log.info("listening", grpc_port=self.grpc_port, metrics_port=self.metrics_port,
+                         model_repository=str(self.settings.model_repository))
+                log.info("serving", models=self.models, grpc_port=self.grpc_port,
+                         metrics_port=self.metrics_port, frontends=self.frontends)
+            self._started.set()
+            if self.serving:
+                self._serve()
+            self._phase = "draining"
+            self._drain()
+        except BaseException as exc:
+            log.exception("supervisor_crashed")
+            self.exit_code = 1
+            if not self._started.is_set():
+                self._failure = f"the supervisor failed while starting: {exc!r}"
+        finally:
+            self._kill_all()
+            self._release()
+            self.serving = False
+            if self.exit_code is None:
+                self.exit_code = 0
+            self._started.set()
+            log.info("stopped", exit_code=self.exit_code)
+
+    def _start_children(self) -> None:
+        executor, frontends = self._children[0], self._children[1:]
+        self._spawn(executor)
+        self._wait_until(lambda: executor.ready, "the executor")
+        for child in frontends:
+            self._spawn(child)
+        self._wait_until(lambda: all(c.ready for c in frontends), "the front ends")
+
+    def _wait_until(self, done: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        while not done() and not self._stop_requested:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise _StartupFailed(f"{what} did not report ready within {self.ready_timeout_s} s")
+            try:
+                event = self._events.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            self._handle(event)
+
+    def _serve(self) -> None:
+        while not self._stop_requested and not self._gave_up:
+            try:
+                event = self._events.get(timeout=self._next_timer_s())
+            except queue.Empty:
+                event = None
+            if event is not None:
+                self._handle(event)
+            self._run_timers()
+
+    def _next_timer_s(self) -> float | None:
+        times = [c.restart_at for c in self._children
+                 if c.proc is None and c.restart_at is not None]
+        times += [c.ready_deadline for c in self._children
+                  if c.proc is not None and c.ready_deadline is not None]
+        return max(0.0, min(times) - time.monotonic()) if times else None
+
+    def _run_timers(self) -> None:
+        now = time.monotonic()
+        for child in self._children:
+            if child.proc is None and child.restart_at is not None and child.restart_at <= now:
+                child.restart_at = None
+                self._spawn(child)
+            elif child.proc is not None and child.ready_deadline is not None \
+                    and child.ready_deadline <= now:
+                # A restarted child that never becomes ready counts as a crash.
+                child.ready_deadline = None
+                log.error("child_not_ready", **child.fields(), ready_timeout_s=self.ready_timeout_s)
+                child.proc.kill()
+
+    def _handle(self, event: tuple) -> None:
+        kind = event[0]
+        if kind == "stop":
+            self._stop_requested = True
+            if event[1] is not None:
+                self._drain_timeout_s = event[1]
+        elif kind == "ready":
+            _, child, proc, info = event
+            if child.proc is proc:
+                child.ready = True
+                child.ready_deadline = None
+                if child.role == "executor":
+                    self.models = list(info.get("models") or [])
+        elif kind == "exit":
+            _, child, proc, returncode = event
+            if child.proc is not proc:
+                return
+            self._metrics.process_dead(proc.pid)
+            child.proc = None
+            child.ready = False
+            child.ready_deadline = None
+            how = _exit_fields(returncode)
+            if self._phase == "draining":
+                log.info("child_stopped", **child.fields(proc), **how)
+                return
+            log.error("child_exited", **child.fields(proc), **how)
+            if self._phase == "starting":
+                raise _StartupFailed(
+                    f"the {child.name} process exited ({_describe(how)}) before it was ready; "
+                    "its log is above"
+                )
+            self._crashed(child)
+
+    def _crashed(self, child: _Child) -> None:
+        now = time.monotonic()
+        child.crashes.append(now)
+        while child.crashes and child.crashes[0] <= now - self.policy.window_s:
+            child.crashes.popleft()
+        if len(child.crashes) >= self.policy.max_crashes:
+            log.error("giving_up", role=child.role, slot=child.slot, crashes=len(child.crashes),
+                      window_s=self.policy.window_s,
+                      error=f"the {child.name} process exited {len(child.crashes)} times within "
+                            f"{self.policy.window_s} s; stopping the server")
+            self._gave_up = True
+            self.exit_code = 1
+            return
+        delay_s = self.policy.delay_s(len(child.crashes))
+        child.restart_at = now + delay_s
+        log.info("child_restarting", role=child.role, slot=child.slot, delay_s=delay_s)
+
+    def _drain(self) -> None:
+        timeout_s = self._drain_timeout_s
+        log.info("draining", drain_timeout_s=timeout_s)
+        for child in self._children:
+            child.restart_at = None
+        deadline = time.monotonic() + timeout_s
+        self._terminate([c for c in self._children[1:] if c.proc is not None], deadline)
+        executor = self._children[0] if self._children else None
+        if executor is not None and executor.proc is not None:
+            grace_s = max(deadline - time.monotonic(), min(timeout_s, EXECUTOR_MIN_GRACE_S))
+            self._terminate([executor], time.monotonic() + grace_s)
+
+    def _terminate(self, children: list[_Child], deadline: float) -> None:
+        """SIGTERM ``children``, wait for them until ``deadline``, SIGKILL the rest."""
+        for child in children:
+            child.proc.send_signal(signal.SIGTERM)
+        self._wait_for_exits(children, deadline)
+        for child in children:
+            if child.proc is not None:
+                log.warning("child_killed", **child.fields(), reason="drain timeout")
+                child.proc.kill()
+        self._wait_for_exits(children, None)
+
+    def _wait_for_exits(self, children: list[_Child], deadline: float | None) -> None:
+        while any(c.proc is not None for c in children):
+            timeout = None if deadline is None else deadline - time.monotonic()
+            if timeout is not None and timeout <= 0:
+                return
+            try:
+                event = self._events.get(timeout=timeout)
+            except queue.Empty:
+                return
+            if event[0] != "stop":  # already draining
+                self._handle(event)
+
+    def _kill_all(self) -> None:
+        for child in self._children:
+            proc = child.proc
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    def _release(self) -> None:
+        if self._port_reservation is not None:
+            self._port_reservation.close()
+            self._port_reservation = None
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+
+    # -- children ------------------------------------------------------------------------
+
+    def _executor_argv(self) -> list[str]:
+        return [*self.executor_command, *self._arena_args(),
+                "--model-repository", str(self.settings.model_repository),
+                "--drain-timeout-s", str(self.settings.drain_timeout_s),
+                "--switch-interval-s", str(self.settings.switch_interval_s), *self._log_args()]
+
+    def _frontend_argv(self, slot: int) -> list[str]:
+        s = self.settings
+        return [*self.frontend_command, *self._arena_args(), "--slot", str(slot),
+                "--host", s.host, "--grpc-port", str(self.grpc_port),
+                "--max-message-bytes", str(s.max_message_bytes),
+                "--drain-timeout-s", str(s.drain_timeout_s),
+                "--switch-interval-s", str(s.switch_interval_s), *self._log_args()]
+
+    def _arena_args(self) -> list[str]:
+        return ["--arena-fd", str(self._arena.fd), "--arena-bytes", str(self.arena_bytes),
+                "--slots", str(self.frontends), "--socket", self.socket_name]
+
+    def _log_args(self) -> list[str]:
+        # Children always log JSON: the supervisor reads their ready lines, and renders them
+        # for a terminal itself when its own format is console.
+        return ["--log-level", self._child_log_level, "--log-format", "json"]
+
+    def _spawn(self, child: _Child) -> None:
+        try:
+            proc = subprocess.Popen(
+                child.argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=self._env,
+                pass_fds=(self._arena.fd,), start_new_session=True,
+                # Between fork and exec this runs only prctl and getppid: no lock that another
+                # thread could have held at fork time.
+                preexec_fn=_die_with_parent(os.getpid()),  # noqa: PLW1509
+            )
+        except OSError as exc:
+            log.error("child_start_failed", role=child.role, slot=child.slot, error=str(exc))
+            if self._phase == "starting":
+                raise _StartupFailed(f"could not start the {child.name} process: {exc}") from exc
+            self._crashed(child)
+            return
+        if child.starts:
+            self._restarts[child.role] += 1
+        child.starts += 1
+        child.proc = proc
+        child.ready = False
+        child.ready_deadline = time.monotonic() + self.ready_timeout_s
+        log.info("child_started", **child.fields(), starts=child.starts)
+        reader = threading.Thread(target=self._read, args=(child, proc), daemon=True,
+                                  name=f"batchgate-log-{proc.pid}")
+        reader.start()
+        threading.Thread(target=self._reap, args=(child, proc, reader), daemon=True,
+                         name=f"batchgate-wait-{proc.pid}").start()
+
+    def _read(self, child: _Child, proc: subprocess.Popen) -> None:
+        ready_event = f"{child.role}_ready"
+        parse_all = self._console_renderer is not None or self._forward_level > logging.INFO
+        try:
+            for line in proc.stderr:
+                event = _parse(line) if parse_all or b"_ready" in line else None
+                if event is None or _level_number(event.get("level")) >= self._forward_level:
+                    self._forward(line, event)
+                if event is not None and event.get("event") == ready_event:
+                    self._events.put(("ready", child, proc, event))
+        finally:
+            proc.stderr.close()
+
+    def _reap(self, child: _Child, proc: subprocess.Popen, reader: threading.Thread) -> None:
+        returncode = proc.wait()
+        reader.join(LAST_LINES_S)
+        self._events.put(("exit", child, proc, returncode))
+
+    def _forward(self, line: bytes, event: dict | None) -> None:
+        if not line.endswith(b"\n"):
+            line += b"\n"
+        if self._console_renderer is not None and event is not None:
+            line = (self._console_renderer(None, "", dict(event)) + "\n").encode()
+        with self._write_lock:
+            try:
+                self._log_stream.write(line)
+                self._log_stream.flush()
+            except (OSError, ValueError):
+                pass  # our stderr is gone; keep reading so the child never blocks on the pipe
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A bound, never-listening SO_REUSEPORT socket on ``(host, port)``: it holds the port.
+
+    Front ends bind the same port with SO_REUSEPORT and listen; a socket that does not listen
+    is not in the kernel's group that connections are spread over, so it never gets one.
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _die_with_parent(parent_pid: int) -> Callable[[], None]:
+    def preexec() -> None:  # in the child, between fork and exec
+        if _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            os._exit(70)
+        if os.getppid() != parent_pid:  # the supervisor died before prctl took effect
+            os._exit(70)
+    return preexec
+
+
+def _parse(line: bytes) -> dict | None:
+    if not line.startswith(b"{"):
+        return None
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) else None
+
+
+def _exit_fields(returncode: int) -> dict:
+    if returncode >= 0:
+        return {"exit_code": returncode}
+    try:
+        return {"signal": signal.Signals(-returncode).name}
+    except ValueError:
+        return {"signal": f"SIG{-returncode}"}
+
+
+def _describe(how: dict) -> str:
+    return f"exit code {how['exit_code']}" if "exit_code" in how else f"killed by {how['signal']}"
+
+
+def _level_number(level) -> int:
+    """``logging``'s number for a level name; lines without a known level are always shown."""
+    if not isinstance(level, str):
+        return logging.CRITICAL + 1
+    number = logging.getLevelName(level.upper())
+    return number if isinstance(number, int) else logging.CRITICAL + 1
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _resolve_format(fmt: str, stream) -> str:
+    if fmt == "auto":
+        return "console" if _isatty(stream) else "json"
+    return fmt
