@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import gc
 import signal
 import sys
@@ -249,7 +250,7 @@ async def run(args: argparse.Namespace) -> None:
     gc.collect()
     gc.freeze()
     ready = [e.name for e in repository.index() if e.state == "READY"]
-    announce("executor_ready", models=ready, socket=args.socket)
+    announce("executor_ready", models=ready, socket=args.socket, pid=os.getpid())
 
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()

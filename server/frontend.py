@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 
@@ -40,7 +41,7 @@ async def run(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     await gateway.start()
-    announce("frontend_ready", slot=args.slot, grpc_port=gateway.grpc_port)
+    announce("frontend_ready", slot=args.slot, grpc_port=gateway.grpc_port, pid=os.getpid())
     await stopping.wait()
     await gateway.stop()
 

@@ -9,7 +9,11 @@ repository: ``gated`` (y = 2x, can be held by a gate so queues can be observed),
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
+import signal
+import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -323,20 +327,80 @@ def start_server(repository: Path, gate: Gate | None = None, **overrides) -> Run
     return running
 
 
-def start_multiprocess_server(repository: Path, gate: Gate | None = None, frontends: int = 2,
-                              **overrides) -> RunningServer:
-    """The supervisor with an executor process and ``frontends`` front-end processes."""
-    from server.supervisor import Supervisor
+class SupervisorProcess:
+    """``batchgate serve --frontends N`` as its own process, its JSON log lines parsed.
 
-    settings = Settings(
-        host="127.0.0.1", grpc_port=0, metrics_port=0, model_repository=repository,
-        gc_freeze=False, **overrides,
-    )
-    supervisor = Supervisor(settings, frontends=frontends, arena_bytes=256 << 20,
-                            log_level="warning", log_format="json")
-    supervisor.start()
-    running = RunningServer("multi", supervisor.grpc_port, supervisor.metrics_port, gate,
-                            lambda: supervisor.stop(10))
+    The supervisor runs apart from the test process on purpose: it forks its children, and a
+    fork of a process whose threads are inside gRPC (the tests' clients) is not safe."""
+
+    def __init__(self, repository: Path, frontends: int, drain_timeout_s: float = 10) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "server.cli", "serve", "--frontends", str(frontends),
+             "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0",
+             "--model-repository", str(repository), "--arena-bytes", str(256 << 20),
+             "--drain-timeout-s", str(drain_timeout_s), "--log-format", "json",
+             "--no-gc-freeze"],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+        self.events: list[dict] = []
+        self._changed = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            with self._changed:
+                self.events.append(event)
+                self._changed.notify_all()
+        with self._changed:
+            self._changed.notify_all()
+
+    def wait_for(self, name: str, timeout_s: float = 120) -> dict:
+        """The supervisor's own ``name`` event (children's lines carry a ``role``)."""
+        def found():
+            return [e for e in self.events if e.get("event") == name and "role" not in e]
+
+        with self._changed:
+            self._changed.wait_for(lambda: found() or self.proc.poll() is not None, timeout_s)
+            match = found()
+        if not match:
+            raise RuntimeError(f"the supervisor never logged {name!r}: {self.events[-20:]}")
+        return match[-1]
+
+    def pids(self, role: str) -> dict:
+        """The latest ready process per slot of ``role`` ("executor" has slot None)."""
+        event = f"{role}_ready"
+        with self._changed:
+            return {e.get("slot"): e["pid"] for e in self.events if e.get("event") == event}
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+
+def start_multiprocess_server(repository: Path, gate: Gate | None = None, frontends: int = 2
+                              ) -> RunningServer:
+    """The supervisor with an executor process and ``frontends`` front-end processes."""
+    supervisor = SupervisorProcess(repository, frontends)
+    try:
+        serving = supervisor.wait_for("serving")
+    except BaseException:
+        supervisor.proc.kill()
+        raise
+
+    def stop() -> None:
+        code = supervisor.stop()
+        assert code == 0, f"the supervisor exited {code}"
+
+    running = RunningServer("multi", serving["grpc_port"], serving["metrics_port"], gate, stop)
     running.supervisor = supervisor
     return running
 
