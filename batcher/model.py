@@ -139,6 +139,20 @@ class ServedModel:
 
     async def infer(self, request: InferenceRequest) -> dict[str, np.ndarray]:
         """Queue ``request`` and wait for its outputs (arrays for this request's rows only)."""
+        future = self.submit(request)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if self._queue.remove(request):
+                self._count_failure("cancelled", [request])
+            raise
+
+    def submit(self, request: InferenceRequest) -> asyncio.Future:
+        """Queue ``request``; its future resolves to its outputs (on the running loop).
+
+        Refusals (unavailable, bad priority, queue full) raise at once. The caller that gives
+        up on the future must call ``cancel(request)`` (``infer`` does).
+        """
         if not self._accepting:
             raise ModelUnavailable(f"model '{self._spec.name}' is not serving; retry later")
         loop = self._loop
@@ -168,18 +182,10 @@ class ServedModel:
         except QueueFull:
             self._count_failure("rejected", [request])
             raise
-        timer = None
         if deadline is not None:
             timer = loop.call_later(max(0.0, deadline - time.monotonic()), self._expire, request)
-        try:
-            return await future
-        except asyncio.CancelledError:
-            if self._queue.remove(request):
-                self._count_failure("cancelled", [request])
-            raise
-        finally:
-            if timer is not None:
-                timer.cancel()
+            future.add_done_callback(lambda _: timer.cancel())
+        return future
 
     def _expire(self, request: InferenceRequest) -> None:
         self._queue.remove(request)  # a running batch still finishes; its answer is dropped

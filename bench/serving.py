@@ -96,13 +96,32 @@ def machine() -> dict[str, Any]:
     }
 
 
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid``, all its threads, from ``/proc/PID/stat``."""
+def _stat_fields(pid: int) -> list[str]:
     text = Path(f"/proc/{pid}/stat").read_text()
     # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
-    fields = text[text.rindex(")") + 2:].split()
-    utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of proc(5)
-    return (utime + stime) / _CLOCK_TICKS
+    return text[text.rindex(")") + 2:].split()
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its live descendants (the multi-process
+    server's executor and front ends), all threads, from ``/proc/PID/stat``."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                children.setdefault(int(_stat_fields(int(entry.name))[1]), []).append(int(entry.name))
+            except (OSError, ValueError):
+                continue
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            fields = _stat_fields(current)
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # proc(5) fields 14, 15
+        todo.extend(children.get(current, ()))
+    return total
 
 
 def machine_busy_s() -> float:

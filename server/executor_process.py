@@ -30,6 +30,7 @@ from batcher.errors import (
     BatchgateError,
     InvalidRequest,
     ModelExecutionError,
+    RequestCancelled,
     ResourceExhausted,
 )
 from batcher.metrics import BatcherMetrics
@@ -146,21 +147,34 @@ class ExecutorServer:
             deadline=deadline, timeout_us=timeout_us, requested_outputs=requested,
             shape_key=tuple(a.shape[1:] if batching else a.shape for a in arrays),
         )
-        connection.requests[rid] = (request, model)
-        asyncio.create_task(self._run(connection, rid, model, request))
-
-    async def _run(self, connection: _Connection, rid: int, model, request: InferenceRequest) -> None:
         try:
-            try:
-                outputs = await model.infer(request)
-            except BatchgateError as exc:
-                self._answer_error(connection, rid, request, exc)
+            future = model.submit(request)
+        except BatchgateError as exc:
+            connection.send(("error", rid, True, type(exc).__name__, str(exc)))
+            return
+        connection.requests[rid] = (request, model)
+        # A callback, not a task per request: the executor's loop is on the hot path.
+        future.add_done_callback(
+            lambda done: self._answer(connection, rid, model, request, done))
+
+    def _answer(self, connection: _Connection, rid: int, model, request: InferenceRequest,
+                future: asyncio.Future) -> None:
+        try:
+            if future.cancelled():
+                self._answer_error(connection, rid, request,
+                                   RequestCancelled("the request was cancelled"))
                 return
-            except Exception:  # a bug of ours: logged, answered INTERNAL
-                log.exception("executor_request_failed", model=model.spec.name, request=request.id)
+            error = future.exception()
+            if isinstance(error, BatchgateError):
+                self._answer_error(connection, rid, request, error)
+                return
+            if error is not None:  # a bug of ours: logged, answered INTERNAL
+                log.error("executor_request_failed", model=model.spec.name, request=request.id,
+                          exc_info=error)
                 self._answer_error(connection, rid, request, ModelExecutionError(
                     "internal error in the executor; its log has the details"))
                 return
+            outputs = future.result()
             names = request.requested_outputs or [o.name for o in model.spec.outputs]
             described = []
             try:
