@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 from pathlib import Path
@@ -40,15 +41,35 @@ def _serve_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-gc-freeze", action="store_true",
                         help="do not freeze the garbage collector's view after loading")
     parser.add_argument("--no-reflection", action="store_true", help="disable server reflection")
-    parser.add_argument("--frontends", type=int, default=0,
+    parser.add_argument("--frontends", default="auto",
                         help="front-end processes sharing the gRPC port, fed by one executor "
-                             "process; 0 serves from one process (default: %(default)s)")
+                             "process; 0 serves from one process; auto: 0 on a machine with "
+                             "2 usable cores or fewer, else half the cores, at most 8 "
+                             "(default: %(default)s)")
     parser.add_argument("--arena-bytes", type=int, default=DEFAULT_ARENA_BYTES,
                         help="size of the shared-memory arena between front ends and the "
                              "executor; pages are used only when touched (default: %(default)s)")
     parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
     parser.add_argument("--log-format", default="auto", choices=LOG_FORMATS,
                         help="json, console, or auto: console on a terminal, else json")
+
+
+def default_frontends(cores: int) -> int:
+    """Front ends for ``cores`` usable cores. On two cores, one process did as well as several
+    (README, Performance): the executor and gRPC's work already fill both."""
+    return 0 if cores <= 2 else min(8, cores // 2)
+
+
+def parse_frontends(value: str) -> int:
+    if value == "auto":
+        return default_frontends(len(os.sched_getaffinity(0)))
+    try:
+        count = int(value)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise ValueError(f"--frontends must be 'auto' or an integer >= 0, got {value!r}")
+    return count
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -91,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level, args.log_format)
     try:
         settings = settings_from(args)
-        if args.frontends < 0:
-            raise ValueError(f"--frontends must be >= 0, got {args.frontends}")
+        args.frontends = parse_frontends(args.frontends)
         supervisor = None
         if args.frontends > 0:
             supervisor = Supervisor(settings, frontends=args.frontends,

@@ -252,6 +252,9 @@ class ExecutorServer:
 
 async def run(args: argparse.Namespace) -> None:
     arena = SharedArena.attach(args.arena_fd, args.arena_bytes)
+    # On a GPU the arena is the pinned staging area: host-to-device copies start from it.
+    if arena.pin():
+        log.info("arena_pinned", bytes=args.arena_bytes)
     layout = ArenaLayout(args.arena_bytes, args.slots)
     server = ExecutorServer(arena, layout)
     repository = ModelRepository(

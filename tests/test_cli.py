@@ -90,3 +90,20 @@ def test_bad_setting_is_refused_with_the_value():
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "got 70000" in done.stderr
+
+
+def test_frontends_default_follows_the_core_count():
+    from server.cli import default_frontends, parse_frontends
+
+    assert [default_frontends(c) for c in (1, 2, 4, 16, 64)] == [0, 0, 2, 8, 8]
+    assert parse_frontends("3") == 3
+    import os
+
+    assert parse_frontends("auto") == default_frontends(len(os.sched_getaffinity(0)))
+
+
+def test_bad_frontends_value_is_refused():
+    done = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--frontends", "-1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "got '-1'" in done.stderr

@@ -13,6 +13,7 @@ import time
 from collections import Counter
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 import numpy as np
 import pytest
 
@@ -116,11 +117,18 @@ def test_killed_executor_answers_unavailable_then_serves_again(mlp_only):
     server = start_multiprocess_server(mlp_only, frontends=2)
     try:
         old = pids(server, "executor")[None]
-        with Load(server.address) as load:
+        with Load(server.address) as load, grpc.insecure_channel(server.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            status = lambda: health.Check(health_pb2.HealthCheckRequest(service="")).status
             poll(lambda: load.answered() > 50, what="load running")
             os.kill(old, signal.SIGKILL)
+            # While no executor runs, the front ends say so (the one this channel reaches).
+            poll(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, 60,
+                 "health NOT_SERVING while the executor is down")
             poll(lambda: pids(server, "executor").get(None) not in (None, old), 120,
                  "executor restarted")
+            poll(lambda: status() == health_pb2.HealthCheckResponse.SERVING, 60,
+                 "health SERVING again")
             with Client(server.address, timeout_s=10) as client:
                 poll(lambda: client.model_ready("mlp"), 60, "mlp READY again")
             served = load.answered()
