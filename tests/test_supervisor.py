@@ -533,7 +533,7 @@ def test_a_crash_loop_makes_the_supervisor_exit_1_with_the_reason(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--frontends", "-1"], "got -1"),
+    (["--frontends", "-1"], "got '-1'"),
     (["--frontends", "2", "--arena-bytes", "4096"], "got size_bytes 4096"),
 ])
 def test_cli_refuses_bad_process_settings(args, message):
