@@ -327,19 +327,15 @@ def start_server(repository: Path, gate: Gate | None = None, **overrides) -> Run
     return running
 
 
-class SupervisorProcess:
-    """``batchgate serve --frontends N`` as its own process, its JSON log lines parsed.
+class ServeProcess:
+    """``batchgate`` as its own process (``python -m server.cli ARGS``), its JSON log lines parsed.
 
-    The supervisor runs apart from the test process on purpose: it forks its children, and a
-    fork of a process whose threads are inside gRPC (the tests' clients) is not safe."""
+    Children's lines (multi-process mode) carry a ``role``; ``wait_for`` and ``pids`` tell them
+    apart from the server's own."""
 
-    def __init__(self, repository: Path, frontends: int, drain_timeout_s: float = 10) -> None:
+    def __init__(self, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve", "--frontends", str(frontends),
-             "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0",
-             "--model-repository", str(repository), "--arena-bytes", str(256 << 20),
-             "--drain-timeout-s", str(drain_timeout_s), "--log-format", "json",
-             "--no-gc-freeze"],
+            [sys.executable, "-m", "server.cli", *args],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
         self.events: list[dict] = []
@@ -359,7 +355,7 @@ class SupervisorProcess:
             self._changed.notify_all()
 
     def wait_for(self, name: str, timeout_s: float = 120) -> dict:
-        """The supervisor's own ``name`` event (children's lines carry a ``role``)."""
+        """The server's own first ``name`` event."""
         def found():
             return [e for e in self.events if e.get("event") == name and "role" not in e]
 
@@ -367,8 +363,8 @@ class SupervisorProcess:
             self._changed.wait_for(lambda: found() or self.proc.poll() is not None, timeout_s)
             match = found()
         if not match:
-            raise RuntimeError(f"the supervisor never logged {name!r}: {self.events[-20:]}")
-        return match[-1]
+            raise AssertionError(f"no {name!r} event; got {[e.get('event') for e in self.events]}")
+        return match[0]
 
     def pids(self, role: str) -> dict:
         """The latest ready process per slot of ``role`` ("executor" has slot None)."""
@@ -389,7 +385,13 @@ class SupervisorProcess:
 def start_multiprocess_server(repository: Path, gate: Gate | None = None, frontends: int = 2
                               ) -> RunningServer:
     """The supervisor with an executor process and ``frontends`` front-end processes."""
-    supervisor = SupervisorProcess(repository, frontends)
+    # The supervisor runs apart from the test process on purpose: it forks its children, and a
+    # fork of a process whose threads are inside gRPC (the tests' clients) is not safe.
+    supervisor = ServeProcess(
+        "serve", "--frontends", str(frontends), "--host", "127.0.0.1", "--grpc-port", "0",
+        "--metrics-port", "0", "--model-repository", str(repository),
+        "--arena-bytes", str(256 << 20), "--drain-timeout-s", "10", "--log-format", "json",
+        "--no-gc-freeze")
     try:
         serving = supervisor.wait_for("serving")
     except BaseException:

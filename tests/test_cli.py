@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import grpc
@@ -15,48 +12,13 @@ import numpy as np
 
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
+from tests.conftest import ServeProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-class ServerProcess:
-    def __init__(self, *args: str, env: dict | None = None) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", *args],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, **(env or {})},
-        )
-        self.events: list[dict] = []
-        self._seen = threading.Condition()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stderr:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            with self._seen:
-                self.events.append(event)
-                self._seen.notify_all()
-        with self._seen:
-            self._seen.notify_all()
-
-    def wait_for(self, name: str, timeout_s: float = 120) -> dict:
-        with self._seen:
-            found = self._seen.wait_for(
-                lambda: any(e.get("event") == name and "role" not in e for e in self.events)
-                or self.proc.poll() is not None,
-                timeout_s,
-            )
-            match = [e for e in self.events if e.get("event") == name and "role" not in e]
-        assert found and match, f"no '{name}' event; got {[e.get('event') for e in self.events]}"
-        return match[0]
-
-
 def test_serve_defaults_to_the_example_repository_and_drains_on_sigterm():
-    server = ServerProcess("serve", "--host", "127.0.0.1", "--grpc-port", "0",
+    server = ServeProcess("serve", "--host", "127.0.0.1", "--grpc-port", "0",
                            "--metrics-port", "0", "--log-format", "json")
     try:
         port = server.wait_for("listening")["grpc_port"]
