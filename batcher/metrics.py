@@ -51,6 +51,11 @@ class BatcherMetrics:
             "batchgate_inflight_batches", "Batches being assembled or computed.",
             ["model"], registry=r, multiprocess_mode="livesum",
         )
+        self.arena_bytes_in_use = Gauge(
+            "batchgate_arena_bytes_in_use",
+            "Bytes allocated in the shared-memory arena (multi-process mode), by region.",
+            ["region"], registry=r, multiprocess_mode="livesum",
+        )
         self.failures = Counter(
             "batchgate_request_failures", "Requests that got no result, by reason.",
             ["model", "reason"], registry=r,

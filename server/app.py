@@ -44,7 +44,7 @@ class Gateway:
                 on_state_change=self._on_model_state,
             )
         else:
-            repository.bind(on_state_change=self._on_model_state,
+            repository.bind(metrics=self.metrics.batcher, on_state_change=self._on_model_state,
                             on_connection_change=self._on_executor)
         self.repository = repository
         self.service = InferenceService(self.repository, self.metrics)

@@ -49,6 +49,7 @@ class _Connection:
         self.slot = -1
         self.requests: dict[int, tuple[InferenceRequest, object]] = {}  # rid -> (request, model)
         self.outputs: set[int] = set()  # output blocks not yet freed by the front end
+        self.closed = False
 
     def send(self, message: tuple) -> None:
         try:
@@ -58,10 +59,13 @@ class _Connection:
 
 
 class ExecutorServer:
-    def __init__(self, arena: SharedArena, layout: ArenaLayout) -> None:
+    def __init__(self, arena: SharedArena, layout: ArenaLayout,
+                 metrics: BatcherMetrics | None = None) -> None:
         self._arena = arena
         base, size = layout.output_region()
         self._outputs = ArenaAllocator(base, size)
+        metrics = metrics if metrics is not None else BatcherMetrics()
+        self._in_use = metrics.arena_bytes_in_use.labels("output")
         self._connections: set[_Connection] = set()
         self.repository: ModelRepository | None = None
 
@@ -117,11 +121,13 @@ class ExecutorServer:
             self._disconnect(connection)
 
     def _disconnect(self, connection: _Connection) -> None:
+        connection.closed = True
         for request, model in list(connection.requests.values()):
             model.cancel(request)
         for offset in connection.outputs:
             self._outputs.free(offset)
         connection.outputs.clear()
+        self._in_use.set(self._outputs.bytes_in_use)
         connection.channel.close()
         log.info("frontend_disconnected", slot=connection.slot,
                  abandoned=len(connection.requests))
@@ -174,6 +180,8 @@ class ExecutorServer:
                 self._answer_error(connection, rid, request, ModelExecutionError(
                     "internal error in the executor; its log has the details"))
                 return
+            if connection.closed:
+                return  # its front end is gone: writing outputs for it would leak the blocks
             outputs = future.result()
             names = request.requested_outputs or [o.name for o in model.spec.outputs]
             described = []
@@ -202,6 +210,7 @@ class ExecutorServer:
                 f"({self._outputs.bytes_in_use} bytes in use); retry later"
             )
         connection.outputs.add(offset)
+        self._in_use.set(self._outputs.bytes_in_use)
         np.copyto(self._arena.array(offset, array.dtype, array.shape), array)
         return (name, offset, datatype, array.shape)
 
@@ -224,6 +233,7 @@ class ExecutorServer:
             if offset in connection.outputs:
                 connection.outputs.discard(offset)
                 self._outputs.free(offset)
+        self._in_use.set(self._outputs.bytes_in_use)
 
     async def _call(self, connection: _Connection, cid: int, method: str, args: tuple) -> None:
         repository = self.repository
@@ -256,9 +266,10 @@ async def run(args: argparse.Namespace) -> None:
     if arena.pin():
         log.info("arena_pinned", bytes=args.arena_bytes)
     layout = ArenaLayout(args.arena_bytes, args.slots)
-    server = ExecutorServer(arena, layout)
+    metrics = BatcherMetrics()
+    server = ExecutorServer(arena, layout, metrics)
     repository = ModelRepository(
-        args.model_repository, metrics=BatcherMetrics(), on_state_change=server.on_state_change
+        args.model_repository, metrics=metrics, on_state_change=server.on_state_change
     )
     server.repository = repository
     sys.setswitchinterval(args.switch_interval_s)

@@ -25,6 +25,7 @@ from batcher.errors import (
     ModelUnavailable,
     ResourceExhausted,
 )
+from batcher.metrics import BatcherMetrics
 from batcher.request import InferenceRequest
 from batcher.spec import NUMPY_DTYPES, ModelSpec
 from protos import model_config_pb2
@@ -89,10 +90,12 @@ class RemoteRepository:
         self._connected = asyncio.Event()
         self._closing = False
         self._reader: asyncio.Task | None = None
+        self._in_use = None  # gauge child, once bound
 
-    def bind(self, *, on_state_change: Callable[[str, str], None],
+    def bind(self, *, metrics: BatcherMetrics, on_state_change: Callable[[str, str], None],
              on_connection_change: Callable[[bool], None]) -> None:
-        """Set the callbacks (the Gateway that serves this repository does)."""
+        """Set the metrics and callbacks (the Gateway that serves this repository does)."""
+        self._in_use = metrics.arena_bytes_in_use.labels(f"input-{self._slot}")
         self._on_state_change = on_state_change
         self._on_connection_change = on_connection_change
 
@@ -287,6 +290,8 @@ class RemoteRepository:
         except BaseException:
             self._free_inputs(blocks)
             raise
+        if self._in_use is not None:
+            self._in_use.set(self._inputs.bytes_in_use)
         rid = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._pending[rid] = _Pending(future, blocks)
@@ -340,6 +345,8 @@ class RemoteRepository:
     def _free_inputs(self, blocks) -> None:
         for offset in blocks:
             self._inputs.free(offset)
+        if blocks and self._in_use is not None:
+            self._in_use.set(self._inputs.bytes_in_use)
 
     def _free_output(self, offset: int) -> None:
         # Batched: one "free" message per loop iteration, not one per output.

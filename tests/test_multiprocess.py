@@ -104,6 +104,8 @@ def test_killed_front_end_loses_only_its_requests_and_comes_back(mlp_only):
             served = load.answered()
             poll(lambda: load.answered() > served + 50, what="serving after the restart")
         print(f"front-end kill: ok={load.ok} failures={dict(load.failures)}")
+        # Every arena block came back: the killed front end's outputs and inputs included.
+        poll(lambda: server.metric("batchgate_arena_bytes_in_use") == 0, 30, "arena empty")
         assert load.wrong == 0
         # What the killed process had in flight failed UNAVAILABLE and was retried elsewhere.
         assert not load.failures
@@ -134,6 +136,7 @@ def test_killed_executor_answers_unavailable_then_serves_again(mlp_only):
             served = load.answered()
             poll(lambda: load.answered() > served + 50, 60, "serving after the restart")
         print(f"executor kill: ok={load.ok} failures={dict(load.failures)}")
+        poll(lambda: server.metric("batchgate_arena_bytes_in_use") == 0, 30, "arena empty")
         assert load.wrong == 0
         assert load.failures[grpc.StatusCode.UNAVAILABLE] >= 1, "in-flight requests must fail"
         # Retryable and never silent: nothing but UNAVAILABLE (a client deadline would mean a hang).
