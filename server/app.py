@@ -54,6 +54,7 @@ class Gateway:
         self._httpd = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = asyncio.Event()
+        self._background: set[asyncio.Future] = set()
 
     async def start(self) -> None:
         s = self.settings
@@ -122,7 +123,7 @@ class Gateway:
         self.service.set_ready(connected)
         status = SERVING if connected else NOT_SERVING
         for name in ("", SERVICE_NAME):
-            asyncio.ensure_future(self.health.set(name, status))
+            self._spawn(self.health.set(name, status))
 
     def _on_model_state(self, name: str, state: str) -> None:
         status = SERVING if state == "READY" else NOT_SERVING
@@ -130,4 +131,10 @@ class Gateway:
         if loop is None or loop.is_closed():
             return
         # Called from the loop or from a loading thread: hop onto the loop either way.
-        loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.health.set(name, status)))
+        loop.call_soon_threadsafe(lambda: self._spawn(self.health.set(name, status)))
+
+    def _spawn(self, coroutine) -> None:
+        # A strong reference until it ends: the loop keeps only weak ones.
+        task = asyncio.ensure_future(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

@@ -67,6 +67,7 @@ class ExecutorServer:
         metrics = metrics if metrics is not None else BatcherMetrics()
         self._in_use = metrics.arena_bytes_in_use.labels("output")
         self._connections: set[_Connection] = set()
+        self._calls: set[asyncio.Task] = set()
         self.repository: ModelRepository | None = None
 
     # -- model states --------------------------------------------------------------------------
@@ -108,7 +109,10 @@ class ExecutorServer:
                 elif kind == "free":
                     self._free(connection, message[1])
                 elif kind == "call":
-                    asyncio.create_task(self._call(connection, *message[1:]))
+                    # A strong reference until it ends: the loop keeps only weak ones.
+                    task = asyncio.create_task(self._call(connection, *message[1:]))
+                    self._calls.add(task)
+                    task.add_done_callback(self._calls.discard)
                 elif kind == "hello":
                     connection.slot = message[1]
                     names = [e.name for e in self.repository.index()]
