@@ -86,7 +86,7 @@ class Gateway:
             self._httpd = self.metrics.serve_http(s.host, s.metrics_port)
             self.metrics_port = self._httpd.server_port
         log.info("listening", grpc_port=self.grpc_port, metrics_port=self.metrics_port,
-                 model_repository=str(s.model_repository))
+                 models=str(getattr(self.repository, "root", "the executor process")))
         await self.repository.load_all()
         if s.gc_freeze:
             # Long-lived objects (torch modules, protobuf descriptors) leave the collector's
