@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from typing import Any
 
 import grpc
@@ -12,10 +20,14 @@ import numpy as np
 from clients import _calls
 from clients._endpoints import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_RESOLVE_INTERVAL_S,
+    DEFAULT_UNHEALTHY_FOR_S,
+    AddressSource,
     EndpointPool,
+    ResolveError,
+    Resolver,
     channel_options,
     check_timeout_s,
-    parse_addresses,
 )
 from clients.errors import BatchgateError
 from clients.infer import InferRequest, InferResult, ParameterValue
@@ -27,7 +39,8 @@ class AsyncClient:
     """The asyncio twin of `Client`: same arguments, same methods, each awaited.
 
     Channels open on the first call, inside the running event loop, because a grpc.aio channel
-    belongs to the loop that first uses it; use the client from that loop only. Use as
+    belongs to the loop that first uses it; use the client from that loop only. Names are
+    resolved in a worker thread, so DNS never blocks the loop. Use as
     `async with AsyncClient(...)`, or `await close()`.
     """
 
@@ -40,35 +53,59 @@ class AsyncClient:
         credentials: grpc.ChannelCredentials | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         options: Sequence[tuple[str, Any]] = (),
+        resolve: bool = False,
+        resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S,
+        unhealthy_for_s: float = DEFAULT_UNHEALTHY_FOR_S,
+        resolver: Resolver | None = None,
     ) -> None:
-        self._addresses = parse_addresses(address)
-        self._channel_args = channel_options(max_message_bytes, options)
-        self._credentials = credentials
+        self._source = AddressSource(
+            address, resolve=resolve, resolve_interval_s=resolve_interval_s, resolver=resolver
+        )
+        channel_args = channel_options(max_message_bytes, options)
         self._timeout_s = check_timeout_s(timeout_s)
         self._retry = _calls.check_retry(retry)
-        self._pool_or_none: EndpointPool[_calls.Endpoint] | None = None
+        # Channels open on the first call (in the loop): update() runs there.
+        self._pool = EndpointPool(
+            lambda a: _calls.open_endpoint(
+                a, credentials=credentials, options=channel_args, aio=True
+            ),
+            unhealthy_for_s=unhealthy_for_s,
+        )
 
     @property
     def addresses(self) -> list[str]:
-        return list(self._addresses)
+        """The addresses in use; for a name, as last resolved (none before the first call).
 
-    @property
-    def _pool(self) -> EndpointPool[_calls.Endpoint]:
-        if self._pool_or_none is None:
-            self._pool_or_none = EndpointPool(
-                [
-                    _calls.open_endpoint(
-                        a, credentials=self._credentials, options=self._channel_args, aio=True
-                    )
-                    for a in self._addresses
-                ]
-            )
-        return self._pool_or_none
+        Before the first call, the addresses given (with nothing to resolve).
+        """
+        if not len(self._pool) and not self._source.dynamic:
+            return [target for target, _ in self._source.targets]
+        return self._pool.addresses
 
     async def close(self) -> None:
-        """Close every channel; calls in flight are cancelled."""
-        pool, self._pool_or_none = self._pool_or_none, None
-        for endpoint in pool or ():
+        """Close every channel; calls in flight are cancelled. A later call opens them again."""
+        for endpoint in self._pool.take_all():
+            await endpoint.channel.close()
+
+    async def _pick(self, after: _calls.Endpoint | None, *, hold: bool = True) -> _calls.Endpoint:
+        """The endpoint of the next attempt, resolving the addresses again when that is due."""
+        pool, source = self._pool, self._source
+        if source.due(empty=not len(pool), all_unhealthy=pool.all_unhealthy()):
+            try:
+                if source.dynamic:
+                    addresses = await asyncio.to_thread(source.resolve)
+                else:
+                    addresses = source.resolve()
+            except ResolveError as exc:
+                if not len(pool):
+                    raise BatchgateError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+            else:
+                for gone in pool.update(addresses):
+                    await gone.channel.close()
+        return pool.pick(after, hold=hold)
+
+    async def _release(self, endpoint: _calls.Endpoint, code: grpc.StatusCode | None) -> None:
+        if self._pool.release(endpoint, code):
             await endpoint.channel.close()
 
     async def __aenter__(self) -> AsyncClient:
@@ -80,21 +117,29 @@ class AsyncClient:
     async def _run(self, call: _calls.Call, timeout_s: float | None) -> Any:
         timeout_s = self._timeout_s if timeout_s is None else check_timeout_s(timeout_s)
         schedule = RetrySchedule(self._retry, idempotent=call.idempotent, timeout_s=timeout_s)
-        pool = self._pool
-        index = pool.first()
+        endpoint = None
         while True:
             attempt_timeout_s = schedule.start_attempt()
             try:
-                response = await call.invoke(pool[index], attempt_timeout_s)
-            except grpc.RpcError as exc:
-                error = BatchgateError.from_rpc_error(exc)
+                endpoint = await self._pick(endpoint)
+            except BatchgateError as exc:
+                error = exc
             else:
-                return call.unwrap(response)
+                try:
+                    response = await call.invoke(endpoint, attempt_timeout_s)
+                except grpc.RpcError as exc:
+                    error = BatchgateError.from_rpc_error(exc)
+                except BaseException:  # cancelled: the call is over all the same
+                    await self._release(endpoint, grpc.StatusCode.CANCELLED)
+                    raise
+                else:
+                    await self._release(endpoint, None)
+                    return call.unwrap(response)
+                await self._release(endpoint, error.code)
             delay_s = schedule.backoff_s(error)
             if delay_s is None:
                 raise error
             await asyncio.sleep(delay_s)
-            index = pool.following(index)
 
     # Inference
 
@@ -169,10 +214,13 @@ class AsyncClient:
         Iterate the returned AsyncInferStream with `async for`. As `Client.stream_infer`.
         """
         timeout_s = self._timeout_s if timeout_s is None else check_timeout_s(timeout_s)
-        endpoint = self._pool[self._pool.first()]
         requests_pb = _calls.request_protos(requests)
-        call = endpoint.inference.ModelStreamInfer(requests_pb, timeout=timeout_s)
-        return AsyncInferStream(call)
+
+        async def start() -> Any:
+            endpoint = await self._pick(None, hold=False)
+            return endpoint.inference.ModelStreamInfer(requests_pb, timeout=timeout_s)
+
+        return AsyncInferStream(start)
 
     # Health, metadata, configuration
 
@@ -241,8 +289,9 @@ class AsyncInferStream:
     failed stream raises BatchgateError and ends. Leaving `async with` cancels it.
     """
 
-    def __init__(self, call: Any) -> None:
-        self._call = call
+    def __init__(self, start: Callable[[], Awaitable[Any]]) -> None:
+        self._start: Callable[[], Awaitable[Any]] | None = start  # opens the call when first read
+        self._call: Any = None
         self._done = False
 
     def __aiter__(self) -> AsyncIterator[InferResult]:
@@ -251,6 +300,13 @@ class AsyncInferStream:
     async def __anext__(self) -> InferResult:
         if self._done:
             raise StopAsyncIteration
+        if self._start is not None:
+            start, self._start = self._start, None
+            try:
+                self._call = await start()
+            except BaseException:
+                self._done = True
+                raise
         try:
             message = await self._call.read()
         except grpc.RpcError as exc:
@@ -265,7 +321,10 @@ class AsyncInferStream:
 
     def cancel(self) -> None:
         """Stop the stream; requests not yet answered are abandoned."""
-        self._call.cancel()
+        if self._call is None:  # not started: nothing was sent
+            self._start, self._done = None, True
+        else:
+            self._call.cancel()
 
     async def __aenter__(self) -> AsyncInferStream:
         return self

@@ -12,10 +12,14 @@ import numpy as np
 from clients import _calls
 from clients._endpoints import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_RESOLVE_INTERVAL_S,
+    DEFAULT_UNHEALTHY_FOR_S,
+    AddressSource,
     EndpointPool,
+    ResolveError,
+    Resolver,
     channel_options,
     check_timeout_s,
-    parse_addresses,
 )
 from clients.errors import BatchgateError
 from clients.infer import InferRequest, InferResult, ParameterValue
@@ -27,7 +31,12 @@ class Client:
     """A blocking client of one batchgate (or any KServe v2 gRPC) server, or of several.
 
     `address`: "host:port", or a list of them; calls take turns over the addresses (one channel
-    each) and a retry goes to the next one. `timeout_s`: the default deadline of every call,
+    each) and a retry goes to the next one. "dns:///host:port" (or `resolve=True`) stands for
+    every A/AAAA record of the name, resolved on the first call, again every
+    `resolve_interval_s` and when every address has failed (`resolver`: a function from
+    "host:port" to a list of addresses, instead of DNS). An address whose call failed with
+    UNAVAILABLE is skipped for `unhealthy_for_s` (doubled on each further failure, up to 30 s;
+    0: never skipped) while another is healthy. `timeout_s`: the default deadline of every call,
     retries included (None: no deadline). `retry`: see RetryPolicy (None: the defaults).
     `credentials`: e.g. `grpc.ssl_channel_credentials()` for TLS (None: plaintext).
     `max_message_bytes`: send and receive limit. `options`: further gRPC channel arguments.
@@ -43,25 +52,36 @@ class Client:
         credentials: grpc.ChannelCredentials | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         options: Sequence[tuple[str, Any]] = (),
+        resolve: bool = False,
+        resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S,
+        unhealthy_for_s: float = DEFAULT_UNHEALTHY_FOR_S,
+        resolver: Resolver | None = None,
     ) -> None:
-        addresses = parse_addresses(address)
+        self._source = AddressSource(
+            address, resolve=resolve, resolve_interval_s=resolve_interval_s, resolver=resolver
+        )
         channel_args = channel_options(max_message_bytes, options)
         self._timeout_s = check_timeout_s(timeout_s)
         self._retry = _calls.check_retry(retry)
         self._pool = EndpointPool(
-            [
-                _calls.open_endpoint(a, credentials=credentials, options=channel_args, aio=False)
-                for a in addresses
-            ]
+            lambda a: _calls.open_endpoint(
+                a, credentials=credentials, options=channel_args, aio=False
+            ),
+            unhealthy_for_s=unhealthy_for_s,
         )
+        self._closed = False
+        if not self._source.dynamic:
+            self._pool.update(self._source.resolve())
 
     @property
     def addresses(self) -> list[str]:
-        return [endpoint.address for endpoint in self._pool]
+        """The addresses in use; for a name, as last resolved (none before the first call)."""
+        return self._pool.addresses
 
     def close(self) -> None:
         """Close every channel; calls in flight are cancelled."""
-        for endpoint in self._pool:
+        self._closed = True
+        for endpoint in self._pool.take_all():
             endpoint.channel.close()
 
     def __enter__(self) -> Client:
@@ -73,21 +93,51 @@ class Client:
     def _run(self, call: _calls.Call, timeout_s: float | None) -> Any:
         timeout_s = self._timeout_s if timeout_s is None else check_timeout_s(timeout_s)
         schedule = RetrySchedule(self._retry, idempotent=call.idempotent, timeout_s=timeout_s)
-        index = self._pool.first()
+        endpoint = None
         while True:
             attempt_timeout_s = schedule.start_attempt()
             try:
-                response = call.invoke(self._pool[index], attempt_timeout_s)
-            except grpc.RpcError as exc:
-                error = BatchgateError.from_rpc_error(exc)
+                # No address yet (a name that does not resolve) fails like an unreachable one.
+                endpoint = self._pick(endpoint)
+            except BatchgateError as exc:
+                error = exc
             else:
-                return call.unwrap(response)
+                try:
+                    response = call.invoke(endpoint, attempt_timeout_s)
+                except grpc.RpcError as exc:
+                    error = BatchgateError.from_rpc_error(exc)
+                except BaseException:
+                    self._release(endpoint, grpc.StatusCode.CANCELLED)
+                    raise
+                else:
+                    self._release(endpoint, None)
+                    return call.unwrap(response)
+                self._release(endpoint, error.code)
             # Raised outside the except block so the traceback is not the RpcError's.
             delay_s = schedule.backoff_s(error)
             if delay_s is None:
                 raise error
             time.sleep(delay_s)
-            index = self._pool.following(index)
+
+    def _pick(self, after: _calls.Endpoint | None, *, hold: bool = True) -> _calls.Endpoint:
+        """The endpoint of the next attempt, resolving the addresses again when that is due."""
+        if self._closed:
+            raise ValueError("the client is closed")
+        pool = self._pool
+        if self._source.due(empty=not len(pool), all_unhealthy=pool.all_unhealthy()):
+            try:
+                addresses = self._source.resolve()
+            except ResolveError as exc:
+                if not len(pool):
+                    raise BatchgateError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+            else:
+                for gone in pool.update(addresses):
+                    gone.channel.close()
+        return pool.pick(after, hold=hold)
+
+    def _release(self, endpoint: _calls.Endpoint, code: grpc.StatusCode | None) -> None:
+        if self._pool.release(endpoint, code):
+            endpoint.channel.close()
 
     # Inference
 
@@ -165,7 +215,7 @@ class Client:
         Streams are not retried.
         """
         timeout_s = self._timeout_s if timeout_s is None else check_timeout_s(timeout_s)
-        endpoint = self._pool[self._pool.first()]
+        endpoint = self._pick(None, hold=False)
         requests_pb = _calls.request_protos(requests)
         call = endpoint.inference.ModelStreamInfer(requests_pb, timeout=timeout_s)
         return InferStream(call)
