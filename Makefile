@@ -21,6 +21,7 @@ install: $(STAMP)
 # Ecosystem tools the tests use: Triton's perf_analyzer (see scripts/install-perf-analyzer.sh).
 tools: $(STAMP)
 	bash scripts/install-perf-analyzer.sh || echo "perf_analyzer not installed: its test will say why it skipped"
+	bash scripts/install-nginx.sh || echo "nginx not installed: its tests will say why they skipped"
 
 serve: $(STAMP)
 	$(BIN)/batchgate serve $(ARGS)

@@ -33,9 +33,11 @@ class RetryPolicy:
     jitter: float = 0.2
     """Each wait is scaled by a random factor in [1 - jitter, 1 + jitter]; 0 ≤ jitter ≤ 1."""
     retry_on: frozenset[grpc.StatusCode] = field(
-        default=frozenset({grpc.StatusCode.UNAVAILABLE})
+        default=frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
     )
-    """Status codes worth another attempt."""
+    """Status codes worth another attempt. CANCELLED is there because a server that is
+    stopping cancels the calls that reach it at its last moment (seen behind nginx during
+    rolling restarts); a call the caller itself cancels ends without a retry."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int):
