@@ -8,69 +8,17 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
-import time
-from collections import Counter
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-import numpy as np
 import pytest
 
-from clients import BatchgateError, Client, RetryPolicy
-from tests.conftest import poll, reference, start_multiprocess_server
+from clients import Client, RetryPolicy
+from tests.conftest import Load, poll, start_multiprocess_server
 
 
 def dev_shm() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-
-
-class Load:
-    """Closed-loop clients on threads: every answer checked, failures counted by status."""
-
-    def __init__(self, address: str, clients: int = 8, retry: RetryPolicy | None = None) -> None:
-        self.address = address
-        self.retry = retry or RetryPolicy(max_attempts=1)
-        self.ok = 0
-        self.wrong = 0
-        self.failures: Counter = Counter()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._x = np.random.default_rng(0).standard_normal((1, 512), dtype=np.float32)
-        self._expected = reference("mlp", self._x)
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(clients)]
-
-    def _run(self) -> None:
-        # A connection of its own (gRPC shares one per target otherwise), so SO_REUSEPORT
-        # spreads the clients over the front ends.
-        with Client(self.address, timeout_s=10, retry=self.retry,
-                    options=[("grpc.use_local_subchannel_pool", 1)]) as client:
-            deadline = time.monotonic() + 120  # bounded whatever happens
-            while not self._stop.is_set() and time.monotonic() < deadline:
-                try:
-                    out = client.infer("mlp", {"INPUT__0": self._x})["OUTPUT__0"]
-                except BatchgateError as exc:
-                    with self._lock:
-                        self.failures[exc.code] += 1
-                    continue
-                good = np.allclose(out, self._expected, rtol=1e-4, atol=1e-5)
-                with self._lock:
-                    self.ok += 1 if good else 0
-                    self.wrong += 0 if good else 1
-
-    def __enter__(self):
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(30)
-
-    def answered(self) -> int:
-        with self._lock:
-            return self.ok
 
 
 @pytest.fixture

@@ -20,17 +20,18 @@ import shutil
 import signal
 import socket
 import subprocess
-import threading
 import time
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
 
 from clients import BatchgateError, Client, RetryPolicy
-from tests.conftest import EXAMPLE_MODELS, ROOT, ServeProcess, poll, reference
+from tests.conftest import EXAMPLE_MODELS, ROOT, Load, ServeProcess, poll
+
+# The SDK's retries carry what a stopping or killed replica had in flight to the other one.
+RETRY = RetryPolicy(max_attempts=8, initial_backoff_s=0.02, max_backoff_s=0.5)
 
 COMPOSE = ROOT / "deploy" / "compose"
 NGINX = shutil.which("nginx") or next(
@@ -209,60 +210,6 @@ def summarize(attempts: list[dict]) -> dict:
             "failed_attempts": sum(n for k, n in outcome.items() if k != "http 200 grpc 0")}
 
 
-class Load:
-    """Closed-loop SDK clients through nginx on threads: every answer checked, final failures
-    counted by status code. Each client has its own connection."""
-
-    def __init__(self, address: str, clients: int = 8) -> None:
-        self.address = address
-        self.retry = RetryPolicy(max_attempts=8, initial_backoff_s=0.02, max_backoff_s=0.5)
-        self.ok = 0
-        self.wrong = 0
-        self.failures: Counter = Counter()
-        self.failure_details: list[str] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._x = np.random.default_rng(0).standard_normal((1, 512), dtype=np.float32)
-        self._expected = reference("mlp", self._x)
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(clients)]
-
-    def _run(self) -> None:
-        with Client(self.address, timeout_s=10, retry=self.retry,
-                    options=[("grpc.use_local_subchannel_pool", 1)]) as client:
-            deadline = time.monotonic() + 90  # bounded whatever happens
-            while not self._stop.is_set() and time.monotonic() < deadline:
-                try:
-                    out = client.infer("mlp", {"INPUT__0": self._x})["OUTPUT__0"]
-                except BatchgateError as exc:
-                    with self._lock:
-                        self.failures[exc.code] += 1
-                        self.failure_details.append(str(exc)[:200])
-                    continue
-                good = np.allclose(out, self._expected, rtol=1e-4, atol=1e-5)
-                with self._lock:
-                    self.ok += 1 if good else 0
-                    self.wrong += 0 if good else 1
-
-    def __enter__(self):
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(30)
-
-    def answered(self) -> int:
-        with self._lock:
-            return self.ok
-
-    def progress(self, more: int, timeout_s: float, what: str) -> int:
-        start = self.answered()
-        poll(lambda: self.answered() >= start + more, timeout_s, what)
-        return self.answered() - start
-
-
 class Cluster:
     def __init__(self, repository: Path, directory: Path) -> None:
         self.repository = repository
@@ -315,7 +262,7 @@ def test_rolling_restart_through_nginx_loses_nothing(cluster):
     nginx = cluster.nginx
     phases = {}
     log_start = len(nginx.attempts())
-    with Load(nginx.address) as load:
+    with Load(nginx.address, retry=RETRY) as load:
         phases["before"] = load.progress(100, 30, "load through nginx")
         for index, name in ((0, "A"), (1, "B")):
             old = cluster.replicas[index]
@@ -349,7 +296,7 @@ def test_rolling_restart_through_nginx_loses_nothing(cluster):
 def test_kill_9_of_a_replica_under_load_through_nginx(cluster):
     nginx = cluster.nginx
     log_start = len(nginx.attempts())
-    with Load(nginx.address) as load:
+    with Load(nginx.address, retry=RETRY) as load:
         load.progress(100, 30, "load through nginx")
         victim = cluster.replicas[1]
         victim.kill()  # SIGKILL: its in-flight requests' connections are reset
