@@ -114,8 +114,8 @@ STOPSIGNAL SIGTERM
 
 # Healthy only while grpc.health.v1 answers SERVING for the whole server (service ""): after
 # every model has loaded and warmed up, and until a drain starts. Plain Python with
-# grpcio-health-checking from the venv; no probe binary to download. If you change
-# --grpc-port, set BATCHGATE_GRPC_PORT to the same port (it is read by this check only).
+# grpcio-health-checking from the venv; no probe binary to download. To move the
+# port, set BATCHGATE_GRPC_PORT: the server and this check both read it.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
     CMD ["/opt/venv/bin/python", "-c", "import os, sys, grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; ch = grpc.insecure_channel('127.0.0.1:' + os.environ.get('BATCHGATE_GRPC_PORT', '8001')); r = g.HealthStub(ch).Check(h.HealthCheckRequest(service=''), timeout=3); sys.exit(0 if r.status == h.HealthCheckResponse.SERVING else 1)"]
 

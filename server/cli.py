@@ -22,8 +22,9 @@ def _serve_parser(parser: argparse.ArgumentParser) -> None:
     d = Settings.__dataclass_fields__
     parser.add_argument("--host", default=d["host"].default,
                         help="address to listen on (default: %(default)s)")
-    parser.add_argument("--grpc-port", type=int, default=d["grpc_port"].default,
-                        help="gRPC port, 0 for any free port (default: %(default)s)")
+    parser.add_argument("--grpc-port", type=int, default=None,
+                        help="gRPC port, 0 for any free port (default: $BATCHGATE_GRPC_PORT, "
+                             "else 8001)")
     parser.add_argument("--metrics-port", type=int, default=d["metrics_port"].default,
                         help="Prometheus /metrics port, -1 to disable (default: %(default)s)")
     parser.add_argument("--model-repository", type=Path, default=None,
@@ -75,7 +76,6 @@ def parse_frontends(value: str) -> int:
 def settings_from(args: argparse.Namespace) -> Settings:
     kwargs = dict(
         host=args.host,
-        grpc_port=args.grpc_port,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         max_message_bytes=args.max_message_bytes,
         drain_timeout_s=args.drain_timeout_s,
@@ -85,6 +85,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
     )
     if args.model_repository is not None:
         kwargs["model_repository"] = args.model_repository
+    if args.grpc_port is not None:
+        kwargs["grpc_port"] = args.grpc_port
     return Settings(**kwargs)
 
 

@@ -14,7 +14,10 @@ class Settings:
     """Server settings; every one is also a command-line flag (``batchgate serve --help``)."""
 
     host: str = "0.0.0.0"
-    grpc_port: int = 8001
+    # The environment can set the port, so that the image's health check and the server agree.
+    grpc_port: int = dataclasses.field(
+        default_factory=lambda: int(os.environ.get("BATCHGATE_GRPC_PORT", "8001"))
+    )
     metrics_port: int | None = 8002  # None: no metrics endpoint
     model_repository: Path = dataclasses.field(
         default_factory=lambda: Path(os.environ.get("BATCHGATE_MODEL_REPOSITORY", DEFAULT_REPOSITORY))

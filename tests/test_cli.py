@@ -63,3 +63,17 @@ def test_frontends_default_follows_the_core_count():
 
     assert parse_frontends("auto") == default_frontends(len(os.sched_getaffinity(0)))
 
+
+
+def test_grpc_port_comes_from_the_environment_when_not_given(monkeypatch):
+    import argparse
+
+    from server import cli
+
+    parser = argparse.ArgumentParser()
+    cli._serve_parser(parser)
+    monkeypatch.setenv("BATCHGATE_GRPC_PORT", "9123")
+    assert cli.settings_from(parser.parse_args([])).grpc_port == 9123
+    assert cli.settings_from(parser.parse_args(["--grpc-port", "7"])).grpc_port == 7
+    monkeypatch.delenv("BATCHGATE_GRPC_PORT")
+    assert cli.settings_from(parser.parse_args([])).grpc_port == 8001
