@@ -64,15 +64,6 @@ class BatcherMetrics:
     def for_model(self, model: str) -> ModelMetrics:
         return ModelMetrics(self, model)
 
-    def forget_model(self, model: str) -> None:
-        """Drop a model's series when it is unloaded, so dashboards don't show stale values."""
-        for metric in (self.queue_seconds, self.compute_seconds, self.batch_size,
-                       self.queue_depth, self.inflight_batches):
-            try:
-                metric.remove(model)
-            except KeyError:
-                pass
-
 
 class ModelMetrics:
     """The children of one model, resolved once."""

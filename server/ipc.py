@@ -104,9 +104,6 @@ class Channel:
             self._writer.write(b"".join(self._outgoing))
         self._outgoing.clear()
 
-    async def drain(self) -> None:
-        await self._writer.drain()
-
     def close(self) -> None:
         self._writer.close()
 

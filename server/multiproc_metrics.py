@@ -13,8 +13,8 @@ scrape, so one scrape shows the whole server under the names single-process mode
   process's queue is gone, and ``process_dead`` drops its gauge files.
 
 What does not carry over from one process: there are no ``_created`` samples, and ``remove()``
-of a labelled child (``BatcherMetrics.forget_model``) warns and leaves the files alone, so an
-unloaded model's series stay in scrapes with their last values.
+of a labelled child warns and leaves the files alone, so an unloaded model's series stay in
+scrapes with their last values (in single-process mode too: nothing removes them).
 
 The folder is removed when the supervisor stops. A supervisor that is killed cannot do that, so
 each one holds an ``flock`` on its folder while it lives (the kernel drops it when the process
