@@ -33,8 +33,17 @@ class ResourceExhausted(BatchgateError):
     """A resource limit other than the queue (memory, message size) refused the work."""
 
 
+class AdmissionRefused(ResourceExhausted):
+    """The estimated queue wait already exceeds the request's deadline (``batcher/admission.py``)."""
+
+
 class DeadlineExceeded(BatchgateError):
     """The request's timeout or gRPC deadline passed before it was answered."""
+
+
+class DeadlineInfeasible(DeadlineExceeded):
+    """The model's latency profile says the request cannot finish by its deadline even alone:
+    refused at admission or dropped from the queue before it used the device."""
 
 
 class RequestCancelled(BatchgateError):

@@ -121,6 +121,7 @@ class Executor:
         on_batch: Callable[[Batch, int, int], None],
         batch_ids: Callable[[], int],
         on_inflight: Callable[[int], None] | None = None,
+        turn: Callable[[], contextlib.AbstractContextManager] | None = None,
     ) -> None:
         self._spec = spec
         self._module = module
@@ -133,6 +134,8 @@ class Executor:
         self._on_batch = on_batch
         self._batch_ids = batch_ids
         self._on_inflight = on_inflight
+        # The device's weighted turns (batcher/device_share.py), when the model takes part.
+        self._turn = turn
         self._device = torch.device(spec.device)
         self._cuda = self._device.type == "cuda"
         self._batching = spec.batching.max_batch_size > 0
@@ -241,7 +244,7 @@ class Executor:
                     break
                 batch = self._prepare(*taken)
                 if batch is not None:
-                    self._compute(batch)
+                    self._compute_in_turn(batch)
         finally:
             self.alive.clear()
 
@@ -269,7 +272,7 @@ class Executor:
         self._configure_thread()
         try:
             while (batch := self._handoff.get()) is not None:
-                self._compute(batch)
+                self._compute_in_turn(batch)
                 with self._running_lock:
                     self._running -= 1
                 # The assembler may be holding back a partial batch until this one ended.
@@ -278,6 +281,13 @@ class Executor:
             self.alive.clear()
 
     # -- one batch ---------------------------------------------------------------------------
+
+    def _compute_in_turn(self, batch: Batch) -> None:
+        if self._turn is None:
+            self._compute(batch)
+            return
+        with self._turn():
+            self._compute(batch)
 
     def _assemble(self, requests: list[InferenceRequest]) -> tuple[list[Any], Any]:
         if len(requests) == 1:

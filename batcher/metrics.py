@@ -18,7 +18,19 @@ SECONDS_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
     2.5, 5.0, 10.0,
 )
-FAILURE_REASONS = ("rejected", "expired", "cancelled", "model_error", "unavailable")
+# rejected: refused at the door (queue full, admission control's estimated wait); expired: the
+# deadline passed in the queue or while its batch ran; infeasible: the latency profile said it
+# could not finish in time even alone, so it never used the device (deadline policy);
+# cancelled: the client went away; model_error: the model raised or returned a bad batch;
+# unavailable: the model was unloaded before the request ran.
+FAILURE_REASONS = (
+    "rejected", "expired", "infeasible", "cancelled", "model_error", "unavailable",
+)
+# Time left before a request's deadline (or SLO) when it was answered; negative: late.
+SLACK_BUCKETS = (
+    -1.0, -0.1, -0.025, -0.005, 0.0, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+    0.5, 1.0, 2.5, 5.0, 10.0,
+)
 
 
 class BatcherMetrics:
@@ -60,6 +72,21 @@ class BatcherMetrics:
             "batchgate_request_failures", "Requests that got no result, by reason.",
             ["model", "reason"], registry=r,
         )
+        self.slo_requests = Counter(
+            "batchgate_slo_requests",
+            "Requests with a deadline or SLO, by whether they were answered OK in time.",
+            ["model", "result"], registry=r,
+        )
+        self.deadline_slack_seconds = Histogram(
+            "batchgate_deadline_slack_seconds",
+            "Time left before the deadline (or SLO) when a request was answered; < 0: late.",
+            ["model"], registry=r, buckets=SLACK_BUCKETS,
+        )
+        self.device_share_seconds = Counter(
+            "batchgate_device_share_seconds",
+            "Device time used in weighted turns (models with device_share_weight).",
+            ["model", "device"], registry=r,
+        )
 
     def for_model(self, model: str) -> ModelMetrics:
         return ModelMetrics(self, model)
@@ -76,3 +103,11 @@ class ModelMetrics:
         self.queue_depth = metrics.queue_depth.labels(model)
         self.inflight_batches = metrics.inflight_batches.labels(model)
         self.failures = {reason: metrics.failures.labels(model, reason) for reason in FAILURE_REASONS}
+        self.slo_met = metrics.slo_requests.labels(model, "met")
+        self.slo_missed = metrics.slo_requests.labels(model, "missed")
+        self.deadline_slack_seconds = metrics.deadline_slack_seconds.labels(model)
+        self._device_share_seconds = metrics.device_share_seconds
+        self._model = model
+
+    def device_share_seconds(self, device: str):
+        return self._device_share_seconds.labels(self._model, device)

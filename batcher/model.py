@@ -9,7 +9,9 @@ caller goes away or its deadline passes, so nothing leaks and no dead request re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -18,8 +20,12 @@ from typing import Any
 import numpy as np
 import structlog
 
+from batcher.admission import Admission
+from batcher.device_share import DeviceShare, ShareMember, share_for
 from batcher.errors import (
+    AdmissionRefused,
     DeadlineExceeded,
+    DeadlineInfeasible,
     InvalidRequest,
     LoadError,
     ModelUnavailable,
@@ -28,7 +34,8 @@ from batcher.errors import (
 )
 from batcher.executor import Batch, Executor, Outcome
 from batcher.metrics import BatcherMetrics, ModelMetrics
-from batcher.queue import ModelQueue
+from batcher.profile import LatencyProfile
+from batcher.queue import ModelQueue, scheduling_deadline
 from batcher.request import DONE, InferenceRequest
 from batcher.spec import ModelSpec
 from batcher.stats import ModelStats
@@ -44,11 +51,6 @@ def _next_batch_id() -> int:
         return next(_batch_ids)
 
 
-def _resolve(future: asyncio.Future, result: Any) -> None:
-    if not future.done():
-        future.set_result(result)
-
-
 def _reject(future: asyncio.Future, error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)
@@ -62,21 +64,35 @@ class ServedModel:
         *,
         metrics: BatcherMetrics | None = None,
         warmup_inputs: list[list[np.ndarray]] | None = None,
+        profile: LatencyProfile | None = None,
     ) -> None:
         self._spec = spec
         self._module = module
         self._metrics: ModelMetrics | None = metrics.for_model(spec.name) if metrics else None
         self._warmup_inputs = warmup_inputs
         self.stats = ModelStats()
+        batching = spec.batching
+        # Batch times per batch size: seeded at warm-up, updated by every batch.
+        self.profile = profile if profile is not None else LatencyProfile(batching.max_batch_size)
+        self._slo_s = batching.slo_s
         self._queue = ModelQueue(
-            spec.batching,
+            batching,
             on_depth_change=self._metrics.queue_depth.set if self._metrics else None,
+            profile=self.profile, on_infeasible=self._infeasible_threadsafe,
         )
+        self._admission = (
+            Admission(spec.name, self.profile, max_batch=batching.effective_max_batch,
+                      instances=spec.instance_count, include_own=batching.policy == "deadline")
+            if batching.admission else None
+        )
+        self._share: DeviceShare | None = None
+        self._share_member: ShareMember | None = None
         self._executors = [
             Executor(
                 spec, module, index=i, next_batch=self._queue.next_batch, wake=self._queue.wake,
                 deliver=self._post, on_batch=self._record_batch, batch_ids=_next_batch_id,
-                on_inflight=self._metrics.inflight_batches.inc if self._metrics else None,
+                on_inflight=self._on_inflight,
+                turn=self._device_turn if batching.device_share_weight else None,
             )
             for i in range(spec.instance_count)
         ]
@@ -116,9 +132,31 @@ class ServedModel:
                         f"model '{self._spec.name}' failed its warm-up "
                         f"({type(exc).__name__}); the server log has the details"
                     ) from exc
+            self._profile_warm(inputs)
+        batching = self._spec.batching
+        if batching.device_share_weight:
+            self._share = share_for(self._spec.device)
+            self._share_member = self._share.join(
+                f"{self._spec.name}:{self._spec.version}", batching.device_share_weight,
+                backlog=self._backlog,
+                on_charge=(self._metrics.device_share_seconds(self._spec.device).inc
+                           if self._metrics else None),
+            )
         for executor in self._executors:
             executor.start()
         self._accepting = True
+
+    def _profile_warm(self, inputs: list[list[np.ndarray]]) -> None:
+        """Seed the latency profile: time one warm (second) run per warm-up batch size."""
+        if self._spec.batching.policy != "deadline" and not self._spec.batching.admission:
+            return
+        batched = self._spec.batching.max_batch_size > 0
+        by_size = {(arrays[0].shape[0] if batched else 1): arrays for arrays in inputs if arrays}
+        executor = self._executors[0]
+        for size, arrays in sorted(by_size.items()):
+            started = time.perf_counter()
+            executor.warm_up([arrays])
+            self.profile.record(size, time.perf_counter() - started)
 
     def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Refuse new requests, let queued and running ones finish, then stop the threads."""
@@ -132,8 +170,9 @@ class ServedModel:
             error = ModelUnavailable(
                 f"model '{self._spec.name}' was unloaded before this request ran; retry"
             )
-            for request in left:
-                self._fail_threadsafe(request, error)
+            self._fail_threadsafe(left, error, "unavailable")
+        if self._share_member is not None:
+            self._share.leave(self._share_member)
 
     # -- the event loop's side -----------------------------------------------------------------
 
@@ -174,6 +213,18 @@ class ServedModel:
         if timeout_us and not policy.timeout_action_delay:
             by_timeout = request.arrival + timeout_us / 1e6
             deadline = by_timeout if deadline is None else min(deadline, by_timeout)
+        request.deadline = deadline  # the queue's deadline policy reads it
+        if self._admission is not None and deadline is not None:
+            try:
+                self._admission.check(batch_size=request.batch_size, deadline=deadline,
+                                      now=time.monotonic(),
+                                      samples_ahead=self._queue.samples_ahead(level))
+            except AdmissionRefused:
+                self._count_failure("rejected", [request])
+                raise
+            except DeadlineInfeasible:
+                self._count_failure("infeasible", [request])
+                raise
 
         future = loop.create_future()
         request.future = future
@@ -221,25 +272,70 @@ class ServedModel:
             if request.on_release is not None:
                 request.on_release()
         if outcome.error is not None:
-            self._count_failure("model_error", requests)
+            self._count_failure("model_error", [r for r in requests if not r.future.done()])
             for request in requests:
                 _reject(request.future, outcome.error)
             return
         now = time.monotonic()
         success_ns = 0
+        met = missed = 0
+        slack = self._metrics.deadline_slack_seconds if self._metrics is not None else None
         for request, result in zip(requests, outcome.results):
-            _resolve(request.future, result)
             success_ns += int((now - request.arrival) * 1e9)
+            if request.future.done():  # expired while its batch ran: already answered
+                continue
+            request.future.set_result(result)
+            target = scheduling_deadline(request, self._slo_s)
+            if slack is not None and target != math.inf:
+                slack.observe(target - now)
+                if now <= target:
+                    met += 1
+                else:
+                    missed += 1
         self.stats.record_success(len(requests), success_ns)
+        if met:
+            self._metrics.slo_met.inc(met)
+        if missed:
+            self._metrics.slo_missed.inc(missed)
 
-    def _fail_threadsafe(self, request: InferenceRequest, error: Exception) -> None:
+    def _fail_threadsafe(self, requests: list[InferenceRequest], error: Exception,
+                         reason: str) -> None:
+        """From a thread: answer ``requests`` with ``error`` on the loop, counted under ``reason``."""
         loop = self._loop
-        if request.future is None or loop is None or loop.is_closed():
+        if not requests or loop is None or loop.is_closed():
             return
         try:
-            loop.call_soon_threadsafe(_reject, request.future, error)
+            loop.call_soon_threadsafe(self._fail, requests, error, reason)
         except RuntimeError:
             pass
+
+    def _fail(self, requests: list[InferenceRequest], error: Exception, reason: str) -> None:
+        pending = [r for r in requests if r.future is not None and not r.future.done()]
+        self._count_failure(reason, pending)
+        for request in pending:
+            request.future.set_exception(error)
+
+    def _infeasible_threadsafe(self, requests: list[InferenceRequest]) -> None:
+        """The queue dropped ``requests``: their deadlines cannot be met (lock held: hand on)."""
+        error = DeadlineInfeasible(
+            f"model '{self._spec.name}' could not have finished this request before its "
+            "deadline, so it was dropped before running"
+        )
+        self._fail_threadsafe(requests, error, "infeasible")
+
+    def _on_inflight(self, delta: int) -> None:
+        with self._inflight_lock:
+            self._inflight += delta
+        if self._metrics is not None:
+            self._metrics.inflight_batches.inc(delta)
+
+    def _backlog(self) -> bool:
+        """Work this model has right now: queued requests, or batches formed and not finished."""
+        return self._queue.depth > 0 or self._inflight > 0
+
+    def _device_turn(self) -> contextlib.AbstractContextManager:
+        # Executor threads start after start() joined the share (warm-up runs outside turns).
+        return self._share.turn(self._share_member)
 
     def _record_batch(self, batch: Batch, infer_ns: int, output_ns: int) -> None:
         queue_ns = 0
@@ -253,17 +349,24 @@ class ServedModel:
             requests=len(batch.requests), samples=batch.samples, queue_ns=queue_ns,
             input_ns=batch.input_ns, infer_ns=infer_ns, output_ns=output_ns,
         )
+        compute_s = (batch.input_ns + infer_ns + output_ns) / 1e9
+        self.profile.record(batch.samples, compute_s)
         if metrics is not None:
             metrics.batch_size.observe(batch.samples)
             metrics.batches[batch.reason].inc()
-            metrics.compute_seconds.observe((batch.input_ns + infer_ns + output_ns) / 1e9)
+            metrics.compute_seconds.observe(compute_s)
 
     def _count_failure(self, reason: str, requests: list[InferenceRequest]) -> None:
         now = time.monotonic()
+        missed = 0
         for request in requests:
             self.stats.record_failure(int((now - request.arrival) * 1e9))
-        if self._metrics is not None:
+            if reason != "cancelled" and scheduling_deadline(request, self._slo_s) != math.inf:
+                missed += 1
+        if self._metrics is not None and requests:
             self._metrics.failures[reason].inc(len(requests))
+            if missed:
+                self._metrics.slo_missed.inc(missed)
 
 
 def default_warmup(spec: ModelSpec) -> list[list[np.ndarray]]:

@@ -23,18 +23,89 @@ An executor that still has a batch running asks with ``busy`` true: it then gets
 batch (worth assembling early, so it is ready the moment the running one ends) and otherwise
 waits until its running batch finishes (``wake``) and takes everything queued by then. Forming
 a partial batch early would freeze it small while later arrivals wait a whole batch time.
+
+The ``deadline`` policy (opt-in per model) keeps those rules and changes three things, using the
+model's latency profile (``batcher/profile.py``):
+
+- order: earliest deadline first within a priority level (a heap per level). A request's
+  scheduling deadline is the earlier of its own deadline and its arrival plus the model's
+  ``slo_ms``; requests with neither come last, in arrival order;
+- size: the batch grows in that order only while the profile's p99 time for the grown batch
+  still meets the earliest deadline in it (a batch already too late for its earliest deadline
+  grows to its limit: it is sized for throughput, not for a deadline it misses anyway);
+- drops: a request whose hard deadline (its own, not the SLO) the profile's *mean* time for it
+  alone cannot meet is taken out before it uses the device, and handed to ``on_infeasible``.
+
+With a queue delay, a deadline-policy batch waits for MIN_BATCH no longer than its earliest
+deadline allows: it is dispatched (reason ``deadline``) once waiting longer would make the
+MIN_BATCH-sized batch finish late.
 """
 
 from __future__ import annotations
 
 import collections
+import heapq
+import itertools
+import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from batcher.errors import ModelUnavailable, QueueFull
+from batcher.profile import LatencyProfile
 from batcher.request import QUEUED, REMOVED, TAKEN, InferenceRequest
 from batcher.spec import BatchingConfig
+
+
+def scheduling_deadline(request: InferenceRequest, slo_s: float | None) -> float:
+    """The earlier of the request's deadline and its arrival + the SLO; inf when neither is set."""
+    deadline = math.inf if request.deadline is None else request.deadline
+    if slo_s is not None:
+        deadline = min(deadline, request.arrival + slo_s)
+    return deadline
+
+
+class _DeadlineLevel:
+    """One priority level under the deadline policy: a heap, earliest deadline first.
+
+    It offers what ``ModelQueue`` uses of a deque (``append``, ``[0]``, ``popleft``, iteration
+    in order, ``clear``), so the FIFO code paths serve both. Removed requests stay in the heap,
+    marked, like in a deque; ``compact`` drops them when they outnumber the live ones.
+    """
+
+    __slots__ = ("_heap", "_seq", "_slo_s")
+
+    def __init__(self, slo_s: float | None) -> None:
+        self._heap: list[tuple[float, int, InferenceRequest]] = []
+        self._seq = itertools.count()
+        self._slo_s = slo_s
+
+    def append(self, request: InferenceRequest) -> None:
+        key = scheduling_deadline(request, self._slo_s)
+        heapq.heappush(self._heap, (key, next(self._seq), request))
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __getitem__(self, index: int) -> InferenceRequest:
+        if index != 0:
+            raise IndexError("only the head of a deadline-ordered level can be read")
+        return self._heap[0][2]
+
+    def popleft(self) -> InferenceRequest:
+        return heapq.heappop(self._heap)[2]
+
+    def __iter__(self) -> Iterator[InferenceRequest]:
+        # (deadline, sequence) pairs are unique: requests themselves are never compared.
+        return (entry[2] for entry in sorted(self._heap))
+
+    def clear(self) -> None:
+        self._heap.clear()
+
+    def compact(self, live: int) -> None:
+        if len(self._heap) > 2 * live + 64:
+            self._heap = [entry for entry in self._heap if entry[2].state == QUEUED]
+            heapq.heapify(self._heap)
 
 
 class ModelQueue:
@@ -44,11 +115,24 @@ class ModelQueue:
         *,
         clock: Callable[[], float] = time.monotonic,
         on_depth_change: Callable[[int], None] | None = None,
+        profile: LatencyProfile | None = None,
+        on_infeasible: Callable[[list[InferenceRequest]], None] | None = None,
     ) -> None:
+        """``profile`` and ``on_infeasible`` serve the deadline policy; ``on_infeasible`` gets
+        the requests dropped as unable to meet their deadline, under the queue's lock: it must
+        only hand them on (to the event loop), never call back into the queue."""
         self._config = config
         self._clock = clock
-        self._levels = [collections.deque() for _ in range(config.levels)]
+        self._deadline_policy = config.policy == "deadline"
+        self._slo_s = config.slo_s
+        self._profile = profile
+        self._on_infeasible = on_infeasible
+        self._levels = [
+            _DeadlineLevel(self._slo_s) if self._deadline_policy else collections.deque()
+            for _ in range(config.levels)
+        ]
         self._level_counts = [0] * config.levels
+        self._level_samples = [0] * config.levels
         self._limits = [config.queue_policy(level + 1).max_queue_size for level in range(config.levels)]
         self._samples_by_shape: dict[tuple, int] = collections.Counter()
         self._live = 0
@@ -83,6 +167,7 @@ class ModelQueue:
             request.enqueued = self._clock()
             self._levels[index].append(request)
             self._level_counts[index] += 1
+            self._level_samples[index] += request.batch_size
             waiting = self._samples_by_shape[request.shape_key] + request.batch_size
             self._samples_by_shape[request.shape_key] = waiting
             self._live += 1
@@ -133,6 +218,10 @@ class ModelQueue:
     def depth(self) -> int:
         return self._live
 
+    def samples_ahead(self, level: int) -> int:
+        """Samples queued at priority ``level`` or above (read without the lock: an estimate)."""
+        return sum(self._level_samples[:level])
+
     # -- the executors' side ----------------------------------------------------------------
 
     def next_batch(
@@ -145,7 +234,8 @@ class ModelQueue:
         """
         with self._cond:
             while True:
-                head = self._head()
+                now = self._clock()
+                head = self._head() if not self._deadline_policy else self._feasible_head(now)
                 if head is None:
                     if self._closed:
                         return None
@@ -167,18 +257,23 @@ class ModelQueue:
                 elif waiting >= self._min_batch:
                     reason = "preferred"
                 else:
-                    now = self._clock()
-                    due = self._oldest_enqueued() + self._delay_s
+                    due, reason = self._oldest_enqueued() + self._delay_s, "delay"
+                    if self._deadline_policy:
+                        latest = self._latest_start(head)
+                        if latest < due:
+                            due, reason = latest, "deadline"
                     if now < due:
                         self._wait(due - now, eager=True)
                         continue
-                    reason = "delay"
                 limit = self._max_batch
                 if reason == "preferred" and self._preferred:
                     limit = max((p for p in self._preferred if p <= waiting), default=waiting)
                 # The head always goes, even when it alone is larger than a preferred size.
                 limit = max(limit, head.batch_size)
-                batch = self._gather(head.shape_key, limit)
+                if self._deadline_policy:
+                    batch = self._gather_by_deadline(head, limit, now)
+                else:
+                    batch = self._gather(head.shape_key, limit)
                 depth = self._live
                 break
         if self._on_depth_change is not None:
@@ -200,6 +295,7 @@ class ModelQueue:
     def _forget(self, request: InferenceRequest, state: int) -> None:
         request.state = state
         self._level_counts[request.level - 1] -= 1
+        self._level_samples[request.level - 1] -= request.batch_size
         key = request.shape_key
         left = self._samples_by_shape[key] - request.batch_size
         if left:
@@ -254,3 +350,85 @@ class ModelQueue:
             while level and level[0].state != QUEUED:
                 level.popleft()
         return batch
+
+    # -- the deadline policy (lock held) ---------------------------------------------------------
+
+    def _infeasible(self, request: InferenceRequest, now: float) -> bool:
+        """True when even alone the request is expected to finish after its hard deadline."""
+        if request.deadline is None or self._profile is None:
+            return False
+        alone_s = self._profile.mean(request.batch_size)
+        return alone_s is not None and now + alone_s > request.deadline
+
+    def _feasible_head(self, now: float) -> InferenceRequest | None:
+        """The head, after dropping heads that cannot meet their deadline."""
+        dropped: list[InferenceRequest] = []
+        while (head := self._head()) is not None and self._infeasible(head, now):
+            self._forget(head, REMOVED)
+            dropped.append(head)
+        if dropped:
+            self._drop(dropped)
+        return head
+
+    def _latest_start(self, head: InferenceRequest) -> float:
+        """When a MIN_BATCH-sized batch must start for the head to meet its deadline."""
+        deadline = scheduling_deadline(head, self._slo_s)
+        batch_s = self._profile.p99(self._min_batch) if self._profile is not None else None
+        if batch_s is None or math.isinf(deadline):
+            return math.inf
+        return deadline - batch_s
+
+    def _fits(self, samples: int, deadline: float, now: float) -> bool:
+        batch_s = self._profile.p99(samples) if self._profile is not None else None
+        return batch_s is None or now + batch_s <= deadline
+
+    def _gather_by_deadline(self, head: InferenceRequest, limit: int, now: float
+                            ) -> list[InferenceRequest]:
+        """The largest batch, in deadline order, whose p99 time meets its earliest deadline."""
+        shape_key = head.shape_key
+        batch = [head]
+        samples = head.batch_size
+        earliest = scheduling_deadline(head, self._slo_s)
+        # Already too late for its earliest deadline: size it for throughput instead.
+        late = not self._fits(samples, earliest, now)
+        room = limit - samples
+        dropped: list[InferenceRequest] = []
+        self._forget(head, TAKEN)
+        for level in self._levels:
+            if room == 0:
+                break
+            for request in level:
+                if request.state != QUEUED or request.shape_key != shape_key:
+                    continue
+                if self._infeasible(request, now):
+                    self._forget(request, REMOVED)
+                    dropped.append(request)
+                    continue
+                if request.batch_size > room:
+                    room = 0
+                    break
+                deadline = min(earliest, scheduling_deadline(request, self._slo_s))
+                if not late and not self._fits(samples + request.batch_size, deadline, now):
+                    room = 0
+                    break
+                self._forget(request, TAKEN)
+                batch.append(request)
+                samples += request.batch_size
+                earliest = deadline
+                room -= request.batch_size
+                if room == 0:
+                    break
+        for index, level in enumerate(self._levels):
+            while level and level[0].state != QUEUED:
+                level.popleft()
+            level.compact(self._level_counts[index])
+        if dropped:
+            self._drop(dropped)
+        return batch
+
+    def _drop(self, requests: list[InferenceRequest]) -> None:
+        if self._on_infeasible is not None:
+            self._on_infeasible(requests)
+        self._cond.notify_all()
+        if self._on_depth_change is not None:
+            self._on_depth_change(self._live)

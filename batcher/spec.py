@@ -37,7 +37,12 @@ ELEMENT_SIZES: Mapping[str, int] = {
 }
 
 PRECISIONS = ("fp32", "fp16", "bf16")
-DISPATCH_REASONS = ("full", "preferred", "delay", "idle")
+# ``deadline``: a batch dispatched before MIN_BATCH or the queue delay were reached, because
+# waiting longer would make its earliest deadline miss (the ``deadline`` batch policy only).
+DISPATCH_REASONS = ("full", "preferred", "delay", "idle", "deadline")
+# ``fifo``: arrival order within a priority level; ``deadline``: earliest deadline first, batches
+# sized from the model's latency profile (``batcher/profile.py``).
+BATCH_POLICIES = ("fifo", "deadline")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +107,15 @@ class BatchingConfig:
     # runs as a batch of its own, never combined with another; preferred sizes, delay and
     # MIN_BATCH do not apply. A request may still carry up to max_batch_size samples.
     dynamic_batching: bool = True
+    policy: str = "fifo"  # one of BATCH_POLICIES
+    # The model's latency objective: the SLO attainment metric's target for requests without an
+    # earlier deadline, and under the deadline policy their scheduling deadline. 0 = none.
+    slo_ms: float = 0.0
+    # Refuse at once a request whose deadline the estimated queue wait already exceeds.
+    admission: bool = True
+    # > 0: batches run on the device in turns shared by weight with the other models that set
+    # one (``batcher/device_share.py``); 0: no turns, first come first served.
+    device_share_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 0:
@@ -130,6 +144,12 @@ class BatchingConfig:
             raise ValueError(
                 f"max_inflight_batches must be >= 1, got {self.max_inflight_batches}"
             )
+        if self.policy not in BATCH_POLICIES:
+            raise ValueError(f"policy must be one of {BATCH_POLICIES}, got {self.policy!r}")
+        if not self.slo_ms >= 0:
+            raise ValueError(f"slo_ms must be >= 0, got {self.slo_ms}")
+        if not self.device_share_weight >= 0:
+            raise ValueError(f"device_share_weight must be >= 0, got {self.device_share_weight}")
 
     @property
     def levels(self) -> int:
@@ -156,6 +176,10 @@ class BatchingConfig:
 
     def queue_policy(self, level: int) -> QueuePolicy:
         return self.priority_queue_policy.get(level, self.default_queue_policy)
+
+    @property
+    def slo_s(self) -> float | None:
+        return self.slo_ms / 1e3 if self.slo_ms else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,6 +35,7 @@ from google.protobuf.message import Message
 
 from batcher.errors import LoadError
 from batcher.spec import (
+    BATCH_POLICIES,
     NUMPY_DTYPES,
     PRECISIONS,
     BatchingConfig,
@@ -61,6 +62,22 @@ PARAMETERS: Mapping[str, str] = {
         "batches in flight per instance: one assembling while one computes (default 2)"
     ),
     "warmup": "true | false: run the model before reporting it ready (default true)",
+    "batch_policy": (
+        "fifo | deadline: arrival order, or earliest deadline first with batches sized from the "
+        "latency profile (default fifo)"
+    ),
+    "slo_ms": (
+        "the model's latency objective in ms: target of the SLO attainment metric and, under "
+        "the deadline policy, the scheduling deadline of requests without an earlier one (0: none)"
+    ),
+    "admission": (
+        "true | false: refuse at once (RESOURCE_EXHAUSTED) a request whose estimated queue wait "
+        "exceeds its deadline (default true)"
+    ),
+    "device_share_weight": (
+        "> 0: run batches in weighted turns with the other models on the device that set one "
+        "(default 0: no turns)"
+    ),
 }
 
 # Keys of Triton's PyTorch backend that batchgate honours.
@@ -298,6 +315,10 @@ def effective_config(
         "min_batch_size": str(spec.batching.effective_min_batch),
         "max_inflight_batches": str(spec.batching.max_inflight_batches),
         "warmup": "true" if spec.warmup else "false",
+        "batch_policy": spec.batching.policy,
+        "slo_ms": f"{spec.batching.slo_ms:g}",
+        "admission": "true" if spec.batching.admission else "false",
+        "device_share_weight": f"{spec.batching.device_share_weight:g}",
         "INTRA_OP_THREAD_COUNT": str(spec.intra_op_threads),
         "INTER_OP_THREAD_COUNT": str(spec.inter_op_threads),
     }
@@ -373,9 +394,15 @@ def _batching_config(
             f"({max_batch}), got {params['min_batch_size']!r}"
         )
     inflight = _int_param(name, params, "max_inflight_batches", 2, minimum=1)
+    scheduling = {
+        "policy": _choice(name, params, "batch_policy", BATCH_POLICIES, "fifo"),
+        "slo_ms": _float_param(name, params, "slo_ms", 0.0),
+        "admission": _bool_param(name, params, "admission", True),
+        "device_share_weight": _float_param(name, params, "device_share_weight", 0.0),
+    }
     if not config.HasField("dynamic_batching"):
         return _batching(name, max_batch_size=max_batch, min_batch_size=min_batch,
-                         max_inflight_batches=inflight, dynamic_batching=False)
+                         max_inflight_batches=inflight, dynamic_batching=False, **scheduling)
 
     dynamic = config.dynamic_batching
     levels = dynamic.priority_levels
@@ -409,6 +436,7 @@ def _batching_config(
         priority_queue_policy=per_level,
         max_inflight_batches=inflight,
         dynamic_batching=True,
+        **scheduling,
     )
 
 
@@ -488,6 +516,20 @@ def _int_param(
         raise LoadError(
             f"model {model!r}: parameter {key} must be an integer >= {minimum}, got {raw!r}"
         )
+    return value
+
+
+def _float_param(model: str, params: Mapping[str, str], key: str, default: float) -> float:
+    """A finite number >= 0."""
+    raw = params.get(key)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise LoadError(f"model {model!r}: parameter {key} must be a number >= 0, got {raw!r}")
     return value
 
 

@@ -274,6 +274,11 @@ def test_other_backends_are_refused(tmp_path):
         ("warmup", "maybe"),
         ("INTRA_OP_THREAD_COUNT", "-1"),
         ("INTER_OP_THREAD_COUNT", "two"),
+        ("batch_policy", "lifo"),
+        ("slo_ms", "-5"),
+        ("slo_ms", "nan"),
+        ("admission", "sometimes"),
+        ("device_share_weight", "heavy"),
     ],
 )
 def test_bad_parameter_values_say_what_they_got(tmp_path, key, value):
@@ -284,7 +289,10 @@ def test_bad_parameter_values_say_what_they_got(tmp_path, key, value):
 
 
 def test_documented_parameters_take_effect(tmp_path):
-    assert set(PARAMETERS) == {"precision", "min_batch_size", "max_inflight_batches", "warmup"}
+    assert set(PARAMETERS) == {
+        "precision", "min_batch_size", "max_inflight_batches", "warmup", "batch_policy",
+        "slo_ms", "admission", "device_share_weight",
+    }
     assert all(description.strip() for description in PARAMETERS.values())
     default = spec_of(tmp_path, BASE)
     spec = spec_of(
@@ -296,6 +304,10 @@ def test_documented_parameters_take_effect(tmp_path):
             warmup="false",
             INTRA_OP_THREAD_COUNT="2",
             INTER_OP_THREAD_COUNT="1",
+            batch_policy="Deadline",
+            slo_ms="12.5",
+            admission="false",
+            device_share_weight="3",
         ),
     )
     assert (default.precision, spec.precision) == ("fp32", "bf16")
@@ -304,6 +316,10 @@ def test_documented_parameters_take_effect(tmp_path):
     assert (default.warmup, spec.warmup) == (True, False)
     assert (default.intra_op_threads, spec.intra_op_threads) == (0, 2)
     assert (default.inter_op_threads, spec.inter_op_threads) == (0, 1)
+    assert (default.batching.policy, spec.batching.policy) == ("fifo", "deadline")
+    assert (default.batching.slo_ms, spec.batching.slo_ms) == (0.0, 12.5)
+    assert (default.batching.admission, spec.batching.admission) == (True, False)
+    assert (default.batching.device_share_weight, spec.batching.device_share_weight) == (0.0, 3.0)
 
 
 def test_queue_policies_map_to_the_batcher(tmp_path):
@@ -373,6 +389,10 @@ def test_effective_config_fills_defaults_and_resolved_parameters(tmp_path):
         "min_batch_size": "8",
         "max_inflight_batches": "2",
         "warmup": "true",
+        "batch_policy": "fifo",
+        "slo_ms": "0",
+        "admission": "true",
+        "device_share_weight": "0",
         "INTRA_OP_THREAD_COUNT": "0",
         "INTER_OP_THREAD_COUNT": "0",
         "my_own": "x",

@@ -1,0 +1,158 @@
+"""DeviceShare: models on one device take turns at it in proportion to configured weights.
+
+Left alone, models on one device get it first come, first served: the one with the most traffic
+and the longest batches takes most of it, and a small model's latency follows its neighbour's
+load. Models that set ``device_share_weight`` instead run their batches in turns: before a batch
+runs its executor asks for the device (``turn``), one batch runs at a time among the members,
+and the device goes to the member that has used the least device time for its weight.
+
+This is stride scheduling over device seconds: each member has a *pass*, advanced after every
+batch by the batch's measured seconds divided by the member's weight; of the members that want
+the device, the one with the lowest pass gets it (ties: the one that joined first). Two members
+that always have work get device time in the ratio of their weights; one that is alone gets the
+whole device (work-conserving). A member that was idle re-enters at the current virtual time
+(the pass of the last batch granted), so idling banks no credit.
+
+One subtlety makes the ratio hold: an executor that finishes a batch asks again a moment later,
+and a decision taken in that moment among the members already waiting would hand the device to
+the other member every time (1 : 1 whatever the weights). So a member that releases the device
+while it still has work (``backlog()``: requests queued or a batch formed) keeps a *reservation*
+for ``reserve_s``: until it comes back, expires or leaves, it competes as if it were waiting.
+
+Members that set no weight are not members: they run when they like, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+# Long enough for an executor with a batch in hand to come back, short enough that a member
+# whose queue only holds requests still waiting for their batch to fill blocks nobody for long.
+DEFAULT_RESERVE_S = 0.002
+
+
+class ShareMember:
+    """One model (all its instances) in one device's share."""
+
+    __slots__ = ("backlog", "name", "on_charge", "order", "pass_", "waiting", "weight")
+
+    def __init__(self, name: str, weight: float, backlog: Callable[[], bool],
+                 on_charge: Callable[[float], None] | None, order: int) -> None:
+        self.name = name
+        self.weight = weight
+        self.backlog = backlog
+        self.on_charge = on_charge
+        self.pass_ = 0.0
+        self.waiting = 0  # executor threads of this member waiting for a turn
+        self.order = order
+
+
+class DeviceShare:
+    """The turns of one device. Thread-safe; ``clock`` is injectable for tests."""
+
+    def __init__(self, device: str, *, clock: Callable[[], float] = time.monotonic,
+                 reserve_s: float = DEFAULT_RESERVE_S) -> None:
+        self.device = device
+        self._clock = clock
+        self._reserve_s = reserve_s
+        self._cond = threading.Condition(threading.Lock())
+        self._members: list[ShareMember] = []
+        self._orders = itertools.count()
+        self._holder: ShareMember | None = None
+        self._reserved: ShareMember | None = None
+        self._reserved_until = 0.0
+        self._vtime = 0.0
+
+    def join(self, name: str, weight: float, *, backlog: Callable[[], bool] = lambda: False,
+             on_charge: Callable[[float], None] | None = None) -> ShareMember:
+        """Add a member; ``backlog()`` says whether it has more work right now (cheap, no locks)."""
+        if not weight > 0:
+            raise ValueError(f"weight must be > 0, got {weight}")
+        with self._cond:
+            member = ShareMember(name, weight, backlog, on_charge, next(self._orders))
+            member.pass_ = self._vtime
+            self._members.append(member)
+        return member
+
+    def leave(self, member: ShareMember) -> None:
+        with self._cond:
+            if member in self._members:
+                self._members.remove(member)
+            if self._reserved is member:
+                self._reserved = None
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def turn(self, member: ShareMember) -> Iterator[None]:
+        """Hold the device for one batch; its duration is charged to ``member``."""
+        self.acquire(member)
+        started = self._clock()
+        try:
+            yield
+        finally:
+            self.release(member, self._clock() - started)
+
+    def acquire(self, member: ShareMember, *, blocking: bool = True) -> bool:
+        """Take the device for ``member``; without ``blocking``, only if it is its turn now."""
+        with self._cond:
+            if member is not self._reserved:
+                member.pass_ = max(member.pass_, self._vtime)
+            member.waiting += 1
+            try:
+                while not self._may_start(member):
+                    if not blocking:
+                        return False
+                    self._cond.wait(self._recheck_s())
+            finally:
+                member.waiting -= 1
+            self._holder = member
+            self._reserved = None
+            self._vtime = max(self._vtime, member.pass_)
+            return True
+
+    def release(self, member: ShareMember, seconds: float) -> None:
+        with self._cond:
+            self._holder = None
+            member.pass_ += max(seconds, 0.0) / member.weight
+            if member in self._members and member.backlog():
+                self._reserved = member
+                self._reserved_until = self._clock() + self._reserve_s
+            self._cond.notify_all()
+        if member.on_charge is not None:
+            member.on_charge(seconds)
+
+    # -- internals (lock held) -------------------------------------------------------------
+
+    def _may_start(self, member: ShareMember) -> bool:
+        if self._holder is not None:
+            return False
+        if member not in self._members:
+            return True  # a thread of a member that left (a model being replaced): let it finish
+        reserved = self._reserved
+        if reserved is not None and self._clock() >= self._reserved_until:
+            reserved = self._reserved = None
+        contenders = [m for m in self._members if m.waiting or m is reserved]
+        return min(contenders, key=lambda m: (m.pass_, m.order)) is member
+
+    def _recheck_s(self) -> float | None:
+        # Waiters must look again when a reservation runs out, not only when notified.
+        if self._reserved is None:
+            return None
+        return max(self._reserved_until - self._clock(), 0.0) or self._reserve_s
+
+
+_shares: dict[str, DeviceShare] = {}
+_shares_lock = threading.Lock()
+
+
+def share_for(device: str) -> DeviceShare:
+    """The process's one DeviceShare for ``device`` ("cpu", "cuda:0", ...)."""
+    with _shares_lock:
+        share = _shares.get(device)
+        if share is None:
+            share = _shares[device] = DeviceShare(device)
+        return share
