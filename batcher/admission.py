@@ -7,18 +7,20 @@ and keeps the queue short for the requests that can still be served.
 
 The estimate, from the model's latency profile (``batcher/profile.py``):
 
-    wait = batches ahead x expected batch time / instances
+    wait = full batches ahead x expected full-batch time / instances
 
-where the batches ahead are the samples queued at the request's priority level or above, in
-batches of ``max_batch_size``, each taking the profile's mean time for its size. It counts
-every such sample as ahead, which is exact for FIFO and for the deadline policy when deadlines
-arrive in order (the usual case: one timeout per client); it ignores the batches already
-running, so it errs on the side of admitting.
+The samples queued at the request's priority level or above, followed by the request itself,
+are cut into batches of ``max_batch_size``; the request rides in the last one, so the batches
+before it are the wait (each taking the profile's mean time for a full batch) and the last
+one's own time completes it. Counting every such sample as ahead is exact for FIFO, and for the
+deadline policy when deadlines arrive in order (the usual case: one timeout per client). The
+batches already running are left out, so the estimate errs on the side of admitting.
 
-Under the ``deadline`` policy the request's own batch time is added (its predicted completion,
-not just its start, must meet the deadline), and a request that cannot finish in time even on an
-empty queue is refused as *infeasible*: DEADLINE_EXCEEDED, not RESOURCE_EXHAUSTED, since
-retrying elsewhere will not help it.
+Under the ``fifo`` policy the wait is held against the time left before the deadline (a request
+refused is one that would expire before its batch even started). Under ``deadline`` the
+completion is (the policy promises not to spend the device on requests that finish late), and a
+request that cannot finish in time even on an empty queue is refused as *infeasible*:
+DEADLINE_EXCEEDED, not RESOURCE_EXHAUSTED, since retrying elsewhere will not help it.
 
 With no measurement yet (no warm-up, no batch run) there is no estimate and everything is
 admitted. Requests without a deadline are always admitted.
@@ -43,40 +45,49 @@ class Admission:
         self._instances = max(instances, 1)
         self._include_own = include_own
 
-    def estimated_wait_s(self, samples_ahead: int) -> float | None:
-        """Seconds until a request behind ``samples_ahead`` queued samples starts (None: unknown)."""
-        if samples_ahead <= 0:
-            return 0.0 if self._profile.measured else None
-        batches = math.ceil(samples_ahead / self._max_batch)
-        batch_s = self._profile.mean(min(samples_ahead, self._max_batch))
-        if batch_s is None:
+    def estimate_s(self, samples_ahead: int, batch_size: int = 1
+                   ) -> tuple[float, float] | None:
+        """(wait, completion): seconds until the batch that holds a request of ``batch_size``
+        behind ``samples_ahead`` queued samples starts, and until it ends (None: unknown)."""
+        full_s = self._profile.mean(self._max_batch)
+        if full_s is None:
             return None
-        return batches * batch_s / self._instances
+        samples = samples_ahead + batch_size
+        batches = math.ceil(samples / self._max_batch)
+        last = samples - (batches - 1) * self._max_batch
+        wait_s = (batches - 1) * full_s / self._instances
+        return wait_s, wait_s + (self._profile.mean(last) or 0.0) / self._instances
 
     def check(self, *, batch_size: int, deadline: float | None, now: float,
               samples_ahead: int) -> None:
         """Raise AdmissionRefused or DeadlineInfeasible if the request cannot be served in time."""
         if deadline is None:
             return
-        wait_s = self.estimated_wait_s(samples_ahead)
-        if wait_s is None:
-            return
         left_s = deadline - now
         if left_s <= 0:
             return  # already expired: its timer answers DEADLINE_EXCEEDED
-        own_s = 0.0
+        estimate = self.estimate_s(samples_ahead, batch_size)
+        if estimate is None:
+            return
+        wait_s, done_s = estimate
         if self._include_own:
             own_s = self._profile.mean(batch_size) or 0.0
             if own_s > left_s:
                 raise DeadlineInfeasible(
                     f"model '{self._model}' takes about {own_s * 1e3:.1f} ms to run a batch of "
-                    f"{batch_size}, more than the {left_s * 1e3:.1f} ms left before "
-                    "the request's deadline: it cannot be served in time"
+                    f"{batch_size}, more than the {left_s * 1e3:.1f} ms left before the "
+                    "request's deadline: it cannot be served in time"
                 )
-        if wait_s + own_s > left_s:
-            run = f" plus {own_s * 1e3:.1f} ms to run" if own_s else ""
+            if done_s > left_s:
+                raise AdmissionRefused(
+                    f"model '{self._model}': estimated wait {wait_s * 1e3:.1f} ms, done in "
+                    f"{done_s * 1e3:.1f} ms ({samples_ahead} samples queued ahead), after the "
+                    f"{left_s * 1e3:.1f} ms left before the request's deadline; retry later or "
+                    "with a longer deadline"
+                )
+        elif wait_s > left_s:
             raise AdmissionRefused(
-                f"model '{self._model}': estimated wait {wait_s * 1e3:.1f} ms{run} "
+                f"model '{self._model}': estimated wait {wait_s * 1e3:.1f} ms "
                 f"({samples_ahead} samples queued ahead) exceeds the {left_s * 1e3:.1f} ms left "
                 "before the request's deadline; retry later or with a longer deadline"
             )

@@ -30,9 +30,11 @@ model's latency profile (``batcher/profile.py``):
 - order: earliest deadline first within a priority level (a heap per level). A request's
   scheduling deadline is the earlier of its own deadline and its arrival plus the model's
   ``slo_ms``; requests with neither come last, in arrival order;
-- size: the batch grows in that order only while the profile's p99 time for the grown batch
-  still meets the earliest deadline in it (a batch already too late for its earliest deadline
-  grows to its limit: it is sized for throughput, not for a deadline it misses anyway);
+- size: for each batch-size bucket, the batch is the earliest-deadline requests that its p99
+  completion time meets, and the size chosen is the one after which the most requests meet
+  their deadlines, counting those a full next batch would serve (``_best_batch``): the largest
+  batch that meets its earliest deadline, unless serving a tight head would cost more
+  requests behind it than it saves;
 - drops: a request whose hard deadline (its own, not the SLO) the profile's *mean* time for it
   alone cannot meet is taken out before it uses the device, and handed to ``on_infeasible``.
 
@@ -378,46 +380,13 @@ class ModelQueue:
             return math.inf
         return deadline - batch_s
 
-    def _fits(self, samples: int, deadline: float, now: float) -> bool:
-        batch_s = self._profile.p99(samples) if self._profile is not None else None
-        return batch_s is None or now + batch_s <= deadline
-
     def _gather_by_deadline(self, head: InferenceRequest, limit: int, now: float
                             ) -> list[InferenceRequest]:
-        """The largest batch, in deadline order, whose p99 time meets its earliest deadline."""
-        shape_key = head.shape_key
-        batch = [head]
-        samples = head.batch_size
-        earliest = scheduling_deadline(head, self._slo_s)
-        # Already too late for its earliest deadline: size it for throughput instead.
-        late = not self._fits(samples, earliest, now)
-        room = limit - samples
-        dropped: list[InferenceRequest] = []
-        self._forget(head, TAKEN)
-        for level in self._levels:
-            if room == 0:
-                break
-            for request in level:
-                if request.state != QUEUED or request.shape_key != shape_key:
-                    continue
-                if self._infeasible(request, now):
-                    self._forget(request, REMOVED)
-                    dropped.append(request)
-                    continue
-                if request.batch_size > room:
-                    room = 0
-                    break
-                deadline = min(earliest, scheduling_deadline(request, self._slo_s))
-                if not late and not self._fits(samples + request.batch_size, deadline, now):
-                    room = 0
-                    break
-                self._forget(request, TAKEN)
-                batch.append(request)
-                samples += request.batch_size
-                earliest = deadline
-                room -= request.batch_size
-                if room == 0:
-                    break
+        """The batch that lets the most requests meet their deadlines (see ``_best_batch``)."""
+        candidates, dropped = self._candidates(head.shape_key, 2 * limit, now)
+        batch = self._best_batch(candidates, limit, now) or [head]
+        for request in batch:
+            self._forget(request, TAKEN)
         for index, level in enumerate(self._levels):
             while level and level[0].state != QUEUED:
                 level.popleft()
@@ -426,9 +395,98 @@ class ModelQueue:
             self._drop(dropped)
         return batch
 
+    def _candidates(self, shape_key: tuple, samples: int, now: float
+                    ) -> tuple[list[tuple[float, InferenceRequest]], list[InferenceRequest]]:
+        """Up to ``samples`` samples of requests that could share the head's batch, levels in
+        order, earliest deadline first, as (scheduling deadline, request); and the infeasible
+        ones met on the way, taken out of the queue."""
+        candidates: list[tuple[float, InferenceRequest]] = []
+        dropped: list[InferenceRequest] = []
+        for level in self._levels:
+            for request in level:
+                if request.state != QUEUED or request.shape_key != shape_key:
+                    continue
+                if self._infeasible(request, now):
+                    self._forget(request, REMOVED)
+                    dropped.append(request)
+                    continue
+                candidates.append((scheduling_deadline(request, self._slo_s), request))
+                samples -= request.batch_size
+                if samples <= 0:
+                    return candidates, dropped
+        return candidates, dropped
+
+    def _best_batch(self, candidates: list[tuple[float, InferenceRequest]], limit: int,
+                    now: float) -> list[InferenceRequest]:
+        """Of the batches one per size bucket up to ``limit``, the one after which the most
+        requests meet their deadline: those in it plus those a full next batch would serve.
+
+        The batch of size m holds the earliest-deadline candidates that its p99 completion
+        time meets; a request with a hard deadline it would miss stays queued (a smaller batch
+        later may serve it, or it is dropped as infeasible), one that has only missed its SLO
+        fills what room is left. Without the look at the next batch, a tight head would keep
+        every batch small under load and throughput would collapse exactly when it is needed;
+        with it, a small batch wins only when it serves the head without losing more behind.
+        Ties go to the batch that takes more samples now.
+        """
+        if not candidates:
+            return []
+        total = sum(r.batch_size for _, r in candidates)
+        buckets = sorted({min(b, limit) for b in self._profile_buckets()} | {limit})
+        # A bucket beyond the one that holds every candidate would only finish later.
+        whole = min(total, limit)
+        sizes = [b for b in buckets if b < whole] + [next(b for b in buckets if b >= whole)]
+        best: tuple[tuple[int, int], list[InferenceRequest]] | None = None
+        for size in sizes:
+            finish = now + self._p99(size)
+            batch, on_time = _compose(candidates, size, finish)
+            taken = {id(r) for r in batch}
+            rest = [(key, r) for key, r in candidates if id(r) not in taken]
+            rest_samples = min(limit, sum(r.batch_size for _, r in rest))
+            _, later = _compose(rest, limit, finish + self._p99(rest_samples)) if rest else ([], 0)
+            rank = (on_time + later, sum(r.batch_size for r in batch))
+            if best is None or rank > best[0]:
+                best = (rank, batch)
+        return best[1]
+
+    def _p99(self, samples: int) -> float:
+        """The profile's p99 seconds for ``samples`` (0 when unknown: decide as if free)."""
+        if self._profile is None or samples < 1:
+            return 0.0
+        return self._profile.p99(samples) or 0.0
+
+    def _profile_buckets(self) -> tuple[int, ...]:
+        return self._profile.buckets if self._profile is not None else ()
+
     def _drop(self, requests: list[InferenceRequest]) -> None:
         if self._on_infeasible is not None:
             self._on_infeasible(requests)
         self._cond.notify_all()
         if self._on_depth_change is not None:
             self._on_depth_change(self._live)
+
+
+def _compose(candidates: list[tuple[float, InferenceRequest]], size: int, finish: float
+             ) -> tuple[list[InferenceRequest], int]:
+    """Up to ``size`` samples: first the candidates that ``finish`` meets (in order), then
+    those without a hard deadline that it misses; and how many of them are on time."""
+    batch: list[InferenceRequest] = []
+    room = size
+    late: list[InferenceRequest] = []
+    for key, request in candidates:
+        if request.batch_size > room:
+            continue
+        if key < finish:
+            if request.deadline is None:
+                late.append(request)
+            continue
+        batch.append(request)
+        room -= request.batch_size
+        if room == 0:
+            break
+    on_time = len(batch)
+    for request in late:
+        if request.batch_size <= room:
+            batch.append(request)
+            room -= request.batch_size
+    return batch, on_time
