@@ -1,0 +1,183 @@
+"""The batch policies on a simulated clock: the same arrival trace through each, no noise.
+
+``bench/deadline.py`` measures the policies through a real server, where a shared machine and a
+Python load driver add their own noise. This runs the real ``ModelQueue`` (and ``Admission``)
+on a fake clock instead: one executor whose batch of n takes ``fixed + per_sample × n`` ms
+(times a seeded normal jitter), bursty on/off arrivals from ``bench.deadline.bursty_offsets``,
+every request with the same deadline, queued requests expiring at their deadline as the server's
+timers do. So the policies' decisions are compared on identical traces, and a change to the
+policy shows up here first. It is a model of the server, not a measurement of it: no figure
+from here goes into the README's performance section.
+
+    python -m bench.deadline_sim [--loads 0.3,0.45,0.6,0.9] [--deadline-ms 150] [--json F]
+
+Like ``bench.inprocess`` it imports the batcher (and so torch); the rest of ``bench/`` does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from batcher.admission import Admission
+from batcher.errors import AdmissionRefused, DeadlineInfeasible
+from batcher.profile import LatencyProfile
+from batcher.queue import ModelQueue
+from batcher.request import QUEUED, InferenceRequest
+from batcher.spec import BatchingConfig
+from bench.deadline import bursty_offsets
+
+POLICIES = (("fifo", False), ("fifo", True), ("deadline", True))
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    fixed_s: float = 0.020
+    per_sample_s: float = 0.0015
+    max_batch: int = 32
+    deadline_s: float = 0.150
+    jitter: float = 0.1  # relative standard deviation of a batch's time
+    on_s: float = 0.5
+    off_s: float = 1.5
+    peak: float = 2.5
+    seconds: float = 60.0
+    seed: int = 1
+
+    @property
+    def capacity(self) -> float:
+        return self.max_batch / (self.fixed_s + self.per_sample_s * self.max_batch)
+
+    def batch_s(self, samples: int) -> float:
+        return self.fixed_s + self.per_sample_s * samples
+
+
+@dataclasses.dataclass
+class Outcome:
+    policy: str
+    admission: bool
+    load: float
+    sent: int
+    on_time: int = 0
+    late: int = 0  # ran, but finished after its deadline: device time spent for nothing
+    expired: int = 0
+    refused: int = 0
+    infeasible: int = 0
+    batches: int = 0
+    samples: int = 0
+
+    def row(self, seconds: float) -> dict:
+        return {
+            "policy": self.policy, "admission": self.admission, "load": self.load,
+            "sent": self.sent, "attainment": round(self.on_time / self.sent, 4),
+            "goodput_per_s": round(self.on_time / seconds, 1), "late": self.late,
+            "expired": self.expired, "refused": self.refused, "infeasible": self.infeasible,
+            "mean_batch": round(self.samples / max(self.batches, 1), 1),
+        }
+
+
+def simulate(workload: Workload, policy: str, admission: bool, load: float) -> Outcome:
+    """One executor serving the trace at ``load`` × capacity under ``policy``."""
+    w = workload
+    arrivals = bursty_offsets(load * w.capacity, w.seconds, on_s=w.on_s, off_s=w.off_s,
+                              peak=w.peak, seed=w.seed)
+    rng = np.random.default_rng(w.seed)
+    now = [0.0]
+    dropped: list[InferenceRequest] = []
+    profile = LatencyProfile(w.max_batch)
+    for size in profile.buckets:  # what a warm-up would have measured
+        profile.record(size, w.batch_s(size))
+    queue = ModelQueue(BatchingConfig(max_batch_size=w.max_batch, policy=policy),
+                       clock=lambda: now[0], profile=profile, on_infeasible=dropped.extend)
+    door = (Admission("sim", profile, max_batch=w.max_batch, instances=1,
+                      include_own=policy == "deadline") if admission else None)
+    out = Outcome(policy, admission, load, len(arrivals))
+    x = np.zeros((1, 1), np.float32)
+    waiting: list[InferenceRequest] = []
+    next_arrival = 0
+
+    def arrive(until: float) -> None:
+        nonlocal next_arrival
+        while next_arrival < len(arrivals) and arrivals[next_arrival] <= until:
+            now[0] = at = float(arrivals[next_arrival])
+            next_arrival += 1
+            request = InferenceRequest([x], deadline=at + w.deadline_s)
+            request.level, request.arrival = 1, at
+            if door is not None:
+                try:
+                    door.check(batch_size=1, deadline=request.deadline, now=at,
+                               samples_ahead=queue.samples_ahead(1))
+                except (AdmissionRefused, DeadlineInfeasible):
+                    out.refused += 1
+                    continue
+            queue.put(request)
+            waiting.append(request)
+
+    clock = 0.0
+    while next_arrival < len(arrivals) or queue.depth:
+        arrive(clock)
+        now[0] = clock
+        for request in waiting:  # the server's deadline timers
+            if request.deadline < clock and queue.remove(request):
+                out.expired += 1
+        waiting[:] = [r for r in waiting if r.state == QUEUED]
+        if not queue.depth:
+            clock = float(arrivals[next_arrival])
+            continue
+        batch, _ = queue.next_batch()
+        samples = sum(r.batch_size for r in batch)
+        took = max(w.batch_s(samples) * (1 + w.jitter * rng.standard_normal()), 1e-4)
+        profile.record(samples, took)
+        arrive(clock + took)
+        clock += took
+        out.batches += 1
+        out.samples += samples
+        for request in batch:
+            if clock <= request.deadline:
+                out.on_time += 1
+            else:
+                out.late += 1
+    out.infeasible = len(dropped)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.deadline_sim", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--loads", default="0.3,0.45,0.6,0.9",
+                        help="mean offered loads, × the capacity at the largest batch")
+    parser.add_argument("--deadline-ms", type=float, default=150.0)
+    parser.add_argument("--fixed-ms", type=float, default=20.0)
+    parser.add_argument("--per-sample-ms", type=float, default=1.5)
+    parser.add_argument("--peak", type=float, default=2.5)
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    workload = Workload(fixed_s=args.fixed_ms / 1e3, per_sample_s=args.per_sample_ms / 1e3,
+                        deadline_s=args.deadline_ms / 1e3, peak=args.peak,
+                        seconds=args.seconds, seed=args.seed)
+    rows = [
+        simulate(workload, policy, admission, float(load)).row(workload.seconds)
+        for load in args.loads.split(",") for policy, admission in POLICIES
+    ]
+    print(f"capacity {workload.capacity:.0f}/s, {dataclasses.asdict(workload)}")
+    print("| policy | admission | load | attainment | goodput/s | late | expired | refused | "
+          "infeasible | mean batch |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['policy']} | {r['admission']} | {r['load']:g} | {r['attainment']:.1%} | "
+              f"{r['goodput_per_s']} | {r['late']} | {r['expired']} | {r['refused']} | "
+              f"{r['infeasible']} | {r['mean_batch']} |")
+    if args.json:
+        args.json.write_text(json.dumps({"workload": dataclasses.asdict(workload), "rows": rows},
+                                        indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
