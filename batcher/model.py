@@ -182,7 +182,8 @@ class ServedModel:
         try:
             return await future
         except asyncio.CancelledError:
-            if self._queue.remove(request):
+            self._queue.remove(request)  # a running batch still finishes; its answer is dropped
+            if future.cancelled():
                 self._count_failure("cancelled", [request])
             raise
 
@@ -249,10 +250,12 @@ class ServedModel:
             )
 
     def cancel(self, request: InferenceRequest) -> None:
-        """Take a request out of the queue on its caller's behalf (stream cancellation)."""
-        if self._queue.remove(request) and request.future is not None:
+        """Answer a request CANCELLED on its caller's behalf (stream cancellation, a front end
+        that went away): a queued one leaves the queue; a running one's answer is dropped."""
+        self._queue.remove(request)
+        if request.future is not None and not request.future.done():
             self._count_failure("cancelled", [request])
-            _reject(request.future, RequestCancelled("the request was cancelled"))
+            request.future.set_exception(RequestCancelled("the request was cancelled"))
 
     # -- from the executor threads -----------------------------------------------------------
 
@@ -277,14 +280,15 @@ class ServedModel:
                 _reject(request.future, outcome.error)
             return
         now = time.monotonic()
-        success_ns = 0
+        success_ns = answered = 0
         met = missed = 0
         slack = self._metrics.deadline_slack_seconds if self._metrics is not None else None
         for request, result in zip(requests, outcome.results):
-            success_ns += int((now - request.arrival) * 1e9)
-            if request.future.done():  # expired while its batch ran: already answered
+            if request.future.done():  # expired or cancelled while its batch ran: counted then
                 continue
             request.future.set_result(result)
+            answered += 1
+            success_ns += int((now - request.arrival) * 1e9)
             target = scheduling_deadline(request, self._slo_s)
             if slack is not None and target != math.inf:
                 slack.observe(target - now)
@@ -292,7 +296,7 @@ class ServedModel:
                     met += 1
                 else:
                     missed += 1
-        self.stats.record_success(len(requests), success_ns)
+        self.stats.record_success(answered, success_ns)
         if met:
             self._metrics.slo_met.inc(met)
         if missed:

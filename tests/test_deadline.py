@@ -14,7 +14,13 @@ from prometheus_client import CollectorRegistry
 
 from batcher.admission import Admission
 from batcher.device_share import DeviceShare
-from batcher.errors import AdmissionRefused, DeadlineExceeded, DeadlineInfeasible
+from batcher.errors import (
+    AdmissionRefused,
+    DeadlineExceeded,
+    DeadlineInfeasible,
+    ModelUnavailable,
+    RequestCancelled,
+)
 from batcher.metrics import BatcherMetrics
 from batcher.model import ServedModel
 from batcher.profile import LatencyProfile
@@ -387,6 +393,53 @@ async def test_requests_without_deadline_or_slo_are_not_counted_for_the_slo(serv
     model = served(make_spec(), RecordingModel())
     await model.infer(request(1.0))
     assert slo(registry, "met") == 0 and slo(registry, "missed") == 0
+
+
+# -- failure reasons: each refusal or loss counted once, under its own reason ---------------------
+
+async def test_a_request_cancelled_while_its_batch_runs_is_counted_cancelled(served, registry):
+    fake = RecordingModel()
+    model = served(make_spec(max_batch_size=1, max_inflight_batches=1), fake)
+    running = await hold_executor(model, fake)
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    fake.gate.set()
+    await model.infer(request(1.0))  # the held batch has finished by the time this one ran
+    assert failures(registry, "cancelled") == 1
+    stats = model.stats.snapshot()
+    assert (stats.success.count, stats.fail.count) == (1, 1)  # the cancelled one is no success
+
+
+async def test_cancel_answers_a_running_request_at_once_and_counts_it(served, registry):
+    fake = RecordingModel()
+    model = served(make_spec(max_batch_size=1, max_inflight_batches=1), fake)
+    fake.gate = threading.Event()
+    held = request(1.0)
+    future = asyncio.ensure_future(model.infer(held))
+    await asyncio.get_running_loop().run_in_executor(None, fake.entered.wait, 10)
+    model.cancel(held)
+    with pytest.raises(RequestCancelled):
+        await future
+    fake.gate.set()
+    await model.infer(request(2.0))
+    assert failures(registry, "cancelled") == 1
+
+
+async def test_requests_left_when_a_drain_times_out_are_counted_unavailable(registry):
+    fake = RecordingModel()
+    model = ServedModel(make_spec(max_batch_size=1, max_inflight_batches=1), fake,
+                        metrics=BatcherMetrics(registry))
+    model.start()
+    running = await hold_executor(model, fake)
+    queued = asyncio.ensure_future(model.infer(request(4.0)))
+    await wait_until(lambda: model.queue_depth == 1)
+    await asyncio.get_running_loop().run_in_executor(None, model.stop, 0.05)
+    with pytest.raises(ModelUnavailable):
+        await queued
+    assert failures(registry, "unavailable") == 1
+    fake.gate.set()
+    await running
 
 
 # -- device sharing ------------------------------------------------------------------------------
