@@ -4,6 +4,10 @@ The event loop calls ``infer``; everything blocking (warm-up, draining) happens 
 ``stop``, which the caller runs off the loop. Each request gets one future, resolved only
 through guarded helpers (never twice), and removed from the queue in ``finally`` when its
 caller goes away or its deadline passes, so nothing leaks and no dead request reaches a batch.
+
+Around the queue: a latency profile (seeded at warm-up, fed by every batch) that admission
+control and the deadline policy predict from; the device's weighted turns when the model sets
+``device_share_weight``; and every request that gets no result counted once, under its reason.
 """
 
 from __future__ import annotations
@@ -190,8 +194,8 @@ class ServedModel:
     def submit(self, request: InferenceRequest) -> asyncio.Future:
         """Queue ``request``; its future resolves to its outputs (on the running loop).
 
-        Refusals (unavailable, bad priority, queue full) raise at once. The caller that gives
-        up on the future must call ``cancel(request)`` (``infer`` does).
+        Refusals (unavailable, bad priority, queue full, admission control) raise at once. The
+        caller that gives up on the future must call ``cancel(request)`` (``infer`` does).
         """
         if not self._accepting:
             raise ModelUnavailable(f"model '{self._spec.name}' is not serving; retry later")
@@ -216,16 +220,7 @@ class ServedModel:
             deadline = by_timeout if deadline is None else min(deadline, by_timeout)
         request.deadline = deadline  # the queue's deadline policy reads it
         if self._admission is not None and deadline is not None:
-            try:
-                self._admission.check(batch_size=request.batch_size, deadline=deadline,
-                                      now=time.monotonic(),
-                                      samples_ahead=self._queue.samples_ahead(level))
-            except AdmissionRefused:
-                self._count_failure("rejected", [request])
-                raise
-            except DeadlineInfeasible:
-                self._count_failure("infeasible", [request])
-                raise
+            self._admit(request)
 
         future = loop.create_future()
         request.future = future
@@ -238,6 +233,19 @@ class ServedModel:
             timer = loop.call_later(max(0.0, deadline - time.monotonic()), self._expire, request)
             future.add_done_callback(lambda _: timer.cancel())
         return future
+
+    def _admit(self, request: InferenceRequest) -> None:
+        """Admission control (``batcher/admission.py``): raise, counted, if it cannot be in time."""
+        try:
+            self._admission.check(batch_size=request.batch_size, deadline=request.deadline,
+                                  now=time.monotonic(),
+                                  samples_ahead=self._queue.samples_ahead(request.level))
+        except AdmissionRefused:
+            self._count_failure("rejected", [request])
+            raise
+        except DeadlineInfeasible:
+            self._count_failure("infeasible", [request])
+            raise
 
     def _expire(self, request: InferenceRequest) -> None:
         self._queue.remove(request)  # a running batch still finishes; its answer is dropped
