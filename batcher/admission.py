@@ -20,7 +20,8 @@ Under the ``fifo`` policy the wait is held against the time left before the dead
 refused is one that would expire before its batch even started). Under ``deadline`` the
 completion is (the policy promises not to spend the device on requests that finish late), and a
 request that cannot finish in time even on an empty queue is refused as *infeasible*:
-DEADLINE_EXCEEDED, not RESOURCE_EXHAUSTED, since retrying elsewhere will not help it.
+DEADLINE_EXCEEDED, not RESOURCE_EXHAUSTED, since retrying elsewhere will not help it. That
+last test uses the profile's optimistic time (a refusal is final); the estimates use the mean.
 
 With no measurement yet (no warm-up, no batch run) there is no estimate and everything is
 admitted. Requests without a deadline are always admitted.
@@ -71,7 +72,7 @@ class Admission:
             return
         wait_s, done_s = estimate
         if self._include_own:
-            own_s = self._profile.mean(batch_size) or 0.0
+            own_s = self._profile.optimistic(batch_size) or 0.0
             if own_s > left_s:
                 raise DeadlineInfeasible(
                     f"model '{self._model}' takes about {own_s * 1e3:.1f} ms to run a batch of "

@@ -7,13 +7,17 @@ weighted mean of the measured batch time and of its absolute deviation. It is se
 warm-up and then updated with every batch the executors run, so it follows the machine as it
 is now (a shared CPU, a GPU with neighbours), not as it was at load.
 
-Two estimates come out of it, used for different decisions:
+Three estimates come out of it, used for different decisions:
 
-- ``mean(n)``: the expected time. Refusing or dropping a request is final, so that is done only
-  when even the expected time misses its deadline.
 - ``p99(n)``: mean + 3 mean absolute deviations, about the 99th percentile for a normal-ish
   spread (p99 is mean + 2.33 sigma and the mean absolute deviation is about 0.8 sigma). Batches
   are sized against it, so that a batch which fits still fits when it runs a little slow.
+- ``mean(n)``: the expected time, for estimated waits (admission control).
+- ``optimistic(n)``: mean - 1 deviation, a quick but common run. Dropping or refusing a request
+  as infeasible is final, so it is done only when even this misses the deadline; and a request
+  that this still meets may fill a batch's spare room although the p99 says it will be late.
+  Under heavy tails (a stall now and then lifts the mean and the deviation) the p99 is very
+  pessimistic, and judging by it alone would give up on requests that usually make it.
 
 A bucket never measured borrows from its neighbours: the next larger measured bucket's time (a
 bigger batch takes no less time) or, failing that, the largest smaller one scaled linearly with
@@ -77,6 +81,11 @@ class LatencyProfile:
     def p99(self, batch_size: int) -> float | None:
         """About the 99th percentile of the seconds for a batch of ``batch_size``."""
         return self._estimate(batch_size, P99_DEVIATIONS)
+
+    def optimistic(self, batch_size: int) -> float | None:
+        """A quick but common time for a batch of ``batch_size``: mean - 1 deviation."""
+        estimate = self._estimate(batch_size, -1.0)
+        return None if estimate is None else max(estimate, 0.0)
 
     @property
     def measured(self) -> bool:

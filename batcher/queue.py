@@ -35,8 +35,9 @@ model's latency profile (``batcher/profile.py``):
   their deadlines, counting those a full next batch would serve (``_best_batch``): the largest
   batch that meets its earliest deadline, unless serving a tight head would cost more
   requests behind it than it saves;
-- drops: a request whose hard deadline (its own, not the SLO) the profile's *mean* time for it
-  alone cannot meet is taken out before it uses the device, and handed to ``on_infeasible``.
+- drops: a request whose hard deadline (its own, not the SLO) even the profile's optimistic
+  time for it alone cannot meet is taken out before it uses the device, and handed to
+  ``on_infeasible``.
 
 With a queue delay, a deadline-policy batch waits for MIN_BATCH no longer than its earliest
 deadline allows: it is dispatched (reason ``deadline``) once waiting longer would make the
@@ -356,10 +357,10 @@ class ModelQueue:
     # -- the deadline policy (lock held) ---------------------------------------------------------
 
     def _infeasible(self, request: InferenceRequest, now: float) -> bool:
-        """True when even alone the request is expected to finish after its hard deadline."""
+        """True when even alone, and quick, the request would finish after its hard deadline."""
         if request.deadline is None or self._profile is None:
             return False
-        alone_s = self._profile.mean(request.batch_size)
+        alone_s = self._profile.optimistic(request.batch_size)
         return alone_s is not None and now + alone_s > request.deadline
 
     def _feasible_head(self, now: float) -> InferenceRequest | None:
@@ -422,9 +423,10 @@ class ModelQueue:
         requests meet their deadline: those in it plus those a full next batch would serve.
 
         The batch of size m holds the earliest-deadline candidates that its p99 completion
-        time meets; a request with a hard deadline it would miss stays queued (a smaller batch
-        later may serve it, or it is dropped as infeasible), one that has only missed its SLO
-        fills what room is left. Without the look at the next batch, a tight head would keep
+        time meets; what room is left takes those it would make late but that a quick run
+        (the profile's optimistic time) still serves, and those that only missed their SLO.
+        A request certain to be late stays queued (a smaller batch may yet serve it, or it is
+        dropped as infeasible): no device time for nothing. Without the look at the next batch, a tight head would keep
         every batch small under load and throughput would collapse exactly when it is needed;
         with it, a small batch wins only when it serves the head without losing more behind.
         Ties go to the batch that takes more samples now.
@@ -439,11 +441,12 @@ class ModelQueue:
         best: tuple[tuple[int, int], list[InferenceRequest]] | None = None
         for size in sizes:
             finish = now + self._p99(size)
-            batch, on_time = _compose(candidates, size, finish)
+            batch, on_time = _compose(candidates, size, finish, now + self._optimistic(size))
             taken = {id(r) for r in batch}
             rest = [(key, r) for key, r in candidates if id(r) not in taken]
             rest_samples = min(limit, sum(r.batch_size for _, r in rest))
-            _, later = _compose(rest, limit, finish + self._p99(rest_samples)) if rest else ([], 0)
+            _, later = (_compose(rest, limit, finish + self._p99(rest_samples), math.inf)
+                        if rest else ([], 0))
             rank = (on_time + later, sum(r.batch_size for r in batch))
             if best is None or rank > best[0]:
                 best = (rank, batch)
@@ -454,6 +457,11 @@ class ModelQueue:
         if self._profile is None or samples < 1:
             return 0.0
         return self._profile.p99(samples) or 0.0
+
+    def _optimistic(self, samples: int) -> float:
+        if self._profile is None or samples < 1:
+            return 0.0
+        return self._profile.optimistic(samples) or 0.0
 
     def _profile_buckets(self) -> tuple[int, ...]:
         return self._profile.buckets if self._profile is not None else ()
@@ -466,10 +474,11 @@ class ModelQueue:
             self._on_depth_change(self._live)
 
 
-def _compose(candidates: list[tuple[float, InferenceRequest]], size: int, finish: float
-             ) -> tuple[list[InferenceRequest], int]:
-    """Up to ``size`` samples: first the candidates that ``finish`` meets (in order), then
-    those without a hard deadline that it misses; and how many of them are on time."""
+def _compose(candidates: list[tuple[float, InferenceRequest]], size: int, finish: float,
+             hopeful: float) -> tuple[list[InferenceRequest], int]:
+    """Up to ``size`` samples: first the candidates whose deadline ``finish`` meets (in order),
+    then, in the room left, those it misses but that ``hopeful`` (a quick run) still meets or
+    that have no hard deadline; and how many are on time by ``finish``."""
     batch: list[InferenceRequest] = []
     room = size
     late: list[InferenceRequest] = []
@@ -477,7 +486,7 @@ def _compose(candidates: list[tuple[float, InferenceRequest]], size: int, finish
         if request.batch_size > room:
             continue
         if key < finish:
-            if request.deadline is None:
+            if request.deadline is None or request.deadline >= hopeful:
                 late.append(request)
             continue
         batch.append(request)

@@ -97,6 +97,13 @@ def test_profile_keeps_an_ewma_of_mean_and_deviation_per_bucket():
     assert profile.snapshot()[4] == (pytest.approx(2.0), pytest.approx(2.0), 1)
 
 
+def test_profile_optimistic_time_is_one_deviation_below_the_mean():
+    profile = profile_of({1: 1.0})
+    profile.record(1, 2.0)  # mean 1.1, deviation 0.1
+    assert profile.optimistic(1) == pytest.approx(1.0)
+    assert LatencyProfile(4).optimistic(1) is None
+
+
 def test_profile_borrows_from_measured_neighbours():
     profile = profile_of({4: 2.0}, max_batch=16)
     assert profile.mean(2) == pytest.approx(2.0)  # a larger bucket's time bounds a smaller one
@@ -213,6 +220,21 @@ def test_a_tight_head_does_not_shrink_the_batch_when_that_would_lose_more_behind
     assert values(batch) == [float(i) for i in range(1, 9)] and head not in batch
     # The head was not dropped: it still fits alone, and now goes with the rest.
     assert values(q.next_batch()[0]) == [0.0, 9.0, 10.0, 11.0]
+
+
+def test_spare_room_takes_a_request_that_only_a_quick_run_would_serve():
+    clock = FakeClock()
+    profile = profile_of({1: 1.0, 2: 1.0})
+    for size in (1, 2):
+        profile.record(size, 2.0)  # mean 1.1, p99 1.4, optimistic 1.0
+    dropped: list = []
+    q = deadline_queue(clock, profile, dropped, max_batch_size=2)
+    hopeless = put(q, clock, 0.0, deadline=0.9)  # even a quick run (1.0 s) misses: dropped
+    hopeful = put(q, clock, 1.0, deadline=1.2)  # the p99 (1.4 s) misses, a quick run does not
+    put(q, clock, 2.0, deadline=5.0)
+    batch, _ = q.next_batch()
+    assert values(batch) == [2.0, 1.0] and hopeful in batch
+    assert dropped == [hopeless]
 
 
 def test_a_batch_already_late_for_its_slo_is_sized_for_throughput():
