@@ -19,6 +19,8 @@ SECONDS_BUCKETS = (
     2.5, 5.0, 10.0,
 )
 FAILURE_REASONS = ("rejected", "expired", "cancelled", "model_error", "unavailable")
+# When a request's inputs were copied into its model's pooled buffers (spec.INPUT_STAGING).
+INPUT_COPY_TIMES = ("queued", "batch")
 
 
 class BatcherMetrics:
@@ -60,6 +62,60 @@ class BatcherMetrics:
             "batchgate_request_failures", "Requests that got no result, by reason.",
             ["model", "reason"], registry=r,
         )
+        self._gpu_path_metrics(r)
+
+    def _gpu_path_metrics(self, r: CollectorRegistry) -> None:
+        # The device memory pools (batcher/memory.py): one per device, set by the executor
+        # process alone, so "livesum" is that process's value.
+        self.pool_bytes_reserved = Gauge(
+            "batchgate_pool_bytes_reserved", "Bytes the device memory pool reserved, by device.",
+            ["device"], registry=r, multiprocess_mode="livesum",
+        )
+        self.pool_bytes_in_use = Gauge(
+            "batchgate_pool_bytes_in_use", "Bytes allocated in the device memory pool.",
+            ["device"], registry=r, multiprocess_mode="livesum",
+        )
+        self.pool_largest_free_block = Gauge(
+            "batchgate_pool_largest_free_block_bytes",
+            "The largest allocation the device memory pool can satisfy now.",
+            ["device"], registry=r, multiprocess_mode="livesum",
+        )
+        self.pool_fallbacks = Counter(
+            "batchgate_pool_fallbacks",
+            "Allocations a permissive pool served outside its arena, by device.",
+            ["device"], registry=r,
+        )
+        self.model_pool_bytes_reserved = Gauge(
+            "batchgate_model_pool_bytes_reserved",
+            "Bytes of the device memory pool a model's admitted memory plan holds.",
+            ["model"], registry=r, multiprocess_mode="livesum",
+        )
+        self.model_pool_bytes_in_use = Gauge(
+            "batchgate_model_pool_bytes_in_use",
+            "Bytes of the device memory pool a model holds: its plan plus staged inputs.",
+            ["model"], registry=r, multiprocess_mode="livesum",
+        )
+        self.model_pool_fallbacks = Counter(
+            "batchgate_model_pool_fallbacks",
+            "A model's allocations served outside the pool's arena (permissive pool).",
+            ["model"], registry=r,
+        )
+        self.oom_events = Counter(
+            "batchgate_oom_events",
+            "Batches that ran out of device memory and were split and run again.",
+            ["model"], registry=r,
+        )
+        self.largest_bucket = Gauge(
+            "batchgate_model_largest_bucket",
+            "The largest batch a model runs in one piece (lowered after out-of-memory).",
+            ["model"], registry=r, multiprocess_mode="livesum",
+        )
+        self.input_copies = Counter(
+            "batchgate_input_copies",
+            "Requests whose inputs were copied into pooled buffers, by when: as soon as queued "
+            "or when their batch was assembled.",
+            ["model", "when"], registry=r,
+        )
 
     def for_model(self, model: str) -> ModelMetrics:
         return ModelMetrics(self, model)
@@ -76,3 +132,10 @@ class ModelMetrics:
         self.queue_depth = metrics.queue_depth.labels(model)
         self.inflight_batches = metrics.inflight_batches.labels(model)
         self.failures = {reason: metrics.failures.labels(model, reason) for reason in FAILURE_REASONS}
+        self.pool_bytes_reserved = metrics.model_pool_bytes_reserved.labels(model)
+        self.pool_bytes_in_use = metrics.model_pool_bytes_in_use.labels(model)
+        self.pool_fallbacks = metrics.model_pool_fallbacks.labels(model)
+        self.oom_events = metrics.oom_events.labels(model)
+        self.largest_bucket = metrics.largest_bucket.labels(model)
+        self.input_copies = {when: metrics.input_copies.labels(model, when)
+                             for when in INPUT_COPY_TIMES}

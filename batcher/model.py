@@ -1,15 +1,31 @@
 """ServedModel: one loaded model version, its queue, its executors, its statistics.
 
-The event loop calls ``infer``; everything blocking (warm-up, draining) happens in ``start`` and
-``stop``, which the caller runs off the loop. Each request gets one future, resolved only
-through guarded helpers (never twice), and removed from the queue in ``finally`` when its
-caller goes away or its deadline passes, so nothing leaks and no dead request reaches a batch.
+The event loop calls ``infer``; everything blocking (loading steps, draining) happens in
+``start`` and ``stop``, which the caller runs off the loop. Each request gets one future,
+resolved only through guarded helpers (never twice), and removed from the queue in ``finally``
+when its caller goes away or its deadline passes, so nothing leaks and no dead request reaches
+a batch.
+
+``start`` loads in this order, and the model answers only once all of it is done:
+
+1. the precision check (``batcher/precision.py``): the model in its precision against fp32 on
+   seeded inputs; fp16 weights are converted here;
+2. the memory plan (``batcher/pool.py``): per instance, an input buffer per batch in flight and,
+   with CUDA graphs, each bucket's fixed buffers, admitted into the device's pool all or
+   nothing, else ``ResourceExhausted`` naming the bytes needed and free;
+3. warm-up through the real batch path at every batch bucket (and the config's
+   ``model_warmup`` samples), then the CUDA graphs' capture;
+4. the input stager (``input_staging`` queue) and the executor threads.
+
+What it found goes to ``load_report``, which the server shows in the model's config parameters.
+``stop`` gives the plan's memory back to the pool.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -17,7 +33,11 @@ from typing import Any
 
 import numpy as np
 import structlog
+import torch
 
+from batcher import graphs as cuda_graphs
+from batcher import precision as precisions
+from batcher.buckets import BatchBuckets
 from batcher.errors import (
     DeadlineExceeded,
     InvalidRequest,
@@ -25,18 +45,33 @@ from batcher.errors import (
     ModelUnavailable,
     QueueFull,
     RequestCancelled,
+    ResourceExhausted,
 )
-from batcher.executor import Batch, Executor, Outcome
+from batcher.executor import (
+    TORCH_DTYPES,
+    Batch,
+    Executor,
+    ExecutorPlan,
+    Outcome,
+    Slot,
+    to_torch,
+)
+from batcher.memory import DevicePools
 from batcher.metrics import BatcherMetrics, ModelMetrics
+from batcher.pool import DevicePool, ModelReservation, model_plan, unpooled_reservation
 from batcher.queue import ModelQueue
 from batcher.request import DONE, InferenceRequest
 from batcher.spec import ModelSpec
+from batcher.staging import Block, InputStager
 from batcher.stats import ModelStats
 
 log = structlog.get_logger(__name__)
 
 _batch_ids = itertools.count(1)
 _batch_ids_lock = threading.Lock()
+_reservation_ids = itertools.count(1)
+# Staged inputs a model may hold in its pool, in batches' worth beyond those in flight.
+STAGING_BATCHES = 2
 
 
 def _next_batch_id() -> int:
@@ -62,24 +97,28 @@ class ServedModel:
         *,
         metrics: BatcherMetrics | None = None,
         warmup_inputs: list[list[np.ndarray]] | None = None,
+        pools: DevicePools | None = None,
     ) -> None:
+        """``pools``: the server's device memory pools; without them (tests, benchmarks) the
+        model's buffers are plain tensors."""
         self._spec = spec
         self._module = module
         self._metrics: ModelMetrics | None = metrics.for_model(spec.name) if metrics else None
         self._warmup_inputs = warmup_inputs
+        self._pools = pools
         self.stats = ModelStats()
         self._queue = ModelQueue(
             spec.batching,
             on_depth_change=self._metrics.queue_depth.set if self._metrics else None,
         )
-        self._executors = [
-            Executor(
-                spec, module, index=i, next_batch=self._queue.next_batch, wake=self._queue.wake,
-                deliver=self._post, on_batch=self._record_batch, batch_ids=_next_batch_id,
-                on_inflight=self._metrics.inflight_batches.inc if self._metrics else None,
-            )
-            for i in range(spec.instance_count)
-        ]
+        # Fixed buffers (and so padding, staging, graphs) need fixed, numeric inputs.
+        self._pooled = all(t.fixed() and t.datatype != "BYTES" for t in spec.inputs)
+        self._buckets = BatchBuckets(spec.buckets if self._pooled else (),
+                                     spec.batching.max_batch_size)
+        self._executors: list[Executor] = []
+        self._reservations: list[tuple[DevicePool | None, ModelReservation]] = []
+        self._stager: InputStager | None = None
+        self.load_report: dict[str, str] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._accepting = False
         self._inflight = 0
@@ -104,21 +143,194 @@ class ServedModel:
     # -- lifecycle (blocking; run off the event loop) ------------------------------------------
 
     def start(self) -> None:
-        """Warm up every instance, then start serving. Raises LoadError if warm-up fails."""
-        if self._spec.warmup:
-            inputs = self._warmup_inputs if self._warmup_inputs is not None else default_warmup(self._spec)
-            for executor in self._executors:
-                try:
-                    executor.warm_up(inputs)
-                except Exception as exc:
-                    log.exception("warmup_failed", model=self._spec.name)
-                    raise LoadError(
-                        f"model '{self._spec.name}' failed its warm-up "
-                        f"({type(exc).__name__}); the server log has the details"
-                    ) from exc
+        """Load (see the module docstring), then start serving. Raises LoadError, or
+        ResourceExhausted when the model does not fit its device's memory pool."""
+        spec = self._spec
+        check_inputs = precisions.seeded_inputs(spec)
+        if check_inputs is None and self._warmup_inputs:
+            check_inputs = self._warmup_inputs[0]
+        self._module, checked = precisions.check(spec, self._module, check_inputs,
+                                                 self._run_once)
+        graph_buckets, graphs_status = self._graph_plan()
+        self._reserve(graph_buckets)
+        self._executors = [self._executor(i, reservation)
+                           for i, (_, reservation) in enumerate(self._reservations)]
+        warm = self._warm_up()
+        if graph_buckets:
+            graphs_status = warm["graphs"]
+        self.load_report = {
+            "precision_max_relative_error": checked.parameter(),
+            "cuda_graphs_status": graphs_status,
+            "memory_plan_bytes": str(sum(r.nbytes for _, r in self._reservations if r)),
+            "activation_bytes": ("not measured on the CPU" if warm["activation_bytes"] is None
+                                 else str(warm["activation_bytes"])),
+            "warmed_up_batch_sizes": ",".join(map(str, warm["batch_sizes"])) or "none",
+        }
+        if self._metrics is not None:
+            self._metrics.largest_bucket.set(self._buckets.largest)
+        if self._stager is not None:
+            self._stager.start()
         for executor in self._executors:
             executor.start()
         self._accepting = True
+
+    # -- loading steps ---------------------------------------------------------------------------
+
+    def _run_once(self, module: Any, arrays: list[np.ndarray], precision: str
+                  ) -> list[torch.Tensor]:
+        """One forward of ``module`` on ``arrays`` (the precision check's runs)."""
+        device = torch.device(self._spec.device)
+        tensors = [to_torch(np.array(a), t.datatype).to(device)
+                   for a, t in zip(arrays, self._spec.inputs)]
+        with torch.inference_mode(), precisions.autocast(precision, device.type):
+            returned = module(*precisions.cast_inputs(tensors, precision))
+        if isinstance(returned, torch.Tensor):
+            return [returned]
+        if isinstance(returned, dict):
+            return [returned[o.name] for o in self._spec.outputs]
+        return list(returned)[: len(self._spec.outputs)]
+
+    def _graph_plan(self) -> tuple[tuple[int, ...], str]:
+        """The buckets to capture CUDA graphs for, and what to report when there are none."""
+        spec = self._spec
+        if not spec.cuda_graphs:
+            return (), "off"
+        reason = cuda_graphs.unavailable_reason(spec)
+        if reason is not None:
+            log.info("cuda_graphs_unavailable", model=spec.name, reason=reason, running="eager")
+            return (), f"eager: {reason}"
+        return spec.buckets, ""
+
+    def _reserve(self, graph_buckets: tuple[int, ...]) -> None:
+        """One memory plan per instance, admitted into the device's pool (all or nothing)."""
+        spec = self._spec
+        slots = spec.batching.max_inflight_batches
+        if not self._pooled:
+            self._reservations = [(None, None)] * spec.instance_count
+            return
+        plan = model_plan(
+            [(t.dims, TORCH_DTYPES[t.datatype]) for t in spec.inputs],
+            [(t.dims, TORCH_DTYPES[t.datatype]) for t in spec.outputs] if graph_buckets else [],
+            max_rows=spec.max_batch_size or None, slots=slots, graph_buckets=graph_buckets)
+        pool = self._pools.get(spec.device) if self._pools is not None else None
+        for index in range(spec.instance_count):
+            name = f"{spec.name}:{spec.version}#{next(_reservation_ids)}.{index}"
+            if pool is None:
+                reservation = unpooled_reservation(name, plan, spec.device)
+            else:
+                try:
+                    reservation = pool.admit(name, plan)
+                except ResourceExhausted as exc:
+                    log.error("model_does_not_fit", model=spec.name, reason=str(exc))
+                    raise ResourceExhausted(
+                        f"model '{spec.name}' was not loaded: {exc}") from None
+            self._reservations.append((pool, reservation))
+            self._count_reserved(pool, reservation.nbytes, reservation.fallbacks)
+        log.info("memory_plan_admitted", model=spec.name, device=spec.device,
+                 instances=spec.instance_count, plan=plan.describe(),
+                 bytes=sum(r.nbytes for _, r in self._reservations), pooled=pool is not None)
+        if spec.input_staging == "queue":
+            self._stager = self._new_stager(pool)
+
+    def _count_reserved(self, pool: DevicePool | None, nbytes: int, fallbacks: int) -> None:
+        if self._metrics is not None:
+            self._metrics.pool_bytes_reserved.inc(nbytes)
+            self._metrics.pool_bytes_in_use.inc(nbytes)
+            if fallbacks:
+                self._metrics.pool_fallbacks.inc(fallbacks)
+        if pool is not None:
+            self._pools.refresh(pool)
+
+    def _new_stager(self, pool: DevicePool | None) -> InputStager:
+        spec = self._spec
+        device = torch.device(spec.device)
+        per_sample = sum(math.prod(t.dims) * TORCH_DTYPES[t.datatype].itemsize
+                         for t in spec.inputs)
+        batches = spec.batching.max_inflight_batches * spec.instance_count + STAGING_BATCHES
+        metrics = self._metrics
+
+        def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> Block | None:
+            if pool is None:
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+                return Block(tensor, lambda: None, tensor.nbytes, True)
+            handle = pool.allocate(shape, dtype)
+            if handle is None:
+                return None
+            return Block(handle.tensor, handle.release, handle.nbytes, handle.in_pool)
+
+        types = [t.datatype for t in spec.inputs]
+        return InputStager(
+            spec.name, device,
+            to_tensor=lambda array, i: to_torch(array, types[i]),
+            dtypes=[TORCH_DTYPES[t] for t in types], allocate=allocate,
+            cap_bytes=batches * max(spec.max_batch_size, 1) * per_sample,
+            on_bytes=metrics.pool_bytes_in_use.inc if metrics is not None else None,
+            on_fallback=metrics.pool_fallbacks.inc if metrics is not None else None)
+
+    def _executor(self, index: int, reservation: ModelReservation | None) -> Executor:
+        spec = self._spec
+        metrics = self._metrics
+        if reservation is None:
+            slots = [Slot(i, ()) for i in range(spec.batching.max_inflight_batches)]
+            graph_buffers, owned = None, frozenset()
+        else:
+            slots = [Slot(i, tensors) for i, tensors in sorted(reservation.batch.items())]
+            graph_buffers = ((reservation.inputs, reservation.outputs)
+                             if reservation.inputs else None)
+            owned = frozenset(t.untyped_storage().data_ptr()
+                              for group in (reservation.batch, reservation.inputs,
+                                            reservation.outputs)
+                              for tensors in group.values() for t in tensors)
+        pool = self._reservations[index][0]
+        plan = ExecutorPlan(
+            slots=slots, buckets=self._buckets, stager=self._stager, graph_buffers=graph_buffers,
+            owned_storage=owned, on_oom=self._record_oom,
+            on_copies=self._record_copies if metrics is not None else None,
+            after_batch=(lambda: self._pools.refresh(pool)) if pool is not None else None)
+        return Executor(
+            spec, self._module, index=index, next_batch=self._queue.next_batch,
+            wake=self._queue.wake, deliver=self._post, on_batch=self._record_batch,
+            batch_ids=_next_batch_id,
+            on_inflight=metrics.inflight_batches.inc if metrics else None, plan=plan)
+
+    def _warm_up(self) -> dict[str, Any]:
+        """Warm every instance; the first one's report (they run the same batches)."""
+        spec = self._spec
+        samples = warmup_sets(spec, self._warmup_inputs, self._buckets) if spec.warmup else []
+        reports = []
+        for executor in self._executors:
+            try:
+                reports.append(executor.warm_up(samples))
+            except torch.OutOfMemoryError as exc:
+                log.error("warmup_out_of_memory", model=spec.name, error=str(exc).split("\n")[0])
+                raise ResourceExhausted(
+                    f"model '{spec.name}' ran out of device memory warming up its batch sizes "
+                    f"(up to {spec.max_batch_size or 1}); lower max_batch_size or free memory"
+                ) from exc
+            except Exception as exc:
+                log.exception("warmup_failed", model=spec.name)
+                raise LoadError(
+                    f"model '{spec.name}' failed its warm-up "
+                    f"({type(exc).__name__}); the server log has the details"
+                ) from exc
+        if samples:
+            log.info("model_warmed_up", model=spec.name, batch_sizes=reports[0]["batch_sizes"],
+                     activation_bytes=reports[0]["activation_bytes"])
+        return reports[0]
+
+    def _release(self) -> None:
+        """Give the memory plans back to the pool (idempotent)."""
+        reservations, self._reservations = self._reservations, []
+        for pool, reservation in reservations:
+            if reservation is None:
+                continue
+            if pool is not None:
+                pool.release(reservation.name)
+            if self._metrics is not None:
+                self._metrics.pool_bytes_reserved.dec(reservation.nbytes)
+                self._metrics.pool_bytes_in_use.dec(reservation.nbytes)
+            if pool is not None:
+                self._pools.refresh(pool)
 
     def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Refuse new requests, let queued and running ones finish, then stop the threads."""
@@ -134,6 +346,12 @@ class ServedModel:
             )
             for request in left:
                 self._fail_threadsafe(request, error)
+        if self._stager is not None:
+            self._stager.stop()
+        if drained:
+            # Executors still running (a drain that timed out) keep their buffers: leaked to
+            # the pool rather than handed to another model while a batch may write them.
+            self._release()
 
     # -- the event loop's side -----------------------------------------------------------------
 
@@ -144,6 +362,7 @@ class ServedModel:
             return await future
         except asyncio.CancelledError:
             if self._queue.remove(request):
+                self._removed(request)
                 self._count_failure("cancelled", [request])
             raise
 
@@ -182,13 +401,17 @@ class ServedModel:
         except QueueFull:
             self._count_failure("rejected", [request])
             raise
+        if self._stager is not None:
+            self._stager.put(request)
         if deadline is not None:
             timer = loop.call_later(max(0.0, deadline - time.monotonic()), self._expire, request)
             future.add_done_callback(lambda _: timer.cancel())
         return future
 
     def _expire(self, request: InferenceRequest) -> None:
-        self._queue.remove(request)  # a running batch still finishes; its answer is dropped
+        # A running batch still finishes; its answer is dropped.
+        if self._queue.remove(request):
+            self._removed(request)
         if request.future is not None and not request.future.done():
             self._count_failure("expired", [request])
             request.future.set_exception(
@@ -199,9 +422,16 @@ class ServedModel:
 
     def cancel(self, request: InferenceRequest) -> None:
         """Take a request out of the queue on its caller's behalf (stream cancellation)."""
-        if self._queue.remove(request) and request.future is not None:
-            self._count_failure("cancelled", [request])
-            _reject(request.future, RequestCancelled("the request was cancelled"))
+        if self._queue.remove(request):
+            self._removed(request)
+            if request.future is not None:
+                self._count_failure("cancelled", [request])
+                _reject(request.future, RequestCancelled("the request was cancelled"))
+
+    def _removed(self, request: InferenceRequest) -> None:
+        """``request`` left the queue without running: its staged inputs go back."""
+        if self._stager is not None:
+            self._stager.drop(request)
 
     # -- from the executor threads -----------------------------------------------------------
 
@@ -258,12 +488,37 @@ class ServedModel:
             metrics.batches[batch.reason].inc()
             metrics.compute_seconds.observe((batch.input_ns + infer_ns + output_ns) / 1e9)
 
+    def _record_oom(self, rows: int, largest: int) -> None:
+        if self._metrics is not None:
+            self._metrics.oom_events.inc()
+            self._metrics.largest_bucket.set(largest)
+
+    def _record_copies(self, queued: int, at_batch: int) -> None:
+        copies = self._metrics.input_copies
+        if queued:
+            copies["queued"].inc(queued)
+        if at_batch:
+            copies["batch"].inc(at_batch)
+
     def _count_failure(self, reason: str, requests: list[InferenceRequest]) -> None:
         now = time.monotonic()
         for request in requests:
             self.stats.record_failure(int((now - request.arrival) * 1e9))
         if self._metrics is not None:
             self._metrics.failures[reason].inc(len(requests))
+
+
+def warmup_sets(spec: ModelSpec, given: list[list[np.ndarray]] | None,
+                buckets: BatchBuckets) -> list[list[np.ndarray]]:
+    """The input sets to warm up with: the config's ``model_warmup`` samples, else zeros at the
+    default batch sizes; then zeros at every bucket no sample lands in, so each is warm."""
+    sets = list(given) if given is not None else default_warmup(spec)
+    if buckets.buckets:
+        covered = {buckets.pad(arrays[0].shape[0]) for arrays in sets}
+        sets += [[np.zeros((n, *t.dims), dtype=t.numpy_dtype) for t in spec.inputs]
+                 for n in buckets.buckets if n not in covered]
+        sets.sort(key=lambda arrays: arrays[0].shape[0])  # smallest first: a cheap failure
+    return sets
 
 
 def default_warmup(spec: ModelSpec) -> list[list[np.ndarray]]:

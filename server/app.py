@@ -17,6 +17,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from batcher.memory import DevicePools, PoolSettings
 from protos import inference_pb2, inference_pb2_grpc
 from server.metrics import ServerMetrics
 from server.repository import ModelRepository
@@ -38,10 +39,15 @@ class Gateway:
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self.health = health.aio.HealthServicer()
         if repository is None:
+            pools = DevicePools(
+                PoolSettings(settings.device_pool_bytes, settings.device_pool_fraction,
+                             settings.device_pool_strict),
+                self.metrics.batcher)
             repository = ModelRepository(
                 settings.model_repository,
                 metrics=self.metrics.batcher,
                 on_state_change=self._on_model_state,
+                pools=pools,
             )
         else:
             repository.bind(metrics=self.metrics.batcher, on_state_change=self._on_model_state,

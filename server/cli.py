@@ -50,9 +50,30 @@ def _serve_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arena-bytes", type=int, default=DEFAULT_ARENA_BYTES,
                         help="size of the shared-memory arena between front ends and the "
                              "executor; pages are used only when touched (default: %(default)s)")
+    add_device_pool_flags(parser)
     parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
     parser.add_argument("--log-format", default="auto", choices=LOG_FORMATS,
                         help="json, console, or auto: console on a terminal, else json")
+
+
+def add_device_pool_flags(parser: argparse.ArgumentParser) -> None:
+    """The device memory pool's flags (batcher/memory.py); the executor process takes them too."""
+    d = Settings.__dataclass_fields__
+    parser.add_argument("--device-pool-bytes", type=int, default=d["device_pool_bytes"].default,
+                        help="bytes of the memory pool reserved on each device models use, the "
+                             "CPU's included (default: %(default)s)")
+    parser.add_argument("--device-pool-fraction", type=float, default=None,
+                        help="on a CUDA device, reserve this fraction (0-1] of its free memory "
+                             "instead of --device-pool-bytes")
+    parser.add_argument("--device-pool-permissive", action="store_true",
+                        help="allocate what does not fit the pool outside it (counted in "
+                             "batchgate_pool_fallbacks_total) instead of refusing it")
+
+
+def device_pool_settings(args: argparse.Namespace) -> dict:
+    return dict(device_pool_bytes=args.device_pool_bytes,
+                device_pool_fraction=args.device_pool_fraction,
+                device_pool_strict=not args.device_pool_permissive)
 
 
 def default_frontends(cores: int) -> int:
@@ -82,6 +103,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         switch_interval_s=args.switch_interval_s,
         gc_freeze=not args.no_gc_freeze,
         reflection=not args.no_reflection,
+        **device_pool_settings(args),
     )
     if args.model_repository is not None:
         kwargs["model_repository"] = args.model_repository

@@ -31,7 +31,9 @@ from batcher.errors import (
     LoadError,
     ModelNotFound,
     ModelUnavailable,
+    ResourceExhausted,
 )
+from batcher.memory import DevicePools
 from batcher.model import ServedModel
 from batcher.spec import ModelSpec
 from protos import model_config_pb2
@@ -87,9 +89,13 @@ class ModelRepository:
         metrics=None,
         cuda_available: bool | None = None,
         on_state_change: Callable[[str, str], None] | None = None,
+        pools: DevicePools | None = None,
     ) -> None:
+        """``pools``: the device memory pools models are admitted into (default: pools of the
+        default size, strict)."""
         self._root = Path(root)
         self._metrics = metrics
+        self._pools = pools if pools is not None else DevicePools(metrics=metrics)
         self._cuda = loading.cuda_available() if cuda_available is None else cuda_available
         self._on_state_change = on_state_change
         self._slots: dict[str, _Slot] = {}
@@ -190,7 +196,9 @@ class ModelRepository:
             try:
                 loaded = await asyncio.to_thread(self._build, model_dir)
             except Exception as exc:
-                error = exc if isinstance(exc, LoadError) else self._unexpected(name, exc)
+                # A model that does not fit its device's memory pool: RESOURCE_EXHAUSTED.
+                known = isinstance(exc, (LoadError, ResourceExhausted))
+                error = exc if known else self._unexpected(name, exc)
                 log.error("model_load_failed", model=name, reason=str(error))
                 if previous is not None:
                     # The old version keeps serving; the failure shows in the index.
@@ -269,13 +277,16 @@ class ModelRepository:
         module = loading.load_module(
             version_dir, filename=filename, parameters=parameters, device=spec.device
         )
-        served = ServedModel(spec, module, metrics=self._metrics, warmup_inputs=warmup)
+        served = ServedModel(spec, module, metrics=self._metrics, warmup_inputs=warmup,
+                             pools=self._pools)
         try:
             served.start()
         except BaseException:
             served.stop(0.0)
             raise
-        return _Loaded(served, model_config.effective_config(config, spec))
+        log.info("model_load_report", model=name, **served.load_report)
+        return _Loaded(served, model_config.effective_config(config, served.spec,
+                                                             served.load_report))
 
     @staticmethod
     def _unexpected(name: str, exc: Exception) -> LoadError:

@@ -42,6 +42,7 @@ import structlog
 
 from batcher.arena import ArenaLayout, SharedArena
 from server.multiproc_metrics import MultiProcessMetrics
+from server.settings import device_pool_args
 
 if TYPE_CHECKING:
     from server.app import Settings
@@ -471,7 +472,8 @@ class Supervisor:
         return [*self.executor_command, *self._arena_args(),
                 "--model-repository", str(self.settings.model_repository),
                 "--drain-timeout-s", str(self.settings.drain_timeout_s),
-                "--switch-interval-s", str(self.settings.switch_interval_s), *self._log_args()]
+                "--switch-interval-s", str(self.settings.switch_interval_s),
+                *device_pool_args(self.settings), *self._log_args()]
 
     def _frontend_argv(self, slot: int) -> list[str]:
         s = self.settings

@@ -67,6 +67,9 @@ STANDIN = textwrap.dedent('''
     p.add_argument("--switch-interval-s", type=float, required=True)
     if ROLE == "executor":
         p.add_argument("--model-repository", required=True)
+        p.add_argument("--device-pool-bytes", type=int, required=True)
+        p.add_argument("--device-pool-fraction", type=float)
+        p.add_argument("--device-pool-permissive", action="store_true")
     else:
         for flag in ("--slot", "--grpc-port", "--max-message-bytes"):
             p.add_argument(flag, type=int, required=True)
@@ -129,7 +132,8 @@ DRIVER = textwrap.dedent('''
     here = Path(__file__).parent
     settings = types.SimpleNamespace(
         host="127.0.0.1", grpc_port=0, metrics_port=0, model_repository=here,
-        max_message_bytes=1 << 20, drain_timeout_s=float(sys.argv[1]), switch_interval_s=0.0005)
+        max_message_bytes=1 << 20, drain_timeout_s=float(sys.argv[1]), switch_interval_s=0.0005,
+        device_pool_bytes=1 << 20, device_pool_fraction=None, device_pool_strict=True)
     supervisor = Supervisor(
         settings, frontends=2, arena_bytes=1 << 20, log_format="json",
         executor_command=[sys.executable, str(here / "standin.py"), "executor"],
