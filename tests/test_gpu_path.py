@@ -9,6 +9,7 @@ modes (one process; front ends + an executor process).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import shutil
 import textwrap
@@ -19,9 +20,17 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from batcher import precision
 from batcher.buckets import BatchBuckets
+from batcher.errors import ResourceExhausted
+from batcher.memory import DevicePools, PoolSettings
+from batcher.metrics import BatcherMetrics
+from batcher.model import ServedModel
+from batcher.request import InferenceRequest
+from batcher.spec import BatchingConfig, ModelSpec, TensorSpec
 from clients import BatchgateError, Client
 from tests.conftest import (
     EXAMPLE_MODELS,
@@ -466,3 +475,89 @@ def test_graphs_on_cuda(tmp_path, log_dir):
                 np.testing.assert_allclose(out, reference("mlp", x), rtol=2e-3, atol=2e-3)
     finally:
         running.stop()
+
+
+# -- the executor on its own (no server) -------------------------------------------------------
+
+
+def _spec(**fields) -> ModelSpec:
+    batching = BatchingConfig(max_batch_size=8, max_inflight_batches=fields.pop("inflight", 1))
+    return ModelSpec(name="unit", version="1", platform="test",
+                     inputs=(TensorSpec("x", "FP32", (2,)),),
+                     outputs=(TensorSpec("y", "FP32", (2,)),), batching=batching, **fields)
+
+
+async def _infer(model: ServedModel, x: np.ndarray) -> np.ndarray:
+    request = InferenceRequest([x], batch_size=x.shape[0])
+    return (await model.infer(request))["y"]
+
+
+async def test_an_output_that_is_the_input_buffer_is_copied_before_the_buffer_is_reused():
+    # Identity: the model hands back the pooled batch buffer itself. With one batch in flight
+    # the next batch reuses that buffer while the first answer may still be on its way out.
+    model = ServedModel(_spec(warmup=False), lambda x: x, pools=DevicePools(PoolSettings(1 << 20)))
+    model.start()
+    try:
+        first = await _infer(model, np.full((3, 2), 1.0, np.float32))
+        second = await _infer(model, np.full((3, 2), 2.0, np.float32))
+    finally:
+        model.stop(5)
+    np.testing.assert_array_equal(first, np.full((3, 2), 1.0, np.float32))
+    np.testing.assert_array_equal(second, np.full((3, 2), 2.0, np.float32))
+
+
+async def test_a_single_sample_out_of_memory_fails_with_resource_exhausted():
+    def never_fits(x):
+        if bool(x.abs().sum() > 0):
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return x
+
+    registry = CollectorRegistry()
+    model = ServedModel(_spec(buckets=(1, 2, 4, 8)), never_fits,
+                        metrics=BatcherMetrics(registry))
+    model.start()  # the warm-up's zeros fit
+    try:
+        with pytest.raises(ResourceExhausted, match="single sample"):
+            await _infer(model, np.ones((2, 2), np.float32))
+        # The failure was the batch's, not the model's: it still answers what fits.
+        np.testing.assert_array_equal(await _infer(model, np.zeros((2, 2), np.float32)),
+                                      np.zeros((2, 2), np.float32))
+    finally:
+        model.stop(5)
+    assert registry.get_sample_value("batchgate_oom_events_total", {"model": "unit"}) == 1
+    assert registry.get_sample_value("batchgate_model_largest_bucket", {"model": "unit"}) == 1
+
+
+async def test_pipelined_batches_with_staging_answer_every_request_on_the_cpu():
+    registry = CollectorRegistry()
+    metrics = BatcherMetrics(registry)
+    pools = DevicePools(PoolSettings(1 << 20), metrics)
+    model = ServedModel(_spec(inflight=2, buckets=(2, 4, 8), input_staging="queue"),
+                        lambda x: x * 2 + 1, metrics=metrics, pools=pools)
+    model.start()
+    baseline = registry.get_sample_value("batchgate_pool_bytes_in_use", {"device": "cpu"})
+    rng = np.random.default_rng(1)
+    xs = [rng.standard_normal((int(rng.integers(1, 9)), 2), dtype=np.float32)
+          for _ in range(200)]
+    try:
+        answers = await asyncio.gather(*(_infer(model, x) for x in xs))
+    finally:
+        model.stop(5)
+    for x, y in zip(xs, answers):
+        np.testing.assert_allclose(y, x * 2 + 1, rtol=1e-6)
+    copies = sum(registry.get_sample_value("batchgate_input_copies_total",
+                                           {"model": "unit", "when": when}) or 0
+                 for when in ("queued", "batch"))
+    assert copies == len(xs)
+    assert baseline > 0
+    assert registry.get_sample_value("batchgate_pool_bytes_in_use", {"device": "cpu"}) == 0
+
+
+def test_the_precision_check_says_why_it_could_not_measure():
+    spec = ModelSpec(name="v", version="1", platform="test",
+                     inputs=(TensorSpec("x", "FP32", (-1,)),),
+                     outputs=(TensorSpec("y", "FP32", (-1,)),),
+                     batching=BatchingConfig(max_batch_size=4), precision="amp-bf16")
+    module, report = precision.check(spec, torch.nn.Identity(), None, lambda *a: [])
+    assert report.max_relative_error is None
+    assert report.parameter().startswith("not measured: inputs with variable dims")
