@@ -286,6 +286,8 @@ class Executor:
     # -- the threads ---------------------------------------------------------------------------
 
     def _configure_thread(self) -> None:
+        if self._cuda:  # the current device is per thread too (events are made on it)
+            torch.cuda.set_device(self._device)
         # OpenMP's thread count is per calling thread: set it here, not on the main thread.
         if self._spec.intra_op_threads:
             torch.set_num_threads(self._spec.intra_op_threads)
@@ -301,6 +303,8 @@ class Executor:
                     _interop_set = True
 
     def _assemble_loop(self) -> None:
+        if self._cuda:
+            torch.cuda.set_device(self._device)
         try:
             while True:
                 slot = self._free_slots.get()
@@ -364,6 +368,7 @@ class Executor:
             self.alive.clear()
 
     def _finish_loop(self) -> None:
+        torch.cuda.set_device(self._device)
         while (item := self._finishing.get()) is not None:
             self._complete(*item)
             self._retire()

@@ -141,6 +141,8 @@ class InputStager:
     # -- the thread -----------------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self._cuda:
+            torch.cuda.set_device(self._device)
         while (work := self._work.get()) is not None:
             stage, request = work
             try:
