@@ -149,8 +149,10 @@ class ServedModel:
         check_inputs = precisions.seeded_inputs(spec)
         if check_inputs is None and self._warmup_inputs:
             check_inputs = self._warmup_inputs[0]
-        self._module, checked = precisions.check(spec, self._module, check_inputs,
-                                                 self._run_once)
+        # warmup false: the model must not run before it is ready, so neither does the check.
+        skipped = None if spec.warmup else "the warmup parameter is false"
+        self._module, checked = precisions.check(
+            spec, self._module, None if skipped else check_inputs, self._run_once, skipped)
         graph_buckets, graphs_status = self._graph_plan()
         self._reserve(graph_buckets)
         self._executors = [self._executor(i, reservation)

@@ -108,18 +108,21 @@ def seeded_inputs(spec: ModelSpec) -> list[np.ndarray] | None:
 
 
 def check(spec: ModelSpec, module: Any, inputs: list[np.ndarray] | None,
-          run: Callable[[Any, list[np.ndarray], str], list[torch.Tensor]]) -> tuple[Any, PrecisionReport]:
+          run: Callable[[Any, list[np.ndarray], str], list[torch.Tensor]],
+          unmeasured: str | None = None) -> tuple[Any, PrecisionReport]:
     """Compare ``module`` in ``spec.precision`` with fp32 on ``inputs``; returns the module to
     serve (converted for fp16 weights) and the report. ``run(module, inputs, precision)`` runs
-    one forward on the model's device and returns its outputs."""
+    one forward on the model's device and returns its outputs; ``unmeasured`` says why, when
+    ``inputs`` is None."""
     precision = spec.precision
     if precision == "fp32":
         return module, PrecisionReport(precision, 0.0, "fp32 is the reference")
     if inputs is None:
-        report = PrecisionReport(precision, None,
-                                 "inputs with variable dims or BYTES, and no model_warmup")
-        log.warning("precision_not_checked", model=spec.name, precision=precision,
-                    reason=report.note)
+        report = PrecisionReport(
+            precision, None,
+            unmeasured or "inputs with variable dims or BYTES, and no model_warmup")
+        log.info("precision_not_checked", model=spec.name, precision=precision,
+                 reason=report.note)
         return convert(module, precision), report
     try:
         reference = [t.float().cpu() for t in run(module, inputs, "fp32")]

@@ -397,7 +397,12 @@ def test_a_permissive_pool_loads_outside_it_and_counts_every_fallback(tmp_path, 
 
 
 def test_queued_requests_are_staged_in_the_pool_and_answered(gpu_server):
-    log_dir = gpu_server.log_dir
+    check_staging(gpu_server, gpu_server.log_dir)
+
+
+def check_staging(gpu_server, log_dir: Path) -> None:
+    """Hold the gated ``staged`` model on a first request, queue three more: their inputs are
+    staged into the pool while they wait, answered right, and the blocks go back."""
     gate = log_dir / "closed"
     (log_dir / "entered").unlink(missing_ok=True)
     base = scrape(gpu_server.metrics_url)
@@ -561,3 +566,47 @@ def test_the_precision_check_says_why_it_could_not_measure():
     module, report = precision.check(spec, torch.nn.Identity(), None, lambda *a: [])
     assert report.max_relative_error is None
     assert report.parameter().startswith("not measured: inputs with variable dims")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device; this machine has none")
+def test_staging_from_the_pinned_arena_on_cuda(tmp_path):
+    # Multi-process mode: requests arrive in the shared arena, which the executor pins.
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    repository = tmp_path / "models"
+    _write(repository, "staged",
+           SMALL_CONFIG.replace("KIND_CPU", "KIND_GPU") + _params(max_inflight_batches="1"),
+           GATED_MODEL, log_dir)
+    running = start_multiprocess_server(repository)
+    try:
+        params = config_parameters(running.address, "staged")
+        assert params["input_staging"] == "queue" and params["buckets"] == "1,2,4,8"
+        check_staging(running, log_dir)
+        samples = scrape(running.metrics_url)
+        assert sample(samples, "batchgate_pool_bytes_reserved", device="cuda:0") == 1 << 30
+    finally:
+        running.stop()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device; this machine has none")
+def test_a_pool_sized_by_a_fraction_of_free_memory_on_cuda(tmp_path):
+    repository = tmp_path / "models"
+    _mlp(repository, "mlp_fp16", precision="amp-fp16")
+    free, _total = torch.cuda.mem_get_info(0)
+    running = start_server(repository, device_pool_fraction=0.02)
+    try:
+        reserved = sample(scrape(running.metrics_url), "batchgate_pool_bytes_reserved",
+                          device="cuda:0")
+        assert 0.01 * free < reserved <= 0.02 * free
+        params = config_parameters(running.address, "mlp_fp16")
+        assert 0 < float(params["precision_max_relative_error"]) < 2e-2
+        assert int(params["activation_bytes"]) > 0
+        x = np.random.default_rng(0).standard_normal((37, 512), dtype=np.float32)
+        with Client(running.address, timeout_s=30) as client:
+            out = client.infer("mlp_fp16", {"INPUT__0": x})["OUTPUT__0"]
+        want = reference("mlp", x)
+        assert np.abs(out - want).max() / np.abs(want).max() < 2e-2
+    finally:
+        running.stop()
