@@ -25,9 +25,10 @@ import numpy as np
 import structlog
 import torch
 
-from batcher.errors import ModelExecutionError
+from batcher.errors import ModelExecutionError, ModelUnavailable
 from batcher.request import InferenceRequest
 from batcher.spec import ModelSpec, TensorSpec
+from batcher.watchdog import ExecutionTimeout, TimedRunner, TooManyHungCalls
 
 log = structlog.get_logger(__name__)
 
@@ -95,15 +96,27 @@ class Batch:
 
 
 class Outcome:
-    """What the compute thread hands back to the event loop for one batch."""
+    """What the compute thread hands back to the event loop for one batch.
 
-    __slots__ = ("batch", "results", "error")
+    ``inputs_in_use``: a call that timed out may still read the batch's inputs, so they are not
+    released with the answers; a second, ``release_only`` outcome follows if the call returns.
+    """
+
+    __slots__ = ("batch", "results", "error", "inputs_in_use", "release_only")
 
     def __init__(self, batch: Batch, results: list[dict[str, np.ndarray]] | None,
-                 error: Exception | None) -> None:
+                 error: Exception | None, *, inputs_in_use: bool = False,
+                 release_only: bool = False) -> None:
         self.batch = batch
         self.results = results
         self.error = error
+        self.inputs_in_use = inputs_in_use
+        self.release_only = release_only
+
+
+class InstanceDead(Exception):
+    """The instance cannot run batches any more (the model raised a BaseException such as
+    SystemExit, too many calls hung, or the executor's own code failed)."""
 
 
 class Executor:
@@ -121,6 +134,7 @@ class Executor:
         on_batch: Callable[[Batch, int, int], None],
         batch_ids: Callable[[], int],
         on_inflight: Callable[[int], None] | None = None,
+        on_dead: Callable[[str], None] | None = None,
     ) -> None:
         self._spec = spec
         self._module = module
@@ -146,6 +160,13 @@ class Executor:
         self._autocast = AUTOCAST_DTYPES.get(spec.precision)
         self._threads: list[threading.Thread] = []
         self.alive = threading.Event()
+        self._on_dead = on_dead
+        self._dead = False  # set under _running_lock: no batch is handed over after it
+        timeout_ms = spec.execution_timeout_ms
+        self._runner = (
+            TimedRunner(f"{spec.name}-{index}", timeout_ms / 1e3, self._configure_thread)
+            if timeout_ms else None
+        )
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -226,8 +247,14 @@ class Executor:
                 if batch is None:
                     continue
                 with self._running_lock:
-                    self._running += 1
-                self._handoff.put(batch)
+                    if not self._dead:
+                        self._running += 1
+                        self._handoff.put(batch)
+                        continue
+                self._finish(batch, None, self._dead_error())
+                break
+        except BaseException as exc:
+            self._die(f"its batching thread failed ({type(exc).__name__})", exc)
         finally:
             self._handoff.put(None)
 
@@ -242,8 +269,14 @@ class Executor:
                 batch = self._prepare(*taken)
                 if batch is not None:
                     self._compute(batch)
+        except InstanceDead as exc:
+            self._die(str(exc), None)
+        except BaseException as exc:
+            self._die(f"its batching thread failed ({type(exc).__name__})", exc)
         finally:
             self.alive.clear()
+            if self._runner is not None:
+                self._runner.close()
 
     def _prepare(self, requests: list[InferenceRequest], reason: str) -> Batch | None:
         """The batch with its inputs assembled (on the device), or None if that failed."""
@@ -274,8 +307,45 @@ class Executor:
                     self._running -= 1
                 # The assembler may be holding back a partial batch until this one ended.
                 self._wake()
+        except InstanceDead as exc:
+            self._die(str(exc), None)
+        except BaseException as exc:
+            self._die(f"its compute thread failed ({type(exc).__name__})", exc)
         finally:
             self.alive.clear()
+            if self._runner is not None:
+                self._runner.close()
+
+    # -- when the instance dies ----------------------------------------------------------------
+
+    def _dead_error(self) -> ModelUnavailable:
+        return ModelUnavailable(f"model '{self._spec.name}' stopped serving; retry after it is "
+                                "loaded again")
+
+    def _die(self, reason: str, exc: BaseException | None) -> None:
+        """Stop taking batches, fail the ones handed over, and tell the model (once)."""
+        with self._running_lock:
+            if self._dead:
+                return
+            self._dead = True
+        self.alive.clear()
+        if exc is not None:
+            log.error("executor_failed", model=self._spec.name, instance=self._index,
+                      reason=reason, exc_info=exc)
+        else:
+            log.error("executor_failed", model=self._spec.name, instance=self._index,
+                      reason=reason)
+        while True:
+            try:
+                batch = self._handoff.get_nowait()
+            except queue_module.Empty:
+                break
+            if batch is None:
+                self._handoff.put(None)  # the assembler's end mark stays for the compute loop
+                break
+            self._finish(batch, None, self._dead_error())
+        if self._on_dead is not None:
+            self._on_dead(reason)
 
     # -- one batch ---------------------------------------------------------------------------
 
@@ -315,21 +385,40 @@ class Executor:
             returned = self._module(*tensors)
         return self._outputs_of(returned, rows)
 
+    def _infer(self, batch: Batch) -> list[torch.Tensor]:
+        if not self._cuda:
+            return self._forward(batch.tensors, batch.samples)
+        self._compute_stream.wait_event(batch.ready)
+        with torch.cuda.stream(self._compute_stream):
+            for t in batch.tensors:
+                t.record_stream(self._compute_stream)
+            return self._forward(batch.tensors, batch.samples)
+
     def _compute(self, batch: Batch) -> None:
         spec = self._spec
         started = time.perf_counter_ns()
         try:
-            if self._cuda:
-                self._compute_stream.wait_event(batch.ready)
-                with torch.cuda.stream(self._compute_stream):
-                    for t in batch.tensors:
-                        t.record_stream(self._compute_stream)
-                    outputs = self._forward(batch.tensors, batch.samples)
+            if self._runner is None:
+                outputs = self._infer(batch)
             else:
-                outputs = self._forward(batch.tensors, batch.samples)
+                outputs = self._runner.run(self._infer, batch, on_late=lambda: self._deliver(
+                    Outcome(batch, None, None, release_only=True)))
             infer_done = time.perf_counter_ns()
             host = [to_numpy(t, o.datatype) for t, o in zip(outputs, self._output_specs)]
             results = self._split(batch.requests, host)
+        except ExecutionTimeout:
+            log.error("batch_timed_out", model=spec.name, batch=batch.id, size=batch.samples,
+                      execution_timeout_ms=spec.execution_timeout_ms,
+                      requests=[r.id for r in batch.requests])
+            self._finish(batch, None, ModelExecutionError(
+                f"model '{spec.name}' did not finish a batch of {batch.samples} within "
+                f"execution_timeout_ms={spec.execution_timeout_ms}; the batch failed and the "
+                "instance continues on a fresh thread"), inputs_in_use=True)
+            return
+        except TooManyHungCalls as exc:
+            self._finish(batch, None, self._dead_error(), inputs_in_use=True)
+            raise InstanceDead(f"{exc} (execution_timeout_ms="
+                               f"{spec.execution_timeout_ms})") from None
         except ModelExecutionError as exc:
             log.error("batch_failed", model=spec.name, batch=batch.id, error=str(exc),
                       requests=[r.id for r in batch.requests])
@@ -342,6 +431,11 @@ class Executor:
                 f"model '{spec.name}' raised {type(exc).__name__} while running a batch of "
                 f"{batch.samples}; the server log has the details"))
             return
+        except BaseException as exc:  # SystemExit, KeyboardInterrupt...: this instance is done
+            self._finish(batch, None, ModelExecutionError(
+                f"model '{spec.name}' raised {type(exc).__name__} while running a batch of "
+                f"{batch.samples} and stopped serving; the server log has the details"))
+            raise InstanceDead(f"the model raised {type(exc).__name__}") from exc
         done = time.perf_counter_ns()
         log.debug("batch_done", model=spec.name, batch=batch.id, size=batch.samples,
                   reason=batch.reason, infer_ms=(infer_done - started) / 1e6)
@@ -349,12 +443,12 @@ class Executor:
         self._finish(batch, results, None)
 
     def _finish(self, batch: Batch, results: list[dict[str, np.ndarray]] | None,
-                error: Exception | None) -> None:
+                error: Exception | None, *, inputs_in_use: bool = False) -> None:
         batch.tensors = []
         self._slots.release()
         if self._on_inflight is not None:
             self._on_inflight(-1)
-        self._deliver(Outcome(batch, results, error))
+        self._deliver(Outcome(batch, results, error, inputs_in_use=inputs_in_use))
 
     def _outputs_of(self, returned: Any, rows: int) -> list[torch.Tensor]:
         specs = self._output_specs

@@ -62,8 +62,12 @@ class ServedModel:
         *,
         metrics: BatcherMetrics | None = None,
         warmup_inputs: list[list[np.ndarray]] | None = None,
+        on_failed: Callable[[str], None] | None = None,
     ) -> None:
         self._spec = spec
+        self._on_failed = on_failed
+        self._failed = False
+        self._failed_lock = threading.Lock()
         self._module = module
         self._metrics: ModelMetrics | None = metrics.for_model(spec.name) if metrics else None
         self._warmup_inputs = warmup_inputs
@@ -77,6 +81,7 @@ class ServedModel:
                 spec, module, index=i, next_batch=self._queue.next_batch, wake=self._queue.wake,
                 deliver=self._post, on_batch=self._record_batch, batch_ids=_next_batch_id,
                 on_inflight=self._metrics.inflight_batches.inc if self._metrics else None,
+                on_dead=self._instance_died,
             )
             for i in range(spec.instance_count)
         ]
@@ -118,7 +123,8 @@ class ServedModel:
                     ) from exc
         for executor in self._executors:
             executor.start()
-        self._accepting = True
+        with self._failed_lock:
+            self._accepting = not self._failed
 
     def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Refuse new requests, let queued and running ones finish, then stop the threads."""
@@ -216,10 +222,13 @@ class ServedModel:
 
     def _deliver(self, outcome: Outcome) -> None:
         requests = outcome.batch.requests
-        for request in requests:
-            request.state = DONE
-            if request.on_release is not None:
-                request.on_release()
+        if not outcome.inputs_in_use:
+            for request in requests:
+                request.state = DONE
+                if request.on_release is not None:
+                    request.on_release()
+            if outcome.release_only:
+                return
         if outcome.error is not None:
             self._count_failure("model_error", requests)
             for request in requests:
@@ -231,6 +240,27 @@ class ServedModel:
             _resolve(request.future, result)
             success_ns += int((now - request.arrival) * 1e9)
         self.stats.record_success(len(requests), success_ns)
+
+    def _instance_died(self, reason: str) -> None:
+        """An executor stopped for good (executor thread): the model stops serving.
+
+        Queued requests get UNAVAILABLE at once rather than waiting for their deadlines; the
+        repository is told, so health reports NOT_SERVING and a load RPC brings the model back.
+        """
+        with self._failed_lock:
+            if self._failed:
+                return
+            self._failed = True
+        self._accepting = False
+        self._queue.close()
+        error = ModelUnavailable(
+            f"model '{self._spec.name}' stopped serving ({reason}); retry after it is loaded again"
+        )
+        for request in self._queue.drain_remaining():
+            self._count_failure("unavailable", [request])
+            self._fail_threadsafe(request, error)
+        if self._on_failed is not None:
+            self._on_failed(reason)
 
     def _fail_threadsafe(self, request: InferenceRequest, error: Exception) -> None:
         loop = self._loop

@@ -174,6 +174,7 @@ class ModelSpec:
     intra_op_threads: int = 0  # 0: torch's default (OMP_NUM_THREADS)
     inter_op_threads: int = 0
     warmup: bool = True
+    execution_timeout_ms: int = 0  # 0: none; else a batch running longer fails (batcher/watchdog.py)
 
     def __post_init__(self) -> None:
         if not self.inputs:
@@ -188,6 +189,8 @@ class ModelSpec:
             raise ValueError(f"device must be 'cpu' or 'cuda:N', got {self.device!r}")
         if self.intra_op_threads < 0 or self.inter_op_threads < 0:
             raise ValueError("thread counts must be >= 0")
+        if self.execution_timeout_ms < 0:
+            raise ValueError(f"execution_timeout_ms must be >= 0, got {self.execution_timeout_ms}")
 
     @property
     def max_batch_size(self) -> int:
