@@ -20,6 +20,13 @@ With ``max_inflight_batches`` 1 a single thread does all of it, one batch at a t
 loop is touched once per finished batch (``call_soon_threadsafe``). A model exception fails
 only its batch.
 
+With ``execution_timeout_ms`` each batch's run goes through a ``TimedRunner``
+(``batcher/watchdog.py``): a batch that overruns fails, and since the abandoned call may still
+read its slot's buffers, that slot is retired and the instance goes on with fresh buffers
+(allocated outside the pool; at most ``watchdog.MAX_ABANDONED`` times before the instance is
+declared dead). A model that raises a ``BaseException`` (SystemExit...) or an executor thread
+that fails kills the instance (``on_dead``): its queued batches fail with UNAVAILABLE.
+
 Out of memory: a batch whose forward raises ``torch.OutOfMemoryError`` is split in halves, each
 run again (recursively); the model's largest bucket is lowered below the size that failed, so
 later batches run in pieces no larger than that; every request is still answered. Only a
@@ -46,11 +53,17 @@ import torch
 from batcher import graphs as cuda_graphs
 from batcher import precision as precisions
 from batcher.buckets import BatchBuckets
-from batcher.errors import BatchgateError, ModelExecutionError, ResourceExhausted
+from batcher.errors import (
+    BatchgateError,
+    ModelExecutionError,
+    ModelUnavailable,
+    ResourceExhausted,
+)
 from batcher.request import InferenceRequest
 from batcher.spec import ModelSpec, TensorSpec
 from batcher.staging import InputStager, Staged
 from batcher.tensors import TORCH_DTYPES, host_array, to_numpy, to_torch
+from batcher.watchdog import ExecutionTimeout, TimedRunner, TooManyHungCalls
 
 log = structlog.get_logger(__name__)
 
@@ -115,15 +128,27 @@ class Batch:
 
 
 class Outcome:
-    """What the compute thread hands back to the event loop for one batch."""
+    """What the compute thread hands back to the event loop for one batch.
 
-    __slots__ = ("batch", "results", "error")
+    ``inputs_in_use``: a call that timed out may still read the batch's inputs, so they are not
+    released with the answers; a second, ``release_only`` outcome follows if the call returns.
+    """
+
+    __slots__ = ("batch", "results", "error", "inputs_in_use", "release_only")
 
     def __init__(self, batch: Batch, results: list[dict[str, np.ndarray]] | None,
-                 error: Exception | None) -> None:
+                 error: Exception | None, *, inputs_in_use: bool = False,
+                 release_only: bool = False) -> None:
         self.batch = batch
         self.results = results
         self.error = error
+        self.inputs_in_use = inputs_in_use
+        self.release_only = release_only
+
+
+class InstanceDead(Exception):
+    """The instance cannot run batches any more (the model raised a BaseException such as
+    SystemExit, too many calls hung, or the executor's own code failed)."""
 
 
 class Executor:
@@ -141,6 +166,7 @@ class Executor:
         on_batch: Callable[[Batch, int, int], None],
         batch_ids: Callable[[], int],
         on_inflight: Callable[[int], None] | None = None,
+        on_dead: Callable[[str], None] | None = None,
         plan: ExecutorPlan | None = None,
     ) -> None:
         self._spec = spec
@@ -174,8 +200,17 @@ class Executor:
         self._output_specs: Sequence[TensorSpec] = spec.outputs
         self._graphs: cuda_graphs.BucketGraphs | None = None
         self._warming = False
+        # Storages of our buffers, for the alias check; grows when a slot is replaced.
+        self._owned_storage = set(self._plan.owned_storage)
         self._threads: list[threading.Thread] = []
         self.alive = threading.Event()
+        self._on_dead = on_dead
+        self._dead = False  # set under _running_lock: no batch is handed over after it
+        timeout_ms = spec.execution_timeout_ms
+        self._runner = (
+            TimedRunner(f"{spec.name}-{index}", timeout_ms / 1e3, self._configure_thread)
+            if timeout_ms else None
+        )
 
     @property
     def graph_buckets(self) -> tuple[int, ...]:
@@ -315,8 +350,14 @@ class Executor:
                 if batch is None:
                     continue
                 with self._running_lock:
-                    self._running += 1
-                self._handoff.put(batch)
+                    if not self._dead:
+                        self._running += 1
+                        self._handoff.put(batch)
+                        continue
+                self._finish(batch, None, self._dead_error())
+                break
+        except BaseException as exc:
+            self._die(f"its batching thread failed ({type(exc).__name__})", exc)
         finally:
             self._handoff.put(None)
 
@@ -331,8 +372,14 @@ class Executor:
                 batch = self._prepare(slot, *taken)
                 if batch is not None:
                     self._compute(batch)
+        except InstanceDead as exc:
+            self._die(str(exc), None)
+        except BaseException as exc:
+            self._die(f"its batching thread failed ({type(exc).__name__})", exc)
         finally:
             self.alive.clear()
+            if self._runner is not None:
+                self._runner.close()
 
     def _prepare(self, slot: Slot, requests: list[InferenceRequest], reason: str
                  ) -> Batch | None:
@@ -363,9 +410,15 @@ class Executor:
                 self._compute(batch)
                 if not self._cuda:
                     self._retire()
+        except InstanceDead as exc:
+            self._die(str(exc), None)
+        except BaseException as exc:
+            self._die(f"its compute thread failed ({type(exc).__name__})", exc)
         finally:
             self._finishing.put(None)
             self.alive.clear()
+            if self._runner is not None:
+                self._runner.close()
 
     def _finish_loop(self) -> None:
         torch.cuda.set_device(self._device)
@@ -378,6 +431,37 @@ class Executor:
             self._running -= 1
         # The assembler may be holding back a partial batch until this one ended.
         self._wake()
+
+    # -- when the instance dies ----------------------------------------------------------------
+
+    def _dead_error(self) -> ModelUnavailable:
+        return ModelUnavailable(f"model '{self._spec.name}' stopped serving; retry after it is "
+                                "loaded again")
+
+    def _die(self, reason: str, exc: BaseException | None) -> None:
+        """Stop taking batches, fail the ones handed over, and tell the model (once)."""
+        with self._running_lock:
+            if self._dead:
+                return
+            self._dead = True
+        self.alive.clear()
+        if exc is not None:
+            log.error("executor_failed", model=self._spec.name, instance=self._index,
+                      reason=reason, exc_info=exc)
+        else:
+            log.error("executor_failed", model=self._spec.name, instance=self._index,
+                      reason=reason)
+        while True:
+            try:
+                batch = self._handoff.get_nowait()
+            except queue_module.Empty:
+                break
+            if batch is None:
+                self._handoff.put(None)  # the assembler's end mark stays for the compute loop
+                break
+            self._finish(batch, None, self._dead_error())
+        if self._on_dead is not None:
+            self._on_dead(reason)
 
     # -- assembling one batch -----------------------------------------------------------------
 
@@ -456,8 +540,27 @@ class Executor:
         started = time.perf_counter_ns()
         finisher = self._cuda and self._pipelined
         try:
-            outputs = self._launch(batch)
+            if self._runner is None:
+                outputs = self._launch(batch)
+            else:
+                outputs = self._runner.run(self._launch, batch,
+                                           on_late=lambda: self._release_late(batch))
             infer_done = time.perf_counter_ns()
+        except ExecutionTimeout:
+            log.error("batch_timed_out", model=spec.name, batch=batch.id, size=batch.samples,
+                      execution_timeout_ms=spec.execution_timeout_ms,
+                      requests=[r.id for r in batch.requests])
+            self._finish(batch, None, ModelExecutionError(
+                f"model '{spec.name}' did not finish a batch of {batch.samples} within "
+                f"execution_timeout_ms={spec.execution_timeout_ms}; the batch failed and the "
+                "instance continues on a fresh thread"), inputs_in_use=True)
+            if finisher:
+                self._retire()
+            return
+        except TooManyHungCalls as exc:
+            self._finish(batch, None, self._dead_error(), inputs_in_use=True)
+            raise InstanceDead(f"{exc} (execution_timeout_ms="
+                               f"{spec.execution_timeout_ms})") from None
         except BatchgateError as exc:
             log.error("batch_failed", model=spec.name, batch=batch.id, error=str(exc),
                       requests=[r.id for r in batch.requests])
@@ -468,6 +571,11 @@ class Executor:
             error = ModelExecutionError(
                 f"model '{spec.name}' raised {type(exc).__name__} while running a batch of "
                 f"{batch.samples}; the server log has the details")
+        except BaseException as exc:  # SystemExit, KeyboardInterrupt...: this instance is done
+            self._finish(batch, None, ModelExecutionError(
+                f"model '{spec.name}' raised {type(exc).__name__} while running a batch of "
+                f"{batch.samples} and stopped serving; the server log has the details"))
+            raise InstanceDead(f"the model raised {type(exc).__name__}") from exc
         else:
             if finisher:
                 self._finishing.put((batch, outputs, started, infer_done))
@@ -553,7 +661,7 @@ class Executor:
     def _owned(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``, copied if it is a view of our buffers (a model that returns its input,
         or a view of it): the slot is reused while the answer is still being sent."""
-        if tensor.untyped_storage().data_ptr() in self._plan.owned_storage:
+        if tensor.untyped_storage().data_ptr() in self._owned_storage:
             return tensor.clone()
         return tensor
 
@@ -587,17 +695,44 @@ class Executor:
         self._finish(batch, None, error)
 
     def _finish(self, batch: Batch, results: list[dict[str, np.ndarray]] | None,
-                error: Exception | None) -> None:
+                error: Exception | None, *, inputs_in_use: bool = False) -> None:
         batch.tensors = []
-        if batch.staged:
-            self._stager.release(batch.staged)
-            batch.staged = []
-        self._free_slots.put(batch.slot)
+        if inputs_in_use:
+            self._replace_slot(batch.slot)
+        else:
+            self._recycle(batch)
         if self._on_inflight is not None:
             self._on_inflight(-1)
         if self._plan.after_batch is not None:
             self._plan.after_batch()
-        self._deliver(Outcome(batch, results, error))
+        self._deliver(Outcome(batch, results, error, inputs_in_use=inputs_in_use))
+
+    def _recycle(self, batch: Batch) -> None:
+        """The batch's staged blocks and slot go back: nothing reads them any more."""
+        if batch.staged:
+            self._stager.release(batch.staged)
+            batch.staged = []
+        self._free_slots.put(batch.slot)
+
+    def _replace_slot(self, slot: Slot) -> None:
+        """A call that timed out may still read ``slot``'s buffers: they stay with it (the
+        model's plan keeps them until unload) and the instance goes on with fresh ones, made
+        outside the pool (bounded by the runner's limit on hung calls)."""
+        fresh = Slot(slot.index, [torch.empty_like(t) for t in slot.inputs])
+        self._owned_storage.update(t.untyped_storage().data_ptr() for t in fresh.inputs)
+        log.warning("batch_buffers_replaced", model=self._spec.name, instance=self._index,
+                    slot=slot.index, bytes=sum(t.nbytes for t in fresh.inputs))
+        self._free_slots.put(fresh)
+
+    def _release_late(self, batch: Batch) -> None:
+        """A timed-out call returned (on its abandoned runner): its inputs are free now."""
+        if self._cuda:
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize(self._device)
+        if batch.staged:
+            self._stager.release(batch.staged)
+            batch.staged = []
+        self._deliver(Outcome(batch, None, None, release_only=True))
 
     def _outputs_of(self, returned: Any, rows: int) -> list[torch.Tensor]:
         specs = self._output_specs

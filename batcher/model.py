@@ -98,10 +98,15 @@ class ServedModel:
         metrics: BatcherMetrics | None = None,
         warmup_inputs: list[list[np.ndarray]] | None = None,
         pools: DevicePools | None = None,
+        on_failed: Callable[[str], None] | None = None,
     ) -> None:
         """``pools``: the server's device memory pools; without them (tests, benchmarks) the
-        model's buffers are plain tensors."""
+        model's buffers are plain tensors. ``on_failed(reason)``: an instance stopped for good
+        (called from its thread)."""
         self._spec = spec
+        self._on_failed = on_failed
+        self._failed = False
+        self._failed_lock = threading.Lock()
         self._module = module
         self._metrics: ModelMetrics | None = metrics.for_model(spec.name) if metrics else None
         self._warmup_inputs = warmup_inputs
@@ -174,7 +179,8 @@ class ServedModel:
             self._stager.start()
         for executor in self._executors:
             executor.start()
-        self._accepting = True
+        with self._failed_lock:
+            self._accepting = not self._failed
 
     # -- loading steps ---------------------------------------------------------------------------
 
@@ -293,7 +299,8 @@ class ServedModel:
             spec, self._module, index=index, next_batch=self._queue.next_batch,
             wake=self._queue.wake, deliver=self._post, on_batch=self._record_batch,
             batch_ids=_next_batch_id,
-            on_inflight=metrics.inflight_batches.inc if metrics else None, plan=plan)
+            on_inflight=metrics.inflight_batches.inc if metrics else None,
+            on_dead=self._instance_died, plan=plan)
 
     def _warm_up(self) -> dict[str, Any]:
         """Warm every instance; the first one's report (they run the same batches)."""
@@ -347,6 +354,7 @@ class ServedModel:
                 f"model '{self._spec.name}' was unloaded before this request ran; retry"
             )
             for request in left:
+                self._removed(request)
                 self._fail_threadsafe(request, error)
         if self._stager is not None:
             self._stager.stop()
@@ -448,10 +456,13 @@ class ServedModel:
 
     def _deliver(self, outcome: Outcome) -> None:
         requests = outcome.batch.requests
-        for request in requests:
-            request.state = DONE
-            if request.on_release is not None:
-                request.on_release()
+        if not outcome.inputs_in_use:
+            for request in requests:
+                request.state = DONE
+                if request.on_release is not None:
+                    request.on_release()
+            if outcome.release_only:
+                return
         if outcome.error is not None:
             self._count_failure("model_error", requests)
             for request in requests:
@@ -463,6 +474,28 @@ class ServedModel:
             _resolve(request.future, result)
             success_ns += int((now - request.arrival) * 1e9)
         self.stats.record_success(len(requests), success_ns)
+
+    def _instance_died(self, reason: str) -> None:
+        """An executor stopped for good (executor thread): the model stops serving.
+
+        Queued requests get UNAVAILABLE at once rather than waiting for their deadlines; the
+        repository is told, so health reports NOT_SERVING and a load RPC brings the model back.
+        """
+        with self._failed_lock:
+            if self._failed:
+                return
+            self._failed = True
+        self._accepting = False
+        self._queue.close()
+        error = ModelUnavailable(
+            f"model '{self._spec.name}' stopped serving ({reason}); retry after it is loaded again"
+        )
+        for request in self._queue.drain_remaining():
+            self._removed(request)
+            self._count_failure("unavailable", [request])
+            self._fail_threadsafe(request, error)
+        if self._on_failed is not None:
+            self._on_failed(reason)
 
     def _fail_threadsafe(self, request: InferenceRequest, error: Exception) -> None:
         loop = self._loop

@@ -186,6 +186,7 @@ class ModelSpec:
     buckets: tuple[int, ...] = ()
     cuda_graphs: bool = False  # capture a CUDA graph per bucket (CUDA devices only)
     input_staging: str = "batch"  # one of INPUT_STAGING
+    execution_timeout_ms: int = 0  # 0: none; else a batch running longer fails (batcher/watchdog.py)
 
     def __post_init__(self) -> None:
         if not self.inputs:
@@ -206,6 +207,8 @@ class ModelSpec:
             raise ValueError(f"device must be 'cpu' or 'cuda:N', got {self.device!r}")
         if self.intra_op_threads < 0 or self.inter_op_threads < 0:
             raise ValueError("thread counts must be >= 0")
+        if self.execution_timeout_ms < 0:
+            raise ValueError(f"execution_timeout_ms must be >= 0, got {self.execution_timeout_ms}")
 
     def _check_buckets(self) -> None:
         buckets, max_batch = self.buckets, self.batching.max_batch_size

@@ -76,6 +76,10 @@ PARAMETERS: Mapping[str, str] = {
         "batches in flight per instance: one assembling while one computes (default 2)"
     ),
     "warmup": "true | false: run the model before reporting it ready (default true)",
+    "execution_timeout_ms": (
+        "a batch still running after this long fails (INTERNAL) and the instance goes on on a "
+        "fresh thread; 0 = no limit (default 0; costs one thread hand-off per batch)"
+    ),
 }
 
 # Keys of Triton's PyTorch backend that batchgate honours.
@@ -282,6 +286,7 @@ def model_spec_from_config(
             cuda_graphs=_bool_param(name, params, "cuda_graphs", False),
             input_staging=_choice(name, params, "input_staging", INPUT_STAGING,
                                   "queue" if on_gpu else "batch"),
+            execution_timeout_ms=_int_param(name, params, "execution_timeout_ms", 0, minimum=0),
         )
     except ValueError as exc:
         raise LoadError(f"model {name!r}: {exc}") from None
@@ -322,6 +327,7 @@ def effective_config(
         "min_batch_size": str(spec.batching.effective_min_batch),
         "max_inflight_batches": str(spec.batching.max_inflight_batches),
         "warmup": "true" if spec.warmup else "false",
+        "execution_timeout_ms": str(spec.execution_timeout_ms),
         "INTRA_OP_THREAD_COUNT": str(spec.intra_op_threads),
         "INTER_OP_THREAD_COUNT": str(spec.inter_op_threads),
         "buckets": ",".join(map(str, spec.buckets)) if spec.buckets else "none",

@@ -18,6 +18,7 @@ This module knows nothing of gRPC: it raises the ``batcher.errors`` hierarchy, a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
@@ -100,6 +101,7 @@ class ModelRepository:
         self._on_state_change = on_state_change
         self._slots: dict[str, _Slot] = {}
         self._closing = False
+        self._background: set[asyncio.Task] = set()
 
     @property
     def root(self) -> Path:
@@ -194,7 +196,8 @@ class ModelRepository:
                 self._set_state(slot, LOADING, "loading")
             log.info("model_loading", model=name, reloading=previous is not None)
             try:
-                loaded = await asyncio.to_thread(self._build, model_dir)
+                loaded = await asyncio.to_thread(
+                    self._build, model_dir, self._failure_reporter(name))
             except Exception as exc:
                 # A model that does not fit its device's memory pool: RESOURCE_EXHAUSTED.
                 known = isinstance(exc, (LoadError, ResourceExhausted))
@@ -261,7 +264,35 @@ class ModelRepository:
 
     # -- the blocking part of a load (worker thread) -------------------------------------------
 
-    def _build(self, model_dir: Path) -> _Loaded:
+    def _failure_reporter(self, name: str) -> Callable[[ServedModel, str], None]:
+        """Called from an executor thread when a served model stops for good."""
+        loop = asyncio.get_running_loop()
+
+        def report(served: ServedModel, reason: str) -> None:
+            def spawn() -> None:
+                task = loop.create_task(self._model_failed(name, served, reason))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to report to
+                loop.call_soon_threadsafe(spawn)
+
+        return report
+
+    async def _model_failed(self, name: str, served: ServedModel, reason: str) -> None:
+        slot = self._slots.get(name)
+        if slot is None:
+            return
+        async with slot.lock:
+            if slot.loaded is None or slot.loaded.model is not served:
+                return  # already unloaded or replaced
+            slot.loaded = None
+            log.error("model_failed", model=name, version=slot.version, reason=reason)
+            self._set_state(slot, UNAVAILABLE, f"failed: {reason}; load it again to retry")
+        await asyncio.to_thread(served.stop, 0.0)
+
+    def _build(self, model_dir: Path,
+               on_failed: Callable[[ServedModel, str], None] | None = None) -> _Loaded:
         name = model_dir.name
         config, unsupported = model_config.read_model_config(model_dir)
         if unsupported:
@@ -277,8 +308,10 @@ class ModelRepository:
         module = loading.load_module(
             version_dir, filename=filename, parameters=parameters, device=spec.device
         )
-        served = ServedModel(spec, module, metrics=self._metrics, warmup_inputs=warmup,
-                             pools=self._pools)
+        served = ServedModel(
+            spec, module, metrics=self._metrics, warmup_inputs=warmup, pools=self._pools,
+            on_failed=None if on_failed is None else lambda reason: on_failed(served, reason),
+        )
         try:
             served.start()
         except BaseException:

@@ -117,6 +117,54 @@ def build_model(parameters):
     return WrongBatch()
 '''
 
+# A batch holding a 7 hangs until the file "unhang" appears in the gate folder (at most 120 s);
+# a 1-second execution timeout fails it first. Two batches in flight: the timeout must also
+# work with the assembler/compute thread pair.
+HANGING_CONFIG = FAILING_CONFIG.replace('"failing"', '"hanging"') + """
+parameters { key: "execution_timeout_ms" value: { string_value: "1000" } }
+parameters { key: "gate_dir" value: { string_value: "GATE_DIR" } }
+"""
+HANGING_MODEL = '''
+import time
+from pathlib import Path
+
+import torch
+
+
+class Hanging(torch.nn.Module):
+    def __init__(self, gate_dir):
+        super().__init__()
+        self.unhang = Path(gate_dir) / "unhang"
+
+    def forward(self, x):
+        if bool((x == 7).any()):
+            deadline = time.monotonic() + 120
+            while not self.unhang.exists() and time.monotonic() < deadline:
+                time.sleep(0.005)
+        return x + 1
+
+
+def build_model(parameters):
+    return Hanging(parameters["gate_dir"])
+'''
+
+# A batch holding a 13 raises SystemExit, which no model should: the instance stops for good.
+FATAL_CONFIG = FAILING_CONFIG.replace('"failing"', '"fatal"')
+FATAL_MODEL = '''
+import torch
+
+
+class Fatal(torch.nn.Module):
+    def forward(self, x):
+        if bool((x == 13).any()):
+            raise SystemExit(3)
+        return x + 1
+
+
+def build_model(parameters):
+    return Fatal()
+'''
+
 NUMERIC_TYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32",
                  "INT64", "FP16", "FP32", "FP64", "BF16")
 TRITON_TYPES = {"BOOL": "TYPE_BOOL", "BF16": "TYPE_BF16"}
@@ -176,6 +224,8 @@ TEST_MODELS = {
     "gated": (GATED_CONFIG, GATED_MODEL),
     "failing": (FAILING_CONFIG, FAILING_MODEL),
     "wrongbatch": (WRONGBATCH_CONFIG, WRONGBATCH_MODEL),
+    "hanging": (HANGING_CONFIG, HANGING_MODEL),
+    "fatal": (FATAL_CONFIG, FATAL_MODEL),
 }
 
 

@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import shutil
 import textwrap
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from batcher import precision
 from batcher.buckets import BatchBuckets
-from batcher.errors import ResourceExhausted
+from batcher.errors import ModelExecutionError, ResourceExhausted
 from batcher.memory import DevicePools, PoolSettings
 from batcher.metrics import BatcherMetrics
 from batcher.model import ServedModel
@@ -610,3 +611,32 @@ def test_a_pool_sized_by_a_fraction_of_free_memory_on_cuda(tmp_path):
         assert np.abs(out - want).max() / np.abs(want).max() < 2e-2
     finally:
         running.stop()
+
+
+async def test_after_a_timed_out_batch_the_instance_serves_on_fresh_buffers():
+    # The abandoned call keeps its slot's buffers (it may still write them); the next batches
+    # must get buffers of their own and come out right, before and after it returns.
+    release = threading.Event()
+
+    def hangs_on_13(x):
+        if bool((x == 13).any()):
+            release.wait(30)
+            x.fill_(-1.0)  # the late call scribbles on its inputs
+        return x * 2
+
+    model = ServedModel(_spec(warmup=False, execution_timeout_ms=200), hangs_on_13,
+                        pools=DevicePools(PoolSettings(1 << 20)))
+    model.start()
+    try:
+        with pytest.raises(ModelExecutionError, match="execution_timeout_ms=200"):
+            await _infer(model, np.full((2, 2), 13.0, np.float32))
+        np.testing.assert_array_equal(await _infer(model, np.ones((2, 2), np.float32)),
+                                      np.full((2, 2), 2.0, np.float32))
+        release.set()
+        for value in (3.0, 4.0, 5.0):
+            np.testing.assert_array_equal(
+                await _infer(model, np.full((2, 2), value, np.float32)),
+                np.full((2, 2), 2 * value, np.float32))
+    finally:
+        release.set()
+        model.stop(5)

@@ -277,6 +277,7 @@ def test_other_backends_are_refused(tmp_path):
         ("min_batch_size", "9"),  # over max_batch_size 8
         ("max_inflight_batches", "0"),
         ("warmup", "maybe"),
+        ("execution_timeout_ms", "-5"),
         ("INTRA_OP_THREAD_COUNT", "-1"),
         ("INTER_OP_THREAD_COUNT", "two"),
     ],
@@ -290,7 +291,8 @@ def test_bad_parameter_values_say_what_they_got(tmp_path, key, value):
 
 def test_documented_parameters_take_effect(tmp_path):
     assert set(PARAMETERS) == {"precision", "min_batch_size", "max_inflight_batches", "warmup",
-                               "buckets", "cuda_graphs", "input_staging"}
+                               "execution_timeout_ms", "buckets", "cuda_graphs",
+                               "input_staging"}
     assert all(description.strip() for description in PARAMETERS.values())
     default = spec_of(tmp_path, BASE)
     spec = spec_of(
@@ -300,6 +302,7 @@ def test_documented_parameters_take_effect(tmp_path):
             min_batch_size="3",
             max_inflight_batches="4",
             warmup="false",
+            execution_timeout_ms="250",
             INTRA_OP_THREAD_COUNT="2",
             INTER_OP_THREAD_COUNT="1",
             buckets="2,4",
@@ -311,6 +314,7 @@ def test_documented_parameters_take_effect(tmp_path):
     assert (default.batching.min_batch_size, spec.batching.min_batch_size) == (0, 3)
     assert (default.batching.max_inflight_batches, spec.batching.max_inflight_batches) == (2, 4)
     assert (default.warmup, spec.warmup) == (True, False)
+    assert (default.execution_timeout_ms, spec.execution_timeout_ms) == (0, 250)
     assert (default.intra_op_threads, spec.intra_op_threads) == (0, 2)
     assert (default.inter_op_threads, spec.inter_op_threads) == (0, 1)
     assert (default.buckets, spec.buckets) == ((), (2, 4, 8))  # max_batch_size is added
@@ -404,6 +408,7 @@ def test_effective_config_fills_defaults_and_resolved_parameters(tmp_path):
         "min_batch_size": "8",
         "max_inflight_batches": "2",
         "warmup": "true",
+        "execution_timeout_ms": "0",
         "INTRA_OP_THREAD_COUNT": "0",
         "INTER_OP_THREAD_COUNT": "0",
         "buckets": "none",
