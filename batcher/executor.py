@@ -216,6 +216,11 @@ class Executor:
     def graph_buckets(self) -> tuple[int, ...]:
         return self._graphs.buckets if self._graphs is not None else ()
 
+    @property
+    def hung_calls(self) -> int:
+        """Timed-out calls that have not returned: they may still use the model's buffers."""
+        return self._runner.hung if self._runner is not None else 0
+
     # -- lifecycle -----------------------------------------------------------------------------
 
     def warm_up(self, samples: Sequence[Sequence[np.ndarray]]) -> dict[str, Any]:

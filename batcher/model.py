@@ -358,10 +358,14 @@ class ServedModel:
                 self._fail_threadsafe(request, error)
         if self._stager is not None:
             self._stager.stop()
-        if drained:
-            # Executors still running (a drain that timed out) keep their buffers: leaked to
-            # the pool rather than handed to another model while a batch may write them.
+        hung = sum(e.hung_calls for e in self._executors)
+        if drained and not hung:
             self._release()
+        elif self._reservations:
+            # A batch still running (a drain that timed out, a call that hung) may write the
+            # buffers: they stay reserved rather than go to another model.
+            log.warning("memory_plan_kept", model=self._spec.name, hung_calls=hung,
+                        bytes=sum(r.nbytes for _, r in self._reservations if r))
 
     # -- the event loop's side -----------------------------------------------------------------
 

@@ -24,6 +24,15 @@ from prometheus_client.core import GaugeMetricFamily
 
 log = structlog.get_logger(__name__)
 
+# What a scrape shows per GPU: (key, family name, help). Exported only where NVML answers.
+FAMILIES = (
+    ("utilization", "batchgate_gpu_utilization_ratio",
+     "Fraction of NVML's last sample period in which a kernel ran on the GPU."),
+    ("used", "batchgate_gpu_memory_used_bytes", "GPU memory in use (every process), from NVML."),
+    ("total", "batchgate_gpu_memory_total_bytes", "GPU memory on the board, from NVML."),
+    ("power", "batchgate_gpu_power_watts", "GPU power draw, from NVML."),
+)
+
 
 class GpuTelemetry:
     """NVML figures of every GPU, read on each collect."""
@@ -54,19 +63,8 @@ class GpuTelemetry:
         if not self._gpus:
             return
         nvml = self._nvml
-        families = {
-            "utilization": GaugeMetricFamily(
-                "batchgate_gpu_utilization_ratio",
-                "Fraction of NVML's last sample period in which a kernel ran on the GPU.",
-                labels=["gpu"]),
-            "used": GaugeMetricFamily("batchgate_gpu_memory_used_bytes",
-                                      "GPU memory in use (every process), from NVML.",
-                                      labels=["gpu"]),
-            "total": GaugeMetricFamily("batchgate_gpu_memory_total_bytes",
-                                       "GPU memory on the board, from NVML.", labels=["gpu"]),
-            "power": GaugeMetricFamily("batchgate_gpu_power_watts",
-                                       "GPU power draw, from NVML.", labels=["gpu"]),
-        }
+        families = {key: GaugeMetricFamily(name, documentation, labels=["gpu"])
+                    for key, name, documentation in FAMILIES}
         readers = {
             "utilization": lambda h: nvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0,
             "used": lambda h: nvml.nvmlDeviceGetMemoryInfo(h).used,
