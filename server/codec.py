@@ -265,6 +265,11 @@ def _from_raw(model: str, tspec: TensorSpec, shape: tuple, count: int,
             f"model '{model}': input '{tspec.name}' of shape {list(shape)} and datatype "
             f"{tspec.datatype} needs {expected} bytes, got {len(buffer)}"
         )
+    if tspec.datatype == "BOOL" and buffer and np.frombuffer(buffer, np.uint8).max() > 1:
+        # Any other byte is not a bool: torch would compute with it (~x of 2 is still true).
+        raise InvalidRequest(
+            f"model '{model}': BOOL input '{tspec.name}' must hold bytes 0 and 1 only"
+        )
     return np.frombuffer(buffer, dtype=NUMPY_DTYPES[tspec.datatype]).reshape(shape)
 
 
