@@ -245,12 +245,14 @@ def reference(model: str, x: np.ndarray) -> np.ndarray:
 class Load:
     """Closed-loop SDK clients on threads, inferring the example ``mlp``: every answer checked,
     final failures counted by status code. Each client has its own connection (gRPC shares one
-    per target otherwise), so load balancers and SO_REUSEPORT spread them. Bounded in time."""
+    per target otherwise), so load balancers and SO_REUSEPORT spread them. Bounded in time:
+    clients stop after ``max_s`` whatever happens."""
 
-    def __init__(self, address: str, clients: int = 8, retry=None) -> None:
+    def __init__(self, address: str, clients: int = 8, retry=None, max_s: float = 120) -> None:
         from clients import RetryPolicy
 
         self.address = address
+        self.max_s = max_s
         self.retry = retry or RetryPolicy(max_attempts=1)
         self.ok = 0
         self.wrong = 0
@@ -267,7 +269,7 @@ class Load:
 
         with Client(self.address, timeout_s=10, retry=self.retry,
                     options=[("grpc.use_local_subchannel_pool", 1)]) as client:
-            deadline = time.monotonic() + 120  # bounded whatever happens
+            deadline = time.monotonic() + self.max_s
             while not self._stop.is_set() and time.monotonic() < deadline:
                 try:
                     out = client.infer("mlp", {"INPUT__0": self._x})["OUTPUT__0"]
