@@ -446,3 +446,45 @@ def test_health_check_of_a_long_name_is_not_an_error(server):
         with pytest.raises(grpc.RpcError) as err:
             stub.Check(health_pb2.HealthCheckRequest(service="x" * 300), timeout=30)
         assert err.value.code() is grpc.StatusCode.NOT_FOUND
+
+
+# -- the executor's socket -------------------------------------------------------------------
+
+
+IPC_CLIENT = textwrap.dedent('''
+    import pickle, socket, struct, sys
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect("\\0" + sys.argv[1])
+    body = pickle.dumps(("call", 1, sys.argv[2], tuple(sys.argv[3:])))
+    sock.settimeout(30)
+    try:
+        sock.sendall(struct.pack("<I", len(body)) + body)
+        print("answered" if sock.recv(4096) else "closed")
+    except (ConnectionResetError, BrokenPipeError):
+        print("closed")
+''')
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to connect as another user")
+def test_another_user_cannot_talk_to_the_executor(secured):
+    """The executor listens on an abstract Unix socket, which has no file permissions: a
+    process of another user must not reach it (it could unload models past the admin token,
+    and a pickle is code)."""
+    if secured.mode == "single":
+        pytest.skip("one process: there is no executor socket")
+    executor = next(iter(secured.process.pids("executor").values()))
+    argv = Path(f"/proc/{executor}/cmdline").read_bytes().split(b"\0")
+    name = argv[argv.index(b"--socket") + 1].decode()
+
+    def call(*args: str, user: list[str]) -> str:
+        done = subprocess.run([*user, "/usr/bin/python3", "-c", IPC_CLIENT, name, *args],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert call("index", user=[]) == "answered"  # the same user: the check lets it through
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    assert call("unload", "spare", user=nobody) == "closed"
+    with secured.client(token=ADMIN_TOKEN) as admin:
+        assert admin.model_ready("spare")
