@@ -2,6 +2,10 @@
 
 Flags follow Triton's names and defaults where Triton has one (``--grpc-port 8001``,
 ``--metrics-port 8002``, ``--model-repository``), so users' habits carry over.
+
+Bearer tokens have no flag of their own: a command line shows in ``ps`` to every user of the
+machine, so they come from a file (``--admin-token-file``) or the environment
+(``$BATCHGATE_ADMIN_TOKEN``), one or the other.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-from server.settings import DEFAULT_REPOSITORY, Settings
+from server.settings import DEFAULT_REPOSITORY, TOKEN_ENV, Settings
 from server.logs import LOG_FORMATS, configure_logging
 from server.supervisor import DEFAULT_ARENA_BYTES, Supervisor
 
@@ -32,6 +36,28 @@ def _serve_parser(parser: argparse.ArgumentParser) -> None:
                              f"else the example repository {DEFAULT_REPOSITORY})")
     parser.add_argument("--max-message-bytes", type=int, default=d["max_message_bytes"].default,
                         help="largest gRPC message received or sent (default: %(default)s)")
+    parser.add_argument("--max-request-bytes", type=int, default=None,
+                        help="largest sum of one request's input tensor bytes; more is refused "
+                             "with RESOURCE_EXHAUSTED (default: --max-message-bytes)")
+    parser.add_argument("--max-tensor-elements", type=int,
+                        default=d["max_tensor_elements"].default,
+                        help="most elements one input tensor may have, from its shape, checked "
+                             "before anything is allocated (default: %(default)s)")
+    parser.add_argument("--tls-cert", type=Path, default=None,
+                        help="PEM certificate chain: the gRPC port speaks TLS only "
+                             "(with --tls-key)")
+    parser.add_argument("--tls-key", type=Path, default=None,
+                        help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-client-ca", type=Path, default=None,
+                        help="PEM CA certificates: clients must present a certificate they "
+                             "signed (mutual TLS)")
+    parser.add_argument("--admin-token-file", type=Path, default=None,
+                        help="file holding the bearer token that load, unload and the "
+                             f"repository index require (or ${TOKEN_ENV['admin']})")
+    parser.add_argument("--infer-token-file", type=Path, default=None,
+                        help="file holding the bearer token every other inference RPC "
+                             "requires, except ServerLive/ServerReady and grpc.health.v1 "
+                             f"(or ${TOKEN_ENV['infer']})")
     parser.add_argument("--drain-timeout-s", type=float, default=d["drain_timeout_s"].default,
                         help="on SIGTERM/SIGINT, how long queued requests may take to finish "
                              "(default: %(default)s)")
@@ -99,6 +125,13 @@ def settings_from(args: argparse.Namespace) -> Settings:
         host=args.host,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         max_message_bytes=args.max_message_bytes,
+        max_request_bytes=args.max_request_bytes,
+        max_tensor_elements=args.max_tensor_elements,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        admin_token=read_token("admin", args.admin_token_file),
+        infer_token=read_token("infer", args.infer_token_file),
         drain_timeout_s=args.drain_timeout_s,
         switch_interval_s=args.switch_interval_s,
         gc_freeze=not args.no_gc_freeze,
@@ -110,6 +143,26 @@ def settings_from(args: argparse.Namespace) -> Settings:
     if args.grpc_port is not None:
         kwargs["grpc_port"] = args.grpc_port
     return Settings(**kwargs)
+
+
+def read_token(role: str, path: Path | None) -> str | None:
+    """The ``role`` token from ``path`` (surrounding white space dropped) or from the
+    environment; None when neither is given."""
+    env = TOKEN_ENV[role]
+    from_env = os.environ.get(env)
+    if path is None:
+        return from_env or None
+    if from_env:
+        raise ValueError(f"give the {role} token by --{role}-token-file or ${env}, got both")
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"--{role}-token-file: cannot read {str(path)!r}: {exc.strerror}") from exc
+    except UnicodeDecodeError:  # its text would quote the file's bytes: the token
+        raise ValueError(f"--{role}-token-file must be UTF-8 text, got {str(path)!r}") from None
+    if not token:
+        raise ValueError(f"--{role}-token-file must hold a token, got an empty file {str(path)!r}")
+    return token
 
 
 async def serve(settings: Settings) -> None:
