@@ -27,6 +27,9 @@ from server.repository import ModelRepository
 
 log = structlog.get_logger(__name__)
 
+# (model, status) pairs with their own batchgate_requests_total series; the rest are "_unknown".
+MAX_LABELLED_COUNTERS = 4096
+
 _END_OF_STREAM = object()
 SERVER_EXTENSIONS = [
     "model_repository",
@@ -246,12 +249,16 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
     # -- helpers -----------------------------------------------------------------------------
 
     def _count(self, model: str, code: grpc.StatusCode, started: float) -> None:
-        key = (model, code)
-        counter = self._status_counters.get(key)
+        counter = self._status_counters.get((model, code))
         if counter is None:
-            if len(self._status_counters) > 10_000:  # unknown names from clients: bound labels
+            # Model names come from clients: past a bound, new ones share one label (and one
+            # dict entry), so a client sending random names cannot grow the server's memory.
+            if len(self._status_counters) >= MAX_LABELLED_COUNTERS:
                 model = "_unknown"
-            counter = self._status_counters[key] = self._metrics.requests.labels(model, code.name)
+                counter = self._status_counters.get((model, code))
+            if counter is None:
+                counter = self._metrics.requests.labels(model, code.name)
+                self._status_counters[(model, code)] = counter
         counter.inc()
         if code is grpc.StatusCode.OK:
             histogram = self._latency.get(model)
