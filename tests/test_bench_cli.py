@@ -13,12 +13,14 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
-from bench.loadgen import arrivals, cli, plan, scrape
+from bench.loadgen import arrivals, cli, driver, plan, scrape, workload
 from bench.loadgen.report import LAYOUT, layout_problems
 from tests.conftest import EXAMPLE_MODELS, FAILING_CONFIG, FAILING_MODEL, start_server
 
@@ -222,6 +224,27 @@ def test_compare_alternates_between_two_servers_and_gives_ratios(bench_server, o
     (row,) = report["comparison"]
     assert row["throughput_ratio"] == pytest.approx(other["throughput_per_s"] / base["throughput_per_s"])
     assert row["p99_ratio"] == pytest.approx(other["latency_ms"]["p99"] / base["latency_ms"]["p99"])
+
+
+def test_compare_slices_wait_for_the_other_servers_backlog(bench_server):
+    """Open loop at 100/s to a model that serves 20/s: each slice leaves a backlog, and the
+    next slice (the other target) starts sending only once it has been answered."""
+    with grpc.insecure_channel(bench_server.address) as channel:
+        models = workload.describe_models(channel, ["slow"], workload.DataOptions())
+    (variant,) = workload.build_variants(models, [], workload.DataOptions())[:1]
+    shape = plan.RunShape([plan.LoadLevel(arrival=arrivals.Arrival("constant", 100))], 2, 0.0,
+                          0.2, None, 0.1, np.array([1.0]), 0)
+    (step,) = plan.build_steps(shape)
+    config = driver.DriverConfig(urls=(bench_server.address,) * 2, payloads=(variant.payload,))
+
+    with driver.Workers(config) as workers:
+        (records,) = workers.run_step(step, time.monotonic() + 0.2)
+
+    slices = records.segments
+    assert [s.target for s in slices] == [0, 1, 0, 1]
+    for before, after in zip(slices, slices[1:]):
+        assert (before.code == 0).all() and before.code.size == 10
+        assert after.sent.min() >= before.done.max()
 
 
 def test_plots_are_written(bench_server, tmp_path):

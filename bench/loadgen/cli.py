@@ -45,6 +45,7 @@ ENFORCE = ("none", "grpc", "parameter", "both")
 DESCRIPTION = ("Load-test a KServe v2 gRPC server, closed or open loop, with latency measured "
                "from each request's intended send time and goodput within a deadline.")
 TABLE_WIDTH = 150  # for a log or a pipe; a terminal's own width otherwise
+CONNECT_TIMEOUT_S = 10.0
 
 
 class BenchError(RuntimeError):
@@ -264,50 +265,76 @@ class Target:
     server: dict
 
 
-def run(options: Options, console_err) -> dict:
+@dataclasses.dataclass
+class RunResult:
+    report: dict
+    latencies_s: dict[tuple[int, str], np.ndarray]  # OK latencies per (step, target name)
+    x: dict[int, float]  # offered load per step, for plots
+    x_label: str
+
+
+def run(options: Options, console) -> RunResult:
+    """Describe the models, plan the steps, run them, and gather every figure."""
     args = options.args
     targets = [Target("base", args.url, args.metrics_url, {})]
     if args.compare:
         targets.append(Target("compare", args.compare, args.compare_metrics_url, {}))
     models = _describe(targets, options)
     variants = build_variants(models, options.priorities, options.data, timeout_us=_timeout_us(args))
-    weights = _variant_weights(variants, options)
     steps = plan.build_steps(plan.RunShape(
         options.levels, len(targets), args.warmup_s, options.duration_s, args.requests,
-        args.slice_s, weights, args.seed))
+        args.slice_s, _variant_weights(variants, options), args.seed))
     for target in targets:
         if target.metrics_url:
             scrape.scrape(target.metrics_url)  # fail now, not after the run
-    config = DriverConfig(
-        urls=tuple(t.url for t in targets), payloads=tuple(v.payload for v in variants),
-        call_timeout_s=args.call_timeout_s,
-        deadline_s=args.deadline_ms / 1e3 if args.enforce_deadline in ("grpc", "both") else None,
-        max_outstanding=(args.max_outstanding // args.workers) if args.max_outstanding else None,
-        drain_timeout_s=args.drain_timeout_s)
-    samples = np.array([v.samples for v in variants])
-    variant_model = np.array([v.model for v in variants])
-    variant_priority = np.array([v.priority for v in variants])
-    levels = [p.level for p in options.priorities] or [0]
-    entries, latencies = [], {}
-    deadline_s = args.deadline_ms / 1e3 if args.deadline_ms is not None else None
-    with Workers(config, args.workers) as workers, _progress(console_err, args.quiet) as progress:
+    figures = _Figures(options, models, variants)
+    with Workers(_driver_config(options, targets, variants), args.workers) as workers, \
+            _progress(console, args.quiet) as progress:
         for index, step in enumerate(steps):
             records, server = _run_step(workers, index, step, targets, progress, options,
                                         [m.name for m in models], len(steps))
             for t, target in enumerate(targets):
-                outcome = stats.merge(records, t)
-                summary = stats.summarize(
-                    outcome, deadline_s=deadline_s, samples=samples,
-                    models=[m.name for m in models], variant_model=variant_model,
-                    priorities=levels, variant_priority=variant_priority)
-                entries.append({"step": index, "label": step.level.label,
-                                "offered": step.level.offered, "target": target.name,
-                                **summary, "server_metrics": server.get(t)})
-                latencies[(index, target.name)] = outcome.latency_s[outcome.ok]
-    report = _report(options, targets, models, entries)
-    return {"report": report, "latencies": latencies,
-            "x": {i: s.level.x for i, s in enumerate(steps)},
-            "x_label": "concurrency" if options.levels[0].closed else "offered rate (requests/s)"}
+                figures.add(index, step, target.name, stats.merge(records, t), server.get(t))
+    closed = options.levels[0].closed
+    return RunResult(_report(options, targets, models, figures.entries), figures.latencies_s,
+                     {i: s.level.x for i, s in enumerate(steps)},
+                     "concurrency" if closed else "offered rate (requests/s)")
+
+
+def _driver_config(options: Options, targets: Sequence[Target], variants) -> DriverConfig:
+    args = options.args
+    return DriverConfig(
+        urls=tuple(t.url for t in targets), payloads=tuple(v.payload for v in variants),
+        call_timeout_s=args.call_timeout_s,
+        deadline_s=args.deadline_ms / 1e3 if args.enforce_deadline in ("grpc", "both") else None,
+        max_outstanding=args.max_outstanding // args.workers if args.max_outstanding else None,
+        drain_timeout_s=args.drain_timeout_s)
+
+
+class _Figures:
+    """The ``steps`` entries of the report, and the latencies the plots need."""
+
+    def __init__(self, options: Options, models: Sequence[ModelInputs], variants) -> None:
+        deadline_ms = options.args.deadline_ms
+        self.deadline_s = deadline_ms / 1e3 if deadline_ms is not None else None
+        self.models = [m.name for m in models]
+        self.levels = [p.level for p in options.priorities] or [0]
+        self.samples = np.array([v.samples for v in variants])
+        self.variant_model = np.array([v.model for v in variants])
+        self.variant_priority = np.array([v.priority for v in variants])
+        self.entries: list[dict] = []
+        self.latencies_s: dict[tuple[int, str], np.ndarray] = {}
+
+    def add(self, index: int, step: plan.Step, target: str, outcome: stats.Outcome,
+            server: dict | None) -> None:
+        summary = stats.summarize(
+            outcome, deadline_s=self.deadline_s, samples=self.samples, models=self.models,
+            variant_model=self.variant_model, priorities=self.levels,
+            variant_priority=self.variant_priority)
+        self.entries.append({"step": index, "label": step.level.label,
+                             "offered": step.level.offered, "target": target, **summary,
+                             "server_metrics": server})
+        self.latencies_s[(index, target)] = outcome.latency_s[outcome.ok]
 
 
 def _describe(targets: Sequence[Target], options: Options) -> list[ModelInputs]:
@@ -315,9 +342,9 @@ def _describe(targets: Sequence[Target], options: Options) -> list[ModelInputs]:
     for target in targets:
         with grpc.insecure_channel(target.url) as channel:
             try:
-                grpc.channel_ready_future(channel).result(timeout=options.args.call_timeout_s)
+                grpc.channel_ready_future(channel).result(timeout=CONNECT_TIMEOUT_S)
             except grpc.FutureTimeoutError:
-                raise BenchError(f"cannot connect to {target.url}") from None
+                raise BenchError(f"cannot connect to {target.url} within {CONNECT_TIMEOUT_S:g} s") from None
             target.server.update(_server_metadata(channel))
             described.append(describe_models(channel, [m.name for m in options.models], options.data))
     if len(described) > 1 and [m.inputs for m in described[0]] != [m.inputs for m in described[1]]:
@@ -537,17 +564,16 @@ def main(argv: Sequence[str] | None = None, prog: str = "batchgate bench") -> in
     except (BenchError, WorkloadError, DriverError, scrape.ScrapeError, ValueError) as exc:
         err.print(f"[bold red]{prog}:[/] {exc}", highlight=False)
         return 1
-    report = result["report"]
-    render(report, out)
+    render(result.report, out)
     if args.json is not None:
-        write_json(report, args.json)
+        write_json(result.report, args.json)
         err.print(f"wrote {args.json}")
     if args.plot is not None:
         from bench.loadgen.plots import PlotError, write_plots
 
         try:
-            paths = write_plots(args.plot, report["steps"], result["latencies"],
-                                result["x_label"], result["x"])
+            paths = write_plots(args.plot, result.report["steps"], result.latencies_s,
+                                result.x_label, result.x)
         except PlotError as exc:
             err.print(f"[bold red]{prog}:[/] {exc}", highlight=False)
             return 1

@@ -117,13 +117,20 @@ class _StepRunner:
         cpu = time.process_time()
         await asyncio.sleep(max(0.0, self.origin - time.monotonic()))
         recorders = []
+        shift, target = 0.0, None
         for segment in step.segments:
             recorder = _Recorder(segment)
             recorders.append(recorder)
             if segment.closed:
                 await self._closed(segment, recorder)
-            else:
-                await self._open(segment, recorder)
+                continue
+            if target is not None and segment.target != target:
+                # A server's backlog must not run during the other's slice: wait for it, and
+                # lay the rest of the schedule that much later.
+                await self._drain()
+                shift = max(shift, time.monotonic() - (self.origin + segment.start_s))
+            target = segment.target
+            await self._open(segment, recorder, self.origin + shift)
         await self._drain()
         return StepRecords([r.result(self.origin) for r in recorders], time.process_time() - cpu,
                            time.monotonic() - self.origin)
@@ -171,11 +178,13 @@ class _StepRunner:
             await _cancel(pending)
         rec.end = end if segment.duration_s is not None else max(rec.intended, default=rec.start)
 
-    async def _open(self, segment: Segment, rec: _Recorder) -> None:
-        rec.start = self.origin + segment.start_s
+    async def _open(self, segment: Segment, rec: _Recorder, origin: float) -> None:
+        """Send ``segment``'s arrivals on schedule, ``origin`` being the step's start (later
+        than the step's own when an earlier slice was drained)."""
+        rec.start = origin + segment.start_s
         call = self.calls[segment.target]
         slots, clock = self.slots, time.monotonic
-        for t, i in zip((self.origin + segment.times).tolist(), segment.choices.tolist()):
+        for t, i in zip((origin + segment.times).tolist(), segment.choices.tolist()):
             if slots is not None:
                 await slots.acquire()
             delay = t - clock()
@@ -187,7 +196,7 @@ class _StepRunner:
         if segment.duration_s is not None:
             rec.end = rec.start + segment.duration_s
         else:
-            rec.end = self.origin + (segment.times[-1] if segment.times.size else segment.start_s)
+            rec.end = origin + (segment.times[-1] if segment.times.size else segment.start_s)
 
     async def _one(self, call, intended: float, i: int, rec: _Recorder) -> None:
         sent = time.monotonic()

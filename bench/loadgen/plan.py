@@ -6,8 +6,10 @@ slices that alternate between the targets, so drift on a shared machine touches 
 
 Closed-loop segments run for their duration after the previous one has drained (its senders
 finish their last call). Open-loop segments are laid on the step's clock: their arrival times
-are offsets from the step's start and nothing waits for answers, except the end of the step,
-which drains before the next step starts.
+are offsets from the step's start and nothing waits for answers, except where the target
+changes (a server's backlog must not run during the other's slice: the driver waits for it and
+lays the rest of the schedule that much later) and at the end of the step, which drains before
+the next step starts.
 
 Each worker process gets its own share of every segment: concurrency and request budgets are
 divided, open-loop arrivals are dealt round robin (so the merged schedule is exactly the drawn
