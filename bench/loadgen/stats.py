@@ -9,7 +9,8 @@ Definitions (bench/README.md repeats them):
   nearest-rank method (each is a latency some request had);
 - the measured time of a segment runs from its start to the later of its end and its last
   answer, so a server that falls behind an open loop is not credited with answers it gave
-  after the window; throughput is OK answers per second of measured time;
+  after the window; throughput is OK answers per second of measured time, while the offered
+  rate is requests sent per second of the segments' own length;
 - with a deadline, goodput is OK answers within the deadline per second of measured time, and
   SLO attainment is their share of all requests sent (errors count against it).
 """
@@ -37,7 +38,8 @@ class Outcome:
     done: np.ndarray
     code: np.ndarray
     choice: np.ndarray
-    measured_s: float
+    window_s: float  # the measured segments' own length: when requests were due
+    measured_s: float  # the same, each segment until its last answer if that came later
     cpu_cores: float  # the load generator's, over the whole step
 
     @property
@@ -52,14 +54,16 @@ class Outcome:
 def merge(records: Sequence[StepRecords], target: int) -> Outcome:
     """``target``'s measured segments of one step, over all workers' shares."""
     parts: dict[str, list[np.ndarray]] = {k: [] for k in ("intended", "sent", "done", "code", "choice")}
-    measured_s = 0.0
+    window_s = measured_s = 0.0
     for index, first in enumerate(records[0].segments):
         if not first.measured or first.target != target:
             continue
         shares = [r.segments[index] for r in records]
         start = min(s.start_s for s in shares)
-        end = max(max(s.end_s, float(s.done.max(initial=s.end_s))) for s in shares)
-        measured_s += max(0.0, end - start)
+        end = max(s.end_s for s in shares)
+        last = max(float(s.done.max(initial=s.end_s)) for s in shares)
+        window_s += max(0.0, end - start)
+        measured_s += max(0.0, max(end, last) - start)
         for share in shares:
             for key, values in parts.items():
                 values.append(getattr(share, key))
@@ -68,7 +72,7 @@ def merge(records: Sequence[StepRecords], target: int) -> Outcome:
     arrays["choice"] = arrays["choice"].astype(np.int32)
     wall_s = max(r.wall_s for r in records)
     cpu_cores = sum(r.cpu_s for r in records) / wall_s if wall_s > 0 else 0.0
-    return Outcome(**arrays, measured_s=measured_s, cpu_cores=cpu_cores)
+    return Outcome(**arrays, window_s=window_s, measured_s=measured_s, cpu_cores=cpu_cores)
 
 
 def summarize(outcome: Outcome, *, deadline_s: float | None, samples: np.ndarray,
@@ -84,7 +88,7 @@ def summarize(outcome: Outcome, *, deadline_s: float | None, samples: np.ndarray
     summary = {
         **_counts(outcome.code),
         "measured_s": span,
-        "offered_per_s": _rate(sent, span),
+        "offered_per_s": _rate(sent, outcome.window_s),
         "throughput_per_s": _rate(int(ok.sum()), span),
         "samples_per_s": _rate(int(samples[outcome.choice[ok]].sum()), span),
         "goodput_per_s": None if within is None else _rate(int(within.sum()), span),
