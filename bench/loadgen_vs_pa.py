@@ -7,7 +7,8 @@ alternate which of the two goes first, so the drift of a shared machine touches 
 Each round's ratio is bench ÷ perf_analyzer; the median, min and max are reported (the spread
 is the noise), with the cores used meanwhile by the load generator (its whole process, start-up
 included), by the server, and by everything else on the machine (other work on a shared machine
-is what makes a round an outlier).
+is what makes a round an outlier). perf_analyzer's stability criterion is loosened (20 %, then
+50 %, then 100 %) when the machine will not let it settle: only its rate is wanted.
 
     python -m bench.loadgen_vs_pa [--model mlp] [--rounds 3] [--seconds 5] [--workers 1]
 """
@@ -38,6 +39,7 @@ from bench.serving import (
 
 CONCURRENCY = 64
 TARGET_RATIO = 0.7
+PA_STABILITY = (20.0, 50.0, 100.0)
 
 
 def _children_cpu_s() -> float:
@@ -85,8 +87,10 @@ def run_bench(url: str, model: str, seconds: float, workers: int) -> dict[str, A
 
 
 def run_pa(url: str, model: str, seconds: float, perf_analyzer: Path) -> dict[str, Any]:
+    # Only its rate matters here, and a shared machine rarely lets it settle within 20 %.
     perf = run_perf_analyzer(url=url, model=model, concurrency=CONCURRENCY,
-                             measurement_interval_ms=int(seconds * 1000), perf_analyzer=perf_analyzer)
+                             measurement_interval_ms=int(seconds * 1000), perf_analyzer=perf_analyzer,
+                             stability_percentages=PA_STABILITY)
     return {"throughput_per_s": perf.row.throughput_per_s, "p99_ms": perf.row.p99_ms,
             "stability_percentage": perf.stability_percentage, "command": perf.command}
 
@@ -138,7 +142,7 @@ def render(report: dict[str, Any]) -> str:
         "",
         f"{'round':<6} {'first':<14} {'perf_analyzer /s':>17} {'bench /s':>9} {'ratio':>6} "
         f"{'p99 ms PA/bench':>16} {'generator cores PA/bench':>25} {'server cores':>13} "
-        f"{'other cores':>12}",
+        f"{'other cores':>12} {'PA stability':>13}",
     ]
     for i, r in enumerate(report["rounds"], 1):
         pa, bench = r["pa"], r["bench"]
@@ -148,7 +152,8 @@ def render(report: dict[str, Any]) -> str:
             f"{pa['p99_ms']:>7.1f} / {bench['p99_ms']:<6.1f} "
             f"{pa['generator_cores']:>14.2f} / {bench['generator_cores']:<8.2f} "
             f"{pa['server_cores']:>5.2f}/{bench['server_cores']:<5.2f} "
-            f"{pa['other_cores']:>5.2f}/{bench['other_cores']:<5.2f}")
+            f"{pa['other_cores']:>5.2f}/{bench['other_cores']:<5.2f} "
+            f"{pa['stability_percentage']:>12g}%")
     ratio = report["ratio"]
     lines.append(f"\nratio bench ÷ perf_analyzer: median {ratio['median']:.2f} (min {ratio['min']:.2f}, "
                  f"max {ratio['max']:.2f}); target ≥ {ratio['target']:.2f}: "
