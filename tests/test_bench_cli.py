@@ -430,6 +430,28 @@ def test_server_side_figures_are_differenced_and_kept_to_the_runs_models():
     assert figures["mean_queue_ms"] is None  # the server exported no queue histogram
 
 
+def _metadata(*inputs: tuple[str, str, list[int]]):
+    from protos import inference_pb2 as pb
+
+    return pb.ModelMetadataResponse(name="m", inputs=[
+        pb.ModelMetadataResponse.TensorMetadata(name=n, datatype=t, shape=s) for n, t, s in inputs])
+
+
+def test_inputs_follow_the_batch_dimension_and_the_given_shapes():
+    metadata = _metadata(("TOKENS", "INT64", [-1, -1]), ("MASK", "BOOL", [-1, 16]))
+    options = workload.DataOptions(batch=4, shapes={(None, "TOKENS"): (16,)})
+
+    # ModelConfig says the model batches: the first dim is the batch, -1 dims come from --shape.
+    batched = workload._model_inputs(metadata, 8, options)
+    assert [i.shape for i in batched.inputs] == [(4, 16), (4, 16)]
+    assert batched.samples == 4
+    # A server without ModelConfig: a leading -1 is taken as the batch dimension.
+    assert workload._model_inputs(metadata, None, options).inputs == batched.inputs
+    # max_batch_size 0: the shape is sent as declared, and a -1 left unresolved is refused.
+    with pytest.raises(workload.WorkloadError, match="--shape TOKENS"):
+        workload._model_inputs(metadata, 0, workload.DataOptions())
+
+
 def test_random_inputs_have_the_datatypes_size():
     from bench.loadgen.workload import random_bytes
 
