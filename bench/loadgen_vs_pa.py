@@ -26,7 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench._perf_analyzer import DEFAULT_PERF_ANALYZER, PerfAnalyzerError, run_perf_analyzer
+from bench._perf_analyzer import (
+    DEFAULT_PERF_ANALYZER,
+    PerfAnalyzerError,
+    run_perf_analyzer,
+)
 from bench.serving import (
     DEFAULT_REPOSITORY,
     BenchError,
@@ -78,7 +82,8 @@ def run_bench(url: str, model: str, seconds: float, workers: int) -> dict[str, A
         command = [sys.executable, "-m", "bench.loadgen", "-u", url, "-m", model,
                    "--concurrency", str(CONCURRENCY), "--duration-s", f"{seconds:g}",
                    "--warmup-s", "1", "--workers", str(workers), "--quiet", "--json", str(out)]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 120)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 120,
+                              check=False)
         if done.returncode != 0:
             raise BenchError(f"batchgate bench exited {done.returncode}: {done.stderr[-2000:]}")
         (step,) = json.loads(out.read_text())["steps"]

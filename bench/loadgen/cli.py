@@ -27,7 +27,13 @@ import numpy as np
 
 from bench.loadgen import plan, scrape, stats
 from bench.loadgen.arrivals import ARRIVALS, Arrival
-from bench.loadgen.driver import STEP_LEAD_S, DriverConfig, DriverError, StepRecords, Workers
+from bench.loadgen.driver import (
+    STEP_LEAD_S,
+    DriverConfig,
+    DriverError,
+    StepRecords,
+    Workers,
+)
 from bench.loadgen.report import SCHEMA_VERSION, comparison, render, write_json
 from bench.loadgen.workload import (
     DataOptions,
