@@ -1,4 +1,4 @@
-"""The ``batchgate`` command: ``batchgate serve`` (the default) runs the server.
+"""The ``batchgate`` command: ``serve`` (the default) runs the server, ``bench`` load-tests one.
 
 Flags follow Triton's names and defaults where Triton has one (``--grpc-port 8001``,
 ``--metrics-port 8002``, ``--model-repository``), so users' habits carry over.
@@ -179,10 +179,17 @@ async def serve(settings: Settings) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        # Imported here: serve's supervisor must not load grpc (it forks), nor rich.
+        from bench.loadgen.cli import main as bench
+
+        return bench(argv[1:], prog="batchgate bench")
     parser = argparse.ArgumentParser(prog="batchgate", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command")
     _serve_parser(commands.add_parser("serve", help="run the gRPC server (the default)"))
-    argv = list(sys.argv[1:] if argv is None else argv)
+    commands.add_parser("bench", add_help=False,
+                        help="load-test a KServe v2 gRPC server (batchgate bench --help)")
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv.insert(0, "serve")
     args = parser.parse_args(argv)
