@@ -13,6 +13,9 @@ that always have work get device time in the ratio of their weights; one that is
 whole device (work-conserving). A member that was idle re-enters at the current virtual time
 (the pass of the last batch granted), so idling banks no credit.
 
+A turn lasts from the batch's start to its end on the device, so one model's batches no
+longer overlap on it either (on a GPU the next launch waits for the previous batch).
+
 One subtlety makes the ratio hold: an executor that finishes a batch asks again a moment later,
 and a decision taken in that moment among the members already waiting would hand the device to
 the other member every time (1 : 1 whatever the weights). So a member that releases the device
@@ -24,11 +27,10 @@ Members that set no weight are not members: they run when they like, as before.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 # Long enough for an executor with a batch in hand to come back, short enough that a member
 # whose queue only holds requests still waiting for their batch to fill blocks nobody for long.
@@ -86,15 +88,8 @@ class DeviceShare:
                 self._reserved = None
             self._cond.notify_all()
 
-    @contextlib.contextmanager
-    def turn(self, member: ShareMember) -> Iterator[None]:
-        """Hold the device for one batch; its duration is charged to ``member``."""
-        self.acquire(member)
-        started = self._clock()
-        try:
-            yield
-        finally:
-            self.release(member, self._clock() - started)
+    def now(self) -> float:
+        return self._clock()
 
     def acquire(self, member: ShareMember, *, blocking: bool = True) -> bool:
         """Take the device for ``member``; without ``blocking``, only if it is its turn now."""
@@ -115,6 +110,7 @@ class DeviceShare:
             return True
 
     def release(self, member: ShareMember, seconds: float) -> None:
+        """The device is free again; ``member`` used it ``seconds``."""
         with self._cond:
             self._holder = None
             member.pass_ += max(seconds, 0.0) / member.weight
@@ -143,6 +139,37 @@ class DeviceShare:
         if self._reserved is None:
             return None
         return max(self._reserved_until - self._clock(), 0.0) or self._reserve_s
+
+
+class DeviceTurns:
+    """One model's batches in its device's share: ``begin`` before a batch runs, ``end`` once it
+    has finished — on a GPU that is on the executor's finisher thread, when the batch's work on
+    the device is done, so the turn covers the device time and not only the launch. Until the
+    model ``join``s (after its warm-up) and after it ``leave``s, both do nothing."""
+
+    def __init__(self, share: DeviceShare) -> None:
+        self._share = share
+        self._member: ShareMember | None = None
+        self._started: dict[int, float] = {}  # batch id -> when its turn began
+
+    def join(self, name: str, weight: float, *, backlog: Callable[[], bool],
+             on_charge: Callable[[float], None] | None) -> None:
+        self._member = self._share.join(name, weight, backlog=backlog, on_charge=on_charge)
+
+    def leave(self) -> None:
+        if self._member is not None:
+            self._share.leave(self._member)
+
+    def begin(self, batch_id: int) -> None:
+        if self._member is None:
+            return
+        self._share.acquire(self._member)
+        self._started[batch_id] = self._share.now()
+
+    def end(self, batch_id: int) -> None:
+        started = self._started.pop(batch_id, None)
+        if started is not None:
+            self._share.release(self._member, self._share.now() - started)
 
 
 _shares: dict[str, DeviceShare] = {}

@@ -1,20 +1,45 @@
 """Executors: the threads that turn queued requests into model calls and answers.
 
-Each model instance has two threads and at most ``max_inflight_batches`` batches between them:
+Each model instance has at most ``max_inflight_batches`` batches in flight, each in a *slot*
+that owns the batch's input buffers (carved from the device memory pool at load, sized for the
+largest batch). Threads:
 
-- the *assembler* waits for the queue's policy to release a batch, concatenates the requests'
-  arrays into batch tensors and, on a GPU, copies them to the device on its own stream;
-- the *compute* thread runs the model (autocast for fp16/bf16), checks that every output kept
-  the batch dimension, brings outputs back to host memory and splits them per request.
+- the *assembler* waits for the queue's policy to release a batch, copies each request's rows
+  into the slot's buffers — on a GPU from the request's staged device blocks (``staging.py``)
+  or from host memory, on a copy stream — zeroes the padding rows up to the batch's bucket and
+  records an event;
+- the *compute* thread makes its stream wait for that event, runs the model (a captured CUDA
+  graph for the bucket, or eager under the model's precision), checks that every output kept
+  the batch dimension, and on a GPU starts the copies of the outputs (padding rows dropped) into
+  pinned host memory and records an event;
+- on a GPU a *finisher* thread waits for that event, splits the outputs per request and hands
+  them back. So one batch is assembled and one computes while the last one's outputs come home.
+  On the CPU the compute thread finishes its batch itself (nothing is asynchronous there).
 
-So one batch is assembled while another computes. Both threads release the GIL inside torch and
-numpy; the event loop is touched once per finished batch (``call_soon_threadsafe``), which
-resolves the requests' futures. A model exception fails only its batch.
+With ``max_inflight_batches`` 1 a single thread does all of it, one batch at a time. The event
+loop is touched once per finished batch (``call_soon_threadsafe``). A model exception fails
+only its batch.
+
+With ``execution_timeout_ms`` each batch's run goes through a ``TimedRunner``
+(``batcher/watchdog.py``): a batch that overruns fails, and since the abandoned call may still
+read its slot's buffers, that slot is retired and the instance goes on with fresh buffers
+(allocated outside the pool; at most ``watchdog.MAX_ABANDONED`` times before the instance is
+declared dead). A model that raises a ``BaseException`` (SystemExit...) or an executor thread
+that fails kills the instance (``on_dead``): its queued batches fail with UNAVAILABLE.
+
+Out of memory: a batch whose forward raises ``torch.OutOfMemoryError`` is split in halves, each
+run again (recursively); the model's largest bucket is lowered below the size that failed, so
+later batches run in pieces no larger than that; every request is still answered. Only a
+single sample that does not fit fails, with RESOURCE_EXHAUSTED.
+
+Models whose inputs have variable dims or are BYTES cannot have fixed buffers: their batches
+are concatenated on the host and copied to the device as they are (no padding, no graphs).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue as queue_module
 import threading
 import time
@@ -25,89 +50,110 @@ import numpy as np
 import structlog
 import torch
 
-from batcher.errors import ModelExecutionError
+from batcher import graphs as cuda_graphs
+from batcher import precision as precisions
+from batcher.buckets import BatchBuckets
+from batcher.device_share import DeviceTurns
+from batcher.errors import (
+    BatchgateError,
+    ModelExecutionError,
+    ModelUnavailable,
+    ResourceExhausted,
+)
 from batcher.request import InferenceRequest
 from batcher.spec import ModelSpec, TensorSpec
+from batcher.staging import InputStager, Staged
+from batcher.tensors import TORCH_DTYPES, host_array, to_numpy, to_torch
+from batcher.watchdog import ExecutionTimeout, TimedRunner, TooManyHungCalls
 
 log = structlog.get_logger(__name__)
-
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "UINT8": torch.uint8,
-    "UINT16": torch.uint16,
-    "UINT32": torch.uint32,
-    "UINT64": torch.uint64,
-    "INT8": torch.int8,
-    "INT16": torch.int16,
-    "INT32": torch.int32,
-    "INT64": torch.int64,
-    "FP16": torch.float16,
-    "FP32": torch.float32,
-    "FP64": torch.float64,
-    "BF16": torch.bfloat16,
-}
-AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 _interop_lock = threading.Lock()
 _interop_set = False
 
 
-def to_torch(array: np.ndarray, datatype: str) -> torch.Tensor:
-    """A tensor sharing ``array``'s memory (BF16 arrives as uint16 raw bits).
+class Slot:
+    """One batch in flight: the input buffers a batch's requests are gathered into."""
 
-    BYTES inputs stay numpy object arrays: torch has no string tensor, so a model that declares
-    them (a Python ``model.py``) receives the array itself.
-    """
-    if datatype == "BYTES":
-        return array
-    if datatype == "BF16":
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
+    __slots__ = ("index", "inputs", "host")
+
+    def __init__(self, index: int, inputs: Sequence[torch.Tensor]) -> None:
+        self.index = index
+        self.inputs = tuple(inputs)  # () when the model's inputs cannot have fixed buffers
+        # On the CPU, numpy views of the buffers: np.copyto takes read-only sources as they are.
+        cpu = all(t.device.type == "cpu" for t in self.inputs)
+        self.host = [host_array(t) for t in self.inputs] if cpu else None
 
 
-def to_numpy(tensor: torch.Tensor, datatype: str) -> np.ndarray:
-    """Host array of ``tensor`` converted to ``datatype``; no copy when it already fits."""
-    want = TORCH_DTYPES[datatype]
-    if tensor.dtype != want:
-        tensor = tensor.to(want)
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    if not tensor.is_contiguous():
-        tensor = tensor.contiguous()
-    if datatype == "BF16":
-        return tensor.view(torch.int16).numpy().view(np.uint16)
-    return tensor.numpy()
+@dataclasses.dataclass
+class ExecutorPlan:
+    """What one instance runs with, set up by its ``ServedModel`` at load."""
+
+    slots: list[Slot]
+    buckets: BatchBuckets
+    stager: InputStager | None = None
+    # Per bucket: a CUDA graph's fixed input and output buffers (None: no graphs).
+    graph_buffers: tuple[dict[int, tuple[torch.Tensor, ...]],
+                         dict[int, tuple[torch.Tensor, ...]]] | None = None
+    # Storages of the buffers above: an output that aliases one is copied before it leaves.
+    owned_storage: frozenset[int] = frozenset()
+    on_oom: Callable[[int, int], None] | None = None  # (rows that failed, new largest)
+    on_copies: Callable[[int, int], None] | None = None  # (staged when queued, copied at batch)
+    after_batch: Callable[[], None] | None = None
+
+
+def default_plan(spec: ModelSpec) -> ExecutorPlan:
+    """Slots without buffers and no padding: the host-concatenation path."""
+    slots = [Slot(i, ()) for i in range(spec.batching.max_inflight_batches)]
+    return ExecutorPlan(slots, BatchBuckets((), spec.batching.max_batch_size))
 
 
 class Batch:
-    __slots__ = ("id", "requests", "reason", "samples", "tensors", "ready", "taken_at",
-                 "input_ns")
+    __slots__ = ("id", "requests", "reason", "samples", "bucket", "slot", "tensors", "ready",
+                 "done", "staged", "graph", "taken_at", "input_ns")
 
     def __init__(self, batch_id: int, requests: list[InferenceRequest], reason: str) -> None:
         self.id = batch_id
         self.requests = requests
         self.reason = reason
         self.samples = sum(r.batch_size for r in requests)
+        self.bucket = self.samples  # rows the model runs at (padding included)
+        self.slot: Slot | None = None
         self.tensors: list[Any] = []
         self.ready: Any = None  # CUDA event: inputs are on the device
+        self.done: Any = None  # CUDA event: outputs are in host memory
+        self.staged: list[Staged] = []
+        self.graph = False  # runs as a captured CUDA graph
         self.taken_at = time.monotonic()
         self.input_ns = 0
 
 
 class Outcome:
-    """What the compute thread hands back to the event loop for one batch."""
+    """What the compute thread hands back to the event loop for one batch.
 
-    __slots__ = ("batch", "results", "error")
+    ``inputs_in_use``: a call that timed out may still read the batch's inputs, so they are not
+    released with the answers; a second, ``release_only`` outcome follows if the call returns.
+    """
+
+    __slots__ = ("batch", "results", "error", "inputs_in_use", "release_only")
 
     def __init__(self, batch: Batch, results: list[dict[str, np.ndarray]] | None,
-                 error: Exception | None) -> None:
+                 error: Exception | None, *, inputs_in_use: bool = False,
+                 release_only: bool = False) -> None:
         self.batch = batch
         self.results = results
         self.error = error
+        self.inputs_in_use = inputs_in_use
+        self.release_only = release_only
+
+
+class InstanceDead(Exception):
+    """The instance cannot run batches any more (the model raised a BaseException such as
+    SystemExit, too many calls hung, or the executor's own code failed)."""
 
 
 class Executor:
-    """One model instance: an assembler thread and a compute thread."""
+    """One model instance: its slots, streams and threads."""
 
     def __init__(
         self,
@@ -121,7 +167,9 @@ class Executor:
         on_batch: Callable[[Batch, int, int], None],
         batch_ids: Callable[[], int],
         on_inflight: Callable[[int], None] | None = None,
-        turn: Callable[[], contextlib.AbstractContextManager] | None = None,
+        on_dead: Callable[[str], None] | None = None,
+        plan: ExecutorPlan | None = None,
+        turns: DeviceTurns | None = None,
     ) -> None:
         self._spec = spec
         self._module = module
@@ -135,51 +183,144 @@ class Executor:
         self._batch_ids = batch_ids
         self._on_inflight = on_inflight
         # The device's weighted turns (batcher/device_share.py), when the model takes part.
-        self._turn = turn
+        self._turns = turns
+        self._plan = plan if plan is not None else default_plan(spec)
+        self._buckets = self._plan.buckets
+        self._stager = self._plan.stager
+        self._pooled = bool(self._plan.slots[0].inputs)
         self._device = torch.device(spec.device)
         self._cuda = self._device.type == "cuda"
         self._batching = spec.batching.max_batch_size > 0
-        self._slots = threading.Semaphore(spec.batching.max_inflight_batches)
+        self._free_slots: queue_module.SimpleQueue[Slot] = queue_module.SimpleQueue()
+        for slot in self._plan.slots:
+            self._free_slots.put(slot)
+        self._pipelined = len(self._plan.slots) > 1
         self._running_lock = threading.Lock()
         self._handoff: queue_module.SimpleQueue[Batch | None] = queue_module.SimpleQueue()
+        self._finishing: queue_module.SimpleQueue[tuple | None] = queue_module.SimpleQueue()
         self._copy_stream = torch.cuda.Stream(self._device) if self._cuda else None
         self._compute_stream = torch.cuda.Stream(self._device) if self._cuda else None
         self._input_types = [t.datatype for t in spec.inputs]
         self._output_specs: Sequence[TensorSpec] = spec.outputs
-        self._autocast = AUTOCAST_DTYPES.get(spec.precision)
+        self._graphs: cuda_graphs.BucketGraphs | None = None
+        self._warming = False
+        # Storages of our buffers, for the alias check; grows when a slot is replaced.
+        self._owned_storage = set(self._plan.owned_storage)
         self._threads: list[threading.Thread] = []
         self.alive = threading.Event()
+        self._on_dead = on_dead
+        self._dead = False  # set under _running_lock: no batch is handed over after it
+        timeout_ms = spec.execution_timeout_ms
+        self._runner = (
+            TimedRunner(f"{spec.name}-{index}", timeout_ms / 1e3, self._configure_thread)
+            if timeout_ms else None
+        )
+
+    @property
+    def graph_buckets(self) -> tuple[int, ...]:
+        return self._graphs.buckets if self._graphs is not None else ()
+
+    @property
+    def hung_calls(self) -> int:
+        """Timed-out calls that have not returned: they may still use the model's buffers."""
+        return self._runner.hung if self._runner is not None else 0
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def warm_up(self, samples: Sequence[Sequence[np.ndarray]]) -> None:
-        """Run the model on each input set, on a thread configured like the compute thread."""
+    def warm_up(self, samples: Sequence[Sequence[np.ndarray]]) -> dict[str, Any]:
+        """Run each input set through the batch path (slot buffers, padding, precision), on a
+        thread configured like the compute thread; then capture the CUDA graphs, if planned.
+
+        Returns ``batch_sizes`` (rows each run had, padding included), ``activation_bytes``
+        (CUDA: the most the largest run allocated beyond what was live before, else None),
+        ``graphs`` (what became of the CUDA graphs, "" when none were planned) and ``timed``
+        ((rows, seconds) of a second run per batch size). Raises what a run raised; out of
+        memory is not split here: a model that does not fit must not load.
+        """
+        report: dict[str, Any] = {"batch_sizes": [], "activation_bytes": None, "graphs": "",
+                                  "timed": []}
         failure: list[BaseException] = []
 
         def run() -> None:
             self._configure_thread()
+            self._warming = True
             try:
                 for arrays in samples:
-                    tensors = [to_torch(a.copy(), t) for a, t in zip(arrays, self._input_types)]
-                    rows = arrays[0].shape[0] if self._batching else 1
-                    moved, ready = self._to_device(tensors)
-                    if ready is not None:
-                        ready.synchronize()
-                    self._forward(moved, rows)
+                    report["batch_sizes"].append(self._warm_one(arrays, report))
+                if self._plan.graph_buffers is not None:
+                    report["graphs"] = self._capture_graphs()
                 if self._cuda:
                     torch.cuda.synchronize(self._device)
+                report["timed"] = self._timed_runs(samples, report)
             except BaseException as exc:  # reported to the loader below
                 failure.append(exc)
+            finally:
+                self._warming = False
 
         thread = threading.Thread(target=run, name=f"{self._spec.name}-warmup", daemon=True)
         thread.start()
         thread.join()
         if failure:
             raise failure[0]
+        return report
+
+    def _warm_one(self, arrays: Sequence[np.ndarray], report: dict[str, Any]) -> int:
+        rows = arrays[0].shape[0] if self._batching and arrays else 1
+        request = InferenceRequest([np.array(a) for a in arrays], batch_size=rows)
+        batch = Batch(0, [request], "warmup")
+        batch.slot = self._plan.slots[0]
+        measure = self._cuda and rows == self._spec.batching.max_batch_size
+        if measure:
+            torch.cuda.synchronize(self._device)
+            before = torch.cuda.memory_allocated(self._device)
+            torch.cuda.reset_peak_memory_stats(self._device)
+        self._assemble(batch)
+        self._launch(batch)
+        if batch.done is not None:
+            batch.done.synchronize()
+        if measure:
+            peak = torch.cuda.max_memory_allocated(self._device) - before
+            report["activation_bytes"] = max(peak, report["activation_bytes"] or 0)
+        return batch.bucket
+
+    def _timed_runs(self, samples: Sequence[Sequence[np.ndarray]], report: dict[str, Any]
+                    ) -> list[tuple[int, float]]:
+        """(rows, seconds) of a second, warm run per batch size (on its CUDA graph when one was
+        captured): what the model's latency profile starts from (batcher/profile.py)."""
+        timed, seen = [], set()
+        for arrays in samples:
+            rows = arrays[0].shape[0] if self._batching and arrays else 1
+            if rows in seen:
+                continue
+            seen.add(rows)
+            started = time.perf_counter()
+            self._warm_one(arrays, report)
+            timed.append((rows, time.perf_counter() - started))
+        return timed
+
+    def _capture_graphs(self) -> str:
+        static_inputs, static_outputs = self._plan.graph_buffers
+        graphs = cuda_graphs.BucketGraphs(
+            self._device, lambda inputs, capturing: self._forward(inputs, len(inputs[0]),
+                                                                  capturing=capturing),
+            static_inputs, static_outputs)
+        try:
+            graphs.capture()
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize(self._device)
+            reason = f"{type(exc).__name__}: {precisions._first_line(exc)}"
+            log.warning("cuda_graphs_failed", model=self._spec.name, instance=self._index,
+                        reason=reason, running="eager")
+            return f"eager: capture failed ({reason})"
+        self._graphs = graphs
+        log.info("cuda_graphs_captured", model=self._spec.name, instance=self._index,
+                 buckets=list(graphs.buckets))
+        return f"captured for buckets {','.join(map(str, graphs.buckets))}"
 
     def start(self) -> None:
         name = f"{self._spec.name}-{self._index}"
-        if self._spec.batching.max_inflight_batches == 1:
+        if not self._pipelined:
             # One batch at a time: forming, assembling and computing on one thread saves a
             # thread hand-off (and a GIL hand-off) per batch.
             self._threads = [
@@ -190,6 +331,9 @@ class Executor:
                 threading.Thread(target=self._assemble_loop, name=f"{name}-assemble", daemon=True),
                 threading.Thread(target=self._compute_loop, name=f"{name}-compute", daemon=True),
             ]
+            if self._cuda:
+                self._threads.append(threading.Thread(
+                    target=self._finish_loop, name=f"{name}-finish", daemon=True))
         self.alive.set()
         for thread in self._threads:
             thread.start()
@@ -201,9 +345,11 @@ class Executor:
             thread.join(left)
         return not any(t.is_alive() for t in self._threads)
 
-    # -- the two threads ---------------------------------------------------------------------
+    # -- the threads ---------------------------------------------------------------------------
 
     def _configure_thread(self) -> None:
+        if self._cuda:  # the current device is per thread too (events are made on it)
+            torch.cuda.set_device(self._device)
         # OpenMP's thread count is per calling thread: set it here, not on the main thread.
         if self._spec.intra_op_threads:
             torch.set_num_threads(self._spec.intra_op_threads)
@@ -219,18 +365,26 @@ class Executor:
                     _interop_set = True
 
     def _assemble_loop(self) -> None:
+        if self._cuda:
+            torch.cuda.set_device(self._device)
         try:
             while True:
-                self._slots.acquire()
+                slot = self._free_slots.get()
                 taken = self._next_batch(self._busy)
                 if taken is None:
                     break
-                batch = self._prepare(*taken)
+                batch = self._prepare(slot, *taken)
                 if batch is None:
                     continue
                 with self._running_lock:
-                    self._running += 1
-                self._handoff.put(batch)
+                    if not self._dead:
+                        self._running += 1
+                        self._handoff.put(batch)
+                        continue
+                self._finish(batch, None, self._dead_error())
+                break
+        except BaseException as exc:
+            self._die(f"its batching thread failed ({type(exc).__name__})", exc)
         finally:
             self._handoff.put(None)
 
@@ -238,24 +392,32 @@ class Executor:
         self._configure_thread()
         try:
             while True:
-                self._slots.acquire()
+                slot = self._free_slots.get()
                 taken = self._next_batch(None)
                 if taken is None:
                     break
-                batch = self._prepare(*taken)
+                batch = self._prepare(slot, *taken)
                 if batch is not None:
-                    self._compute_in_turn(batch)
+                    self._compute(batch)
+        except InstanceDead as exc:
+            self._die(str(exc), None)
+        except BaseException as exc:
+            self._die(f"its batching thread failed ({type(exc).__name__})", exc)
         finally:
             self.alive.clear()
+            if self._runner is not None:
+                self._runner.close()
 
-    def _prepare(self, requests: list[InferenceRequest], reason: str) -> Batch | None:
+    def _prepare(self, slot: Slot, requests: list[InferenceRequest], reason: str
+                 ) -> Batch | None:
         """The batch with its inputs assembled (on the device), or None if that failed."""
         batch = Batch(self._batch_ids(), requests, reason)
+        batch.slot = slot
         if self._on_inflight is not None:
             self._on_inflight(1)
         try:
             started = time.perf_counter_ns()
-            batch.tensors, batch.ready = self._assemble(requests)
+            self._assemble(batch)
             batch.input_ns = time.perf_counter_ns() - started
         except Exception as exc:
             log.exception("batch_assembly_failed", model=self._spec.name, batch=batch.id)
@@ -272,24 +434,111 @@ class Executor:
         self._configure_thread()
         try:
             while (batch := self._handoff.get()) is not None:
-                self._compute_in_turn(batch)
-                with self._running_lock:
-                    self._running -= 1
-                # The assembler may be holding back a partial batch until this one ended.
-                self._wake()
+                self._compute(batch)
+                if not self._cuda:
+                    self._retire()
+        except InstanceDead as exc:
+            self._die(str(exc), None)
+        except BaseException as exc:
+            self._die(f"its compute thread failed ({type(exc).__name__})", exc)
         finally:
+            self._finishing.put(None)
             self.alive.clear()
+            if self._runner is not None:
+                self._runner.close()
 
-    # -- one batch ---------------------------------------------------------------------------
+    def _finish_loop(self) -> None:
+        torch.cuda.set_device(self._device)
+        while (item := self._finishing.get()) is not None:
+            self._complete(*item)
+            self._retire()
 
-    def _compute_in_turn(self, batch: Batch) -> None:
-        if self._turn is None:
-            self._compute(batch)
+    def _retire(self) -> None:
+        with self._running_lock:
+            self._running -= 1
+        # The assembler may be holding back a partial batch until this one ended.
+        self._wake()
+
+    # -- when the instance dies ----------------------------------------------------------------
+
+    def _dead_error(self) -> ModelUnavailable:
+        return ModelUnavailable(f"model '{self._spec.name}' stopped serving; retry after it is "
+                                "loaded again")
+
+    def _die(self, reason: str, exc: BaseException | None) -> None:
+        """Stop taking batches, fail the ones handed over, and tell the model (once)."""
+        with self._running_lock:
+            if self._dead:
+                return
+            self._dead = True
+        self.alive.clear()
+        if exc is not None:
+            log.error("executor_failed", model=self._spec.name, instance=self._index,
+                      reason=reason, exc_info=exc)
+        else:
+            log.error("executor_failed", model=self._spec.name, instance=self._index,
+                      reason=reason)
+        while True:
+            try:
+                batch = self._handoff.get_nowait()
+            except queue_module.Empty:
+                break
+            if batch is None:
+                self._handoff.put(None)  # the assembler's end mark stays for the compute loop
+                break
+            self._finish(batch, None, self._dead_error())
+        if self._on_dead is not None:
+            self._on_dead(reason)
+
+    # -- assembling one batch -----------------------------------------------------------------
+
+    def _assemble(self, batch: Batch) -> None:
+        if not self._pooled:
+            self._concatenate(batch)
             return
-        with self._turn():
-            self._compute(batch)
+        rows = batch.samples
+        batch.bucket = self._buckets.pad(rows) if self._batching else 1
+        stream = torch.cuda.stream(self._copy_stream) if self._cuda else contextlib.nullcontext()
+        with stream:
+            self._gather(batch)
+            if batch.bucket > rows:
+                for buffer in batch.slot.inputs:
+                    buffer[rows:batch.bucket].zero_()
+            if self._cuda:
+                batch.ready = torch.cuda.Event()
+                batch.ready.record(self._copy_stream)
+        inputs = batch.slot.inputs
+        batch.tensors = [b[:batch.bucket] for b in inputs] if self._batching else list(inputs)
+        batch.graph = (self._graphs is not None and batch.bucket in self._graphs.buckets
+                       and rows <= self._buckets.largest)
 
-    def _assemble(self, requests: list[InferenceRequest]) -> tuple[list[Any], Any]:
+    def _gather(self, batch: Batch) -> None:
+        """Each request's rows into the slot's buffers, from its staged blocks if it has them."""
+        slot, offset, staged_count = batch.slot, 0, 0
+        for request in batch.requests:
+            rows = request.batch_size
+            where = slice(offset, offset + rows) if self._batching else slice(None)
+            staged = self._stager.claim(request) if self._stager is not None else None
+            if staged is not None:
+                batch.staged.append(staged)
+                staged_count += 1
+                if staged.ready is not None:
+                    self._copy_stream.wait_event(staged.ready)
+                for buffer, block in zip(slot.inputs, staged.blocks):
+                    buffer[where].copy_(block.tensor, non_blocking=self._cuda)
+            elif slot.host is not None:
+                for target, array in zip(slot.host, request.inputs):
+                    np.copyto(target[where], array)
+            else:
+                for buffer, array, datatype in zip(slot.inputs, request.inputs,
+                                                   self._input_types):
+                    buffer[where].copy_(to_torch(array, datatype), non_blocking=True)
+            offset += rows
+        if self._plan.on_copies is not None and batch.id:  # id 0: a warm-up run
+            self._plan.on_copies(staged_count, len(batch.requests) - staged_count)
+
+    def _concatenate(self, batch: Batch) -> None:
+        requests = batch.requests
         if len(requests) == 1:
             # Decoded inputs are read-only views of the request's bytes; a model may write to
             # its inputs, so it gets its own copy (concatenation makes one anyway).
@@ -300,71 +549,221 @@ class Executor:
                 for i in range(len(self._input_types))
             ]
         tensors = [to_torch(a, t) for a, t in zip(arrays, self._input_types)]
-        return self._to_device(tensors)
-
-    def _to_device(self, tensors: list[Any]) -> tuple[list[Any], Any]:
-        """Start the host-to-device copies on the copy stream; the event marks their end."""
         if not self._cuda:
-            return tensors, None
+            batch.tensors = tensors
+            return
         with torch.cuda.stream(self._copy_stream):
-            moved = [
+            batch.tensors = [
                 t.to(self._device, non_blocking=True) if isinstance(t, torch.Tensor) else t
                 for t in tensors
             ]
-            ready = torch.cuda.Event()
-            ready.record()
-        return moved, ready
+            batch.ready = torch.cuda.Event()
+            batch.ready.record()
 
-    def _forward(self, tensors: list[Any], rows: int) -> list[torch.Tensor]:
-        autocast = (
-            torch.autocast(self._device.type, dtype=self._autocast)
-            if self._autocast is not None
-            else contextlib.nullcontext()
-        )
-        with torch.inference_mode(), autocast:
-            returned = self._module(*tensors)
-        return self._outputs_of(returned, rows)
+    # -- computing one batch ------------------------------------------------------------------
 
     def _compute(self, batch: Batch) -> None:
         spec = self._spec
+        if self._turns is not None:
+            self._turns.begin(batch.id)  # ended in _finish, when the batch has completed
         started = time.perf_counter_ns()
+        finisher = self._cuda and self._pipelined
         try:
-            if self._cuda:
-                self._compute_stream.wait_event(batch.ready)
-                with torch.cuda.stream(self._compute_stream):
-                    for t in batch.tensors:
-                        t.record_stream(self._compute_stream)
-                    outputs = self._forward(batch.tensors, batch.samples)
+            if self._runner is None:
+                outputs = self._launch(batch)
             else:
-                outputs = self._forward(batch.tensors, batch.samples)
+                outputs = self._runner.run(self._launch, batch,
+                                           on_late=lambda: self._release_late(batch))
             infer_done = time.perf_counter_ns()
-            host = [to_numpy(t, o.datatype) for t, o in zip(outputs, self._output_specs)]
-            results = self._split(batch.requests, host)
-        except ModelExecutionError as exc:
+        except ExecutionTimeout:
+            log.error("batch_timed_out", model=spec.name, batch=batch.id, size=batch.samples,
+                      execution_timeout_ms=spec.execution_timeout_ms,
+                      requests=[r.id for r in batch.requests])
+            self._finish(batch, None, ModelExecutionError(
+                f"model '{spec.name}' did not finish a batch of {batch.samples} within "
+                f"execution_timeout_ms={spec.execution_timeout_ms}; the batch failed and the "
+                "instance continues on a fresh thread"), inputs_in_use=True)
+            if finisher:
+                self._retire()
+            return
+        except TooManyHungCalls as exc:
+            self._finish(batch, None, self._dead_error(), inputs_in_use=True)
+            raise InstanceDead(f"{exc} (execution_timeout_ms="
+                               f"{spec.execution_timeout_ms})") from None
+        except BatchgateError as exc:
             log.error("batch_failed", model=spec.name, batch=batch.id, error=str(exc),
                       requests=[r.id for r in batch.requests])
-            self._finish(batch, None, exc)
-            return
+            error: Exception = exc
         except Exception as exc:
             log.exception("model_raised", model=spec.name, batch=batch.id, size=batch.samples,
                           requests=[r.id for r in batch.requests])
+            error = ModelExecutionError(
+                f"model '{spec.name}' raised {type(exc).__name__} while running a batch of "
+                f"{batch.samples}; the server log has the details")
+        except BaseException as exc:  # SystemExit, KeyboardInterrupt...: this instance is done
             self._finish(batch, None, ModelExecutionError(
                 f"model '{spec.name}' raised {type(exc).__name__} while running a batch of "
-                f"{batch.samples}; the server log has the details"))
+                f"{batch.samples} and stopped serving; the server log has the details"))
+            raise InstanceDead(f"the model raised {type(exc).__name__}") from exc
+        else:
+            if finisher:
+                self._finishing.put((batch, outputs, started, infer_done))
+            else:
+                self._complete(batch, outputs, started, infer_done)
+            return
+        self._fail(batch, error)
+        if finisher:  # this batch never reaches the finisher, which retires the others
+            self._retire()
+
+    def _launch(self, batch: Batch) -> list[torch.Tensor]:
+        """Run the batch; host tensors of its outputs, padding rows dropped. On a GPU their
+        copies are still under way: they are valid once ``batch.done`` has completed."""
+        if not self._cuda:
+            return [self._owned(t) for t in self._run(batch)]
+        stream = self._graphs.shared.replay_stream if batch.graph else self._compute_stream
+        with torch.cuda.stream(stream):
+            if batch.ready is not None:
+                stream.wait_event(batch.ready)
+            if not self._pooled:
+                for t in batch.tensors:  # allocated on the copy stream, used on this one
+                    if isinstance(t, torch.Tensor):
+                        t.record_stream(stream)
+            outputs = self._run(batch)
+            host = []
+            for tensor, spec in zip(outputs, self._output_specs):
+                pinned = torch.empty(tensor.shape, dtype=TORCH_DTYPES[spec.datatype],
+                                     pin_memory=True)
+                pinned.copy_(tensor, non_blocking=True)
+                host.append(pinned)
+            batch.done = torch.cuda.Event()
+            batch.done.record(stream)
+        return host
+
+    def _run(self, batch: Batch) -> list[torch.Tensor]:
+        rows = batch.samples
+        if batch.graph:
+            outputs = self._graphs.replay(batch.bucket, batch.tensors)
+            return [t[:rows] for t in outputs]
+        if not self._batching:
+            return self._forward(batch.tensors, rows)
+        return self._eager(batch.tensors, rows)
+
+    def _eager(self, tensors: Sequence[Any], rows: int) -> list[torch.Tensor]:
+        """Outputs of the first ``rows`` rows of ``tensors`` (which may hold padding after
+        them), split into pieces when ``rows`` is over the largest bucket or runs out of memory."""
+        largest = self._buckets.largest
+        if rows > largest:
+            return self._in_pieces(tensors, rows, largest)
+        running = tensors[0].shape[0] if self._pooled else rows
+        try:
+            outputs = self._forward(tensors, running)
+        except torch.OutOfMemoryError:
+            if self._warming:
+                raise
+            if rows == 1:
+                raise ResourceExhausted(
+                    f"model '{self._spec.name}' ran out of device memory on a single sample"
+                ) from None
+            largest = self._buckets.lower(running)
+            log.warning("batch_out_of_memory", model=self._spec.name, rows=running,
+                        largest_bucket=largest, retrying_in=2)
+            if self._plan.on_oom is not None:
+                self._plan.on_oom(running, largest)
+            return self._in_pieces(tensors, rows, min(largest, -(-rows // 2)))
+        return [t[:rows] for t in outputs] if running != rows else outputs
+
+    def _in_pieces(self, tensors: Sequence[Any], rows: int, size: int) -> list[torch.Tensor]:
+        parts = [self._eager([t[start:min(start + size, rows)] for t in tensors],
+                             min(size, rows - start))
+                 for start in range(0, rows, size)]
+        return [torch.cat(column) for column in zip(*parts)]
+
+    def _forward(self, tensors: Sequence[Any], rows: int, *, capturing: bool = False
+                 ) -> list[torch.Tensor]:
+        precision = self._spec.precision
+        inputs = precisions.cast_inputs(tensors, precision)
+        with torch.inference_mode(), precisions.autocast(precision, self._device.type,
+                                                         capturing=capturing):
+            returned = self._module(*inputs)
+        return self._outputs_of(returned, rows)
+
+    def _owned(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, copied if it is a view of our buffers (a model that returns its input,
+        or a view of it): the slot is reused while the answer is still being sent."""
+        if tensor.untyped_storage().data_ptr() in self._owned_storage:
+            return tensor.clone()
+        return tensor
+
+    def _complete(self, batch: Batch, outputs: list[torch.Tensor], started: int,
+                  infer_done: int) -> None:
+        try:
+            if batch.done is not None:
+                batch.done.synchronize()
+                infer_done = time.perf_counter_ns()
+            host = [to_numpy(t, o.datatype) for t, o in zip(outputs, self._output_specs)]
+            results = self._split(batch.requests, host)
+        except Exception as exc:
+            log.exception("batch_outputs_failed", model=self._spec.name, batch=batch.id)
+            self._fail(batch, ModelExecutionError(
+                f"model '{self._spec.name}': its outputs could not be read back "
+                f"({type(exc).__name__}); the server log has the details"))
             return
         done = time.perf_counter_ns()
-        log.debug("batch_done", model=spec.name, batch=batch.id, size=batch.samples,
-                  reason=batch.reason, infer_ms=(infer_done - started) / 1e6)
+        log.debug("batch_done", model=self._spec.name, batch=batch.id, size=batch.samples,
+                  bucket=batch.bucket, graph=batch.graph, reason=batch.reason,
+                  infer_ms=(infer_done - started) / 1e6)
         self._on_batch(batch, infer_done - started, done - infer_done)
         self._finish(batch, results, None)
 
+    def _fail(self, batch: Batch, error: Exception) -> None:
+        if self._cuda:
+            # The failed forward may have left copies or kernels reading the slot's buffers:
+            # they must end before the slot and the staged blocks are reused.
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize(self._device)
+        self._finish(batch, None, error)
+
     def _finish(self, batch: Batch, results: list[dict[str, np.ndarray]] | None,
-                error: Exception | None) -> None:
+                error: Exception | None, *, inputs_in_use: bool = False) -> None:
         batch.tensors = []
-        self._slots.release()
+        if inputs_in_use:
+            self._replace_slot(batch.slot)
+        else:
+            self._recycle(batch)
         if self._on_inflight is not None:
             self._on_inflight(-1)
-        self._deliver(Outcome(batch, results, error))
+        if self._turns is not None:  # after the count: the share asks whether more work waits
+            self._turns.end(batch.id)
+        if self._plan.after_batch is not None:
+            self._plan.after_batch()
+        self._deliver(Outcome(batch, results, error, inputs_in_use=inputs_in_use))
+
+    def _recycle(self, batch: Batch) -> None:
+        """The batch's staged blocks and slot go back: nothing reads them any more."""
+        if batch.staged:
+            self._stager.release(batch.staged)
+            batch.staged = []
+        self._free_slots.put(batch.slot)
+
+    def _replace_slot(self, slot: Slot) -> None:
+        """A call that timed out may still read ``slot``'s buffers: they stay with it (the
+        model's plan keeps them until unload) and the instance goes on with fresh ones, made
+        outside the pool (bounded by the runner's limit on hung calls)."""
+        fresh = Slot(slot.index, [torch.empty_like(t) for t in slot.inputs])
+        self._owned_storage.update(t.untyped_storage().data_ptr() for t in fresh.inputs)
+        log.warning("batch_buffers_replaced", model=self._spec.name, instance=self._index,
+                    slot=slot.index, bytes=sum(t.nbytes for t in fresh.inputs))
+        self._free_slots.put(fresh)
+
+    def _release_late(self, batch: Batch) -> None:
+        """A timed-out call returned (on its abandoned runner): its inputs are free now."""
+        if self._cuda:
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize(self._device)
+        if batch.staged:
+            self._stager.release(batch.staged)
+            batch.staged = []
+        self._deliver(Outcome(batch, None, None, release_only=True))
 
     def _outputs_of(self, returned: Any, rows: int) -> list[torch.Tensor]:
         specs = self._output_specs

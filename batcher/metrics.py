@@ -31,6 +31,8 @@ SLACK_BUCKETS = (
     -1.0, -0.1, -0.025, -0.005, 0.0, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
     0.5, 1.0, 2.5, 5.0, 10.0,
 )
+# When a request's inputs were copied into its model's pooled buffers (spec.INPUT_STAGING).
+INPUT_COPY_TIMES = ("queued", "batch")
 
 
 class BatcherMetrics:
@@ -72,6 +74,12 @@ class BatcherMetrics:
             "batchgate_request_failures", "Requests that got no result, by reason.",
             ["model", "reason"], registry=r,
         )
+        self._gpu_path_metrics(r)
+        self._deadline_metrics(r)
+
+    def _deadline_metrics(self, r: CollectorRegistry) -> None:
+        # Deadlines and SLOs (batcher/queue.py's deadline policy, batcher/admission.py) and the
+        # devices' weighted turns (batcher/device_share.py).
         self.slo_requests = Counter(
             "batchgate_slo_requests",
             "Requests with a deadline or SLO, by whether they were answered OK in time.",
@@ -86,6 +94,59 @@ class BatcherMetrics:
             "batchgate_device_share_seconds",
             "Device time used in weighted turns (models with device_share_weight).",
             ["model", "device"], registry=r,
+        )
+
+    def _gpu_path_metrics(self, r: CollectorRegistry) -> None:
+        # The device memory pools (batcher/memory.py): one per device, set by the executor
+        # process alone, so "livesum" is that process's value.
+        self.pool_bytes_reserved = Gauge(
+            "batchgate_pool_bytes_reserved", "Bytes the device memory pool reserved, by device.",
+            ["device"], registry=r, multiprocess_mode="livesum",
+        )
+        self.pool_bytes_in_use = Gauge(
+            "batchgate_pool_bytes_in_use", "Bytes allocated in the device memory pool.",
+            ["device"], registry=r, multiprocess_mode="livesum",
+        )
+        self.pool_largest_free_block = Gauge(
+            "batchgate_pool_largest_free_block_bytes",
+            "The largest allocation the device memory pool can satisfy now.",
+            ["device"], registry=r, multiprocess_mode="livesum",
+        )
+        self.pool_fallbacks = Counter(
+            "batchgate_pool_fallbacks",
+            "Allocations a permissive pool served outside its arena, by device.",
+            ["device"], registry=r,
+        )
+        self.model_pool_bytes_reserved = Gauge(
+            "batchgate_model_pool_bytes_reserved",
+            "Bytes of the device memory pool a model's admitted memory plan holds.",
+            ["model"], registry=r, multiprocess_mode="livesum",
+        )
+        self.model_pool_bytes_in_use = Gauge(
+            "batchgate_model_pool_bytes_in_use",
+            "Bytes of the device memory pool a model holds: its plan plus staged inputs.",
+            ["model"], registry=r, multiprocess_mode="livesum",
+        )
+        self.model_pool_fallbacks = Counter(
+            "batchgate_model_pool_fallbacks",
+            "A model's allocations served outside the pool's arena (permissive pool).",
+            ["model"], registry=r,
+        )
+        self.oom_events = Counter(
+            "batchgate_oom_events",
+            "Batches that ran out of device memory and were split and run again.",
+            ["model"], registry=r,
+        )
+        self.largest_bucket = Gauge(
+            "batchgate_model_largest_bucket",
+            "The largest batch a model runs in one piece (lowered after out-of-memory).",
+            ["model"], registry=r, multiprocess_mode="livesum",
+        )
+        self.input_copies = Counter(
+            "batchgate_input_copies",
+            "Requests whose inputs were copied into pooled buffers, by when: as soon as queued "
+            "or when their batch was assembled.",
+            ["model", "when"], registry=r,
         )
 
     def for_model(self, model: str) -> ModelMetrics:
@@ -108,6 +169,13 @@ class ModelMetrics:
         self.deadline_slack_seconds = metrics.deadline_slack_seconds.labels(model)
         self._device_share_seconds = metrics.device_share_seconds
         self._model = model
+        self.pool_bytes_reserved = metrics.model_pool_bytes_reserved.labels(model)
+        self.pool_bytes_in_use = metrics.model_pool_bytes_in_use.labels(model)
+        self.pool_fallbacks = metrics.model_pool_fallbacks.labels(model)
+        self.oom_events = metrics.oom_events.labels(model)
+        self.largest_bucket = metrics.largest_bucket.labels(model)
+        self.input_copies = {when: metrics.input_copies.labels(model, when)
+                             for when in INPUT_COPY_TIMES}
 
     def device_share_seconds(self, device: str):
         return self._device_share_seconds.labels(self._model, device)

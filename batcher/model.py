@@ -1,19 +1,34 @@
 """ServedModel: one loaded model version, its queue, its executors, its statistics.
 
-The event loop calls ``infer``; everything blocking (warm-up, draining) happens in ``start`` and
-``stop``, which the caller runs off the loop. Each request gets one future, resolved only
-through guarded helpers (never twice), and removed from the queue in ``finally`` when its
-caller goes away or its deadline passes, so nothing leaks and no dead request reaches a batch.
+The event loop calls ``infer``; everything blocking (loading steps, draining) happens in
+``start`` and ``stop``, which the caller runs off the loop. Each request gets one future,
+resolved only through guarded helpers (never twice), and removed from the queue in ``finally``
+when its caller goes away or its deadline passes, so nothing leaks and no dead request reaches
+a batch.
 
-Around the queue: a latency profile (seeded at warm-up, fed by every batch) that admission
-control and the deadline policy predict from; the device's weighted turns when the model sets
-``device_share_weight``; and every request that gets no result counted once, under its reason.
+``start`` loads in this order, and the model answers only once all of it is done:
+
+1. the precision check (``batcher/precision.py``): the model in its precision against fp32 on
+   seeded inputs; fp16 weights are converted here;
+2. the memory plan (``batcher/pool.py``): per instance, an input buffer per batch in flight and,
+   with CUDA graphs, each bucket's fixed buffers, admitted into the device's pool all or
+   nothing, else ``ResourceExhausted`` naming the bytes needed and free;
+3. warm-up through the real batch path at every batch bucket (and the config's
+   ``model_warmup`` samples), then the CUDA graphs' capture;
+4. the input stager (``input_staging`` queue) and the executor threads.
+
+What it found goes to ``load_report``, which the server shows in the model's config parameters.
+``stop`` gives the plan's memory back to the pool.
+
+Around the queue: a latency profile (seeded by a timed warm run per batch size, fed by every
+batch) that admission control and the deadline policy predict from; the device's weighted turns
+when the model sets ``device_share_weight``; and every request that gets no result counted once,
+under its reason.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import math
 import threading
@@ -23,9 +38,13 @@ from typing import Any
 
 import numpy as np
 import structlog
+import torch
 
+from batcher import graphs as cuda_graphs
+from batcher import precision as precisions
 from batcher.admission import Admission
-from batcher.device_share import DeviceShare, ShareMember, share_for
+from batcher.buckets import BatchBuckets
+from batcher.device_share import DeviceTurns, share_for
 from batcher.errors import (
     AdmissionRefused,
     DeadlineExceeded,
@@ -35,19 +54,34 @@ from batcher.errors import (
     ModelUnavailable,
     QueueFull,
     RequestCancelled,
+    ResourceExhausted,
 )
-from batcher.executor import Batch, Executor, Outcome
+from batcher.executor import (
+    TORCH_DTYPES,
+    Batch,
+    Executor,
+    ExecutorPlan,
+    Outcome,
+    Slot,
+    to_torch,
+)
+from batcher.memory import DevicePools
 from batcher.metrics import BatcherMetrics, ModelMetrics
+from batcher.pool import DevicePool, ModelReservation, model_plan, unpooled_reservation
 from batcher.profile import LatencyProfile
 from batcher.queue import ModelQueue, scheduling_deadline
 from batcher.request import DONE, InferenceRequest
 from batcher.spec import ModelSpec
+from batcher.staging import Block, InputStager
 from batcher.stats import ModelStats
 
 log = structlog.get_logger(__name__)
 
 _batch_ids = itertools.count(1)
 _batch_ids_lock = threading.Lock()
+_reservation_ids = itertools.count(1)
+# Staged inputs a model may hold in its pool, in batches' worth beyond those in flight.
+STAGING_BATCHES = 2
 
 
 def _next_batch_id() -> int:
@@ -68,16 +102,33 @@ class ServedModel:
         *,
         metrics: BatcherMetrics | None = None,
         warmup_inputs: list[list[np.ndarray]] | None = None,
+        pools: DevicePools | None = None,
+        on_failed: Callable[[str], None] | None = None,
         profile: LatencyProfile | None = None,
     ) -> None:
+        """``pools``: the server's device memory pools; without them (tests, benchmarks) the
+        model's buffers are plain tensors. ``on_failed(reason)``: an instance stopped for good
+        (called from its thread). ``profile``: batch times to start from (tests), instead of
+        those measured at warm-up."""
         self._spec = spec
+        self._on_failed = on_failed
+        self._failed = False
+        self._failed_lock = threading.Lock()
         self._module = module
         self._metrics: ModelMetrics | None = metrics.for_model(spec.name) if metrics else None
         self._warmup_inputs = warmup_inputs
+        self._pools = pools
         self.stats = ModelStats()
+        # Fixed buffers (and so padding, staging, graphs) need fixed, numeric inputs.
+        self._pooled = all(t.fixed() and t.datatype != "BYTES" for t in spec.inputs)
+        self._buckets = BatchBuckets(spec.buckets if self._pooled else (),
+                                     spec.batching.max_batch_size)
         batching = spec.batching
-        # Batch times per batch size: seeded at warm-up, updated by every batch.
-        self.profile = profile if profile is not None else LatencyProfile(batching.max_batch_size)
+        # Batch times per batch size: seeded at warm-up, updated by every batch. A model that
+        # pads to buckets takes a bucket's time for any batch in it.
+        self._profile_given = profile is not None
+        self.profile = profile if profile is not None else LatencyProfile(
+            batching.max_batch_size, buckets=self._buckets.buckets or None)
         self._slo_s = batching.slo_s
         self._queue = ModelQueue(
             batching,
@@ -89,17 +140,11 @@ class ServedModel:
                       instances=spec.instance_count, include_own=batching.policy == "deadline")
             if batching.admission else None
         )
-        self._share: DeviceShare | None = None
-        self._share_member: ShareMember | None = None
-        self._executors = [
-            Executor(
-                spec, module, index=i, next_batch=self._queue.next_batch, wake=self._queue.wake,
-                deliver=self._post, on_batch=self._record_batch, batch_ids=_next_batch_id,
-                on_inflight=self._on_inflight,
-                turn=self._device_turn if batching.device_share_weight else None,
-            )
-            for i in range(spec.instance_count)
-        ]
+        self._turns = DeviceTurns(share_for(spec.device)) if batching.device_share_weight else None
+        self._executors: list[Executor] = []
+        self._reservations: list[tuple[DevicePool | None, ModelReservation]] = []
+        self._stager: InputStager | None = None
+        self.load_report: dict[str, str] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._accepting = False
         self._inflight = 0
@@ -124,43 +169,206 @@ class ServedModel:
     # -- lifecycle (blocking; run off the event loop) ------------------------------------------
 
     def start(self) -> None:
-        """Warm up every instance, then start serving. Raises LoadError if warm-up fails."""
-        if self._spec.warmup:
-            inputs = self._warmup_inputs if self._warmup_inputs is not None else default_warmup(self._spec)
-            for executor in self._executors:
-                try:
-                    executor.warm_up(inputs)
-                except Exception as exc:
-                    log.exception("warmup_failed", model=self._spec.name)
-                    raise LoadError(
-                        f"model '{self._spec.name}' failed its warm-up "
-                        f"({type(exc).__name__}); the server log has the details"
-                    ) from exc
-            self._profile_warm(inputs)
-        batching = self._spec.batching
-        if batching.device_share_weight:
-            self._share = share_for(self._spec.device)
-            self._share_member = self._share.join(
-                f"{self._spec.name}:{self._spec.version}", batching.device_share_weight,
-                backlog=self._backlog,
-                on_charge=(self._metrics.device_share_seconds(self._spec.device).inc
-                           if self._metrics else None),
-            )
+        """Load (see the module docstring), then start serving. Raises LoadError, or
+        ResourceExhausted when the model does not fit its device's memory pool."""
+        spec = self._spec
+        check_inputs = precisions.seeded_inputs(spec)
+        if check_inputs is None and self._warmup_inputs:
+            check_inputs = self._warmup_inputs[0]
+        # warmup false: the model must not run before it is ready, so neither does the check.
+        skipped = None if spec.warmup else "the warmup parameter is false"
+        self._module, checked = precisions.check(
+            spec, self._module, None if skipped else check_inputs, self._run_once, skipped)
+        graph_buckets, graphs_status = self._graph_plan()
+        self._reserve(graph_buckets)
+        self._executors = [self._executor(i, reservation)
+                           for i, (_, reservation) in enumerate(self._reservations)]
+        warm = self._warm_up()
+        if graph_buckets:
+            graphs_status = warm["graphs"]
+        if not self._profile_given:
+            for rows, seconds in warm["timed"]:
+                self.profile.record(rows, seconds)
+        self.load_report = {
+            "precision_max_relative_error": checked.parameter(),
+            "cuda_graphs_status": graphs_status,
+            "memory_plan_bytes": str(sum(r.nbytes for _, r in self._reservations if r)),
+            "activation_bytes": ("not measured on the CPU" if warm["activation_bytes"] is None
+                                 else str(warm["activation_bytes"])),
+            "warmed_up_batch_sizes": ",".join(map(str, warm["batch_sizes"])) or "none",
+        }
+        if self._metrics is not None:
+            self._metrics.largest_bucket.set(self._buckets.largest)
+        if self._stager is not None:
+            self._stager.start()
+        if self._turns is not None:
+            on_charge = (self._metrics.device_share_seconds(spec.device).inc
+                         if self._metrics is not None else None)
+            self._turns.join(f"{spec.name}:{spec.version}", spec.batching.device_share_weight,
+                             backlog=self._backlog, on_charge=on_charge)
         for executor in self._executors:
             executor.start()
-        self._accepting = True
+        with self._failed_lock:
+            self._accepting = not self._failed
 
-    def _profile_warm(self, inputs: list[list[np.ndarray]]) -> None:
-        """Seed the latency profile: time one warm (second) run per warm-up batch size."""
-        if self._spec.batching.policy != "deadline" and not self._spec.batching.admission:
+    # -- loading steps ---------------------------------------------------------------------------
+
+    def _run_once(self, module: Any, arrays: list[np.ndarray], precision: str
+                  ) -> list[torch.Tensor]:
+        """One forward of ``module`` on ``arrays`` (the precision check's runs)."""
+        device = torch.device(self._spec.device)
+        tensors = [to_torch(np.array(a), t.datatype).to(device)
+                   for a, t in zip(arrays, self._spec.inputs)]
+        with torch.inference_mode(), precisions.autocast(precision, device.type):
+            returned = module(*precisions.cast_inputs(tensors, precision))
+        if isinstance(returned, torch.Tensor):
+            return [returned]
+        if isinstance(returned, dict):
+            return [returned[o.name] for o in self._spec.outputs]
+        return list(returned)[: len(self._spec.outputs)]
+
+    def _graph_plan(self) -> tuple[tuple[int, ...], str]:
+        """The buckets to capture CUDA graphs for, and what to report when there are none."""
+        spec = self._spec
+        if not spec.cuda_graphs:
+            return (), "off"
+        reason = cuda_graphs.unavailable_reason(spec)
+        if reason is not None:
+            log.info("cuda_graphs_unavailable", model=spec.name, reason=reason, running="eager")
+            return (), f"eager: {reason}"
+        return spec.buckets, ""
+
+    def _reserve(self, graph_buckets: tuple[int, ...]) -> None:
+        """One memory plan per instance, admitted into the device's pool (all or nothing)."""
+        spec = self._spec
+        slots = spec.batching.max_inflight_batches
+        if not self._pooled:
+            self._reservations = [(None, None)] * spec.instance_count
             return
-        batched = self._spec.batching.max_batch_size > 0
-        by_size = {(arrays[0].shape[0] if batched else 1): arrays for arrays in inputs if arrays}
-        executor = self._executors[0]
-        for size, arrays in sorted(by_size.items()):
-            started = time.perf_counter()
-            executor.warm_up([arrays])
-            self.profile.record(size, time.perf_counter() - started)
+        plan = model_plan(
+            [(t.dims, TORCH_DTYPES[t.datatype]) for t in spec.inputs],
+            [(t.dims, TORCH_DTYPES[t.datatype]) for t in spec.outputs] if graph_buckets else [],
+            max_rows=spec.max_batch_size or None, slots=slots, graph_buckets=graph_buckets)
+        pool = self._pools.get(spec.device) if self._pools is not None else None
+        for index in range(spec.instance_count):
+            name = f"{spec.name}:{spec.version}#{next(_reservation_ids)}.{index}"
+            if pool is None:
+                reservation = unpooled_reservation(name, plan, spec.device)
+            else:
+                try:
+                    reservation = pool.admit(name, plan)
+                except ResourceExhausted as exc:
+                    log.error("model_does_not_fit", model=spec.name, reason=str(exc))
+                    raise ResourceExhausted(
+                        f"model '{spec.name}' was not loaded: {exc}") from None
+            self._reservations.append((pool, reservation))
+            self._count_reserved(pool, reservation.nbytes, reservation.fallbacks)
+        log.info("memory_plan_admitted", model=spec.name, device=spec.device,
+                 instances=spec.instance_count, plan=plan.describe(),
+                 bytes=sum(r.nbytes for _, r in self._reservations), pooled=pool is not None)
+        if spec.input_staging == "queue":
+            self._stager = self._new_stager(pool)
+
+    def _count_reserved(self, pool: DevicePool | None, nbytes: int, fallbacks: int) -> None:
+        if self._metrics is not None:
+            self._metrics.pool_bytes_reserved.inc(nbytes)
+            self._metrics.pool_bytes_in_use.inc(nbytes)
+            if fallbacks:
+                self._metrics.pool_fallbacks.inc(fallbacks)
+        if pool is not None:
+            self._pools.refresh(pool)
+
+    def _new_stager(self, pool: DevicePool | None) -> InputStager:
+        spec = self._spec
+        device = torch.device(spec.device)
+        per_sample = sum(math.prod(t.dims) * TORCH_DTYPES[t.datatype].itemsize
+                         for t in spec.inputs)
+        batches = spec.batching.max_inflight_batches * spec.instance_count + STAGING_BATCHES
+        metrics = self._metrics
+
+        def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> Block | None:
+            if pool is None:
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+                return Block(tensor, lambda: None, tensor.nbytes, True)
+            handle = pool.allocate(shape, dtype)
+            if handle is None:
+                return None
+            return Block(handle.tensor, handle.release, handle.nbytes, handle.in_pool)
+
+        types = [t.datatype for t in spec.inputs]
+        return InputStager(
+            spec.name, device,
+            to_tensor=lambda array, i: to_torch(array, types[i]),
+            dtypes=[TORCH_DTYPES[t] for t in types], allocate=allocate,
+            cap_bytes=batches * max(spec.max_batch_size, 1) * per_sample,
+            on_bytes=metrics.pool_bytes_in_use.inc if metrics is not None else None,
+            on_fallback=metrics.pool_fallbacks.inc if metrics is not None else None)
+
+    def _executor(self, index: int, reservation: ModelReservation | None) -> Executor:
+        spec = self._spec
+        metrics = self._metrics
+        if reservation is None:
+            slots = [Slot(i, ()) for i in range(spec.batching.max_inflight_batches)]
+            graph_buffers, owned = None, frozenset()
+        else:
+            slots = [Slot(i, tensors) for i, tensors in sorted(reservation.batch.items())]
+            graph_buffers = ((reservation.inputs, reservation.outputs)
+                             if reservation.inputs else None)
+            owned = frozenset(t.untyped_storage().data_ptr()
+                              for group in (reservation.batch, reservation.inputs,
+                                            reservation.outputs)
+                              for tensors in group.values() for t in tensors)
+        pool = self._reservations[index][0]
+        plan = ExecutorPlan(
+            slots=slots, buckets=self._buckets, stager=self._stager, graph_buffers=graph_buffers,
+            owned_storage=owned, on_oom=self._record_oom,
+            on_copies=self._record_copies if metrics is not None else None,
+            after_batch=(lambda: self._pools.refresh(pool)) if pool is not None else None)
+        return Executor(
+            spec, self._module, index=index, next_batch=self._queue.next_batch,
+            wake=self._queue.wake, deliver=self._post, on_batch=self._record_batch,
+            batch_ids=_next_batch_id,
+            on_inflight=self._on_inflight, on_dead=self._instance_died, plan=plan,
+            turns=self._turns)
+
+    def _warm_up(self) -> dict[str, Any]:
+        """Warm every instance; the first one's report (they run the same batches)."""
+        spec = self._spec
+        samples = warmup_sets(spec, self._warmup_inputs, self._buckets) if spec.warmup else []
+        reports = []
+        for executor in self._executors:
+            try:
+                reports.append(executor.warm_up(samples))
+            except torch.OutOfMemoryError as exc:
+                log.error("warmup_out_of_memory", model=spec.name, error=str(exc).split("\n")[0])
+                raise ResourceExhausted(
+                    f"model '{spec.name}' ran out of device memory warming up its batch sizes "
+                    f"(up to {spec.max_batch_size or 1}); lower max_batch_size or free memory"
+                ) from exc
+            except Exception as exc:
+                log.exception("warmup_failed", model=spec.name)
+                raise LoadError(
+                    f"model '{spec.name}' failed its warm-up "
+                    f"({type(exc).__name__}); the server log has the details"
+                ) from exc
+        if samples:
+            log.info("model_warmed_up", model=spec.name, batch_sizes=reports[0]["batch_sizes"],
+                     activation_bytes=reports[0]["activation_bytes"])
+        return reports[0]
+
+    def _release(self) -> None:
+        """Give the memory plans back to the pool (idempotent)."""
+        reservations, self._reservations = self._reservations, []
+        for pool, reservation in reservations:
+            if reservation is None:
+                continue
+            if pool is not None:
+                pool.release(reservation.name)
+            if self._metrics is not None:
+                self._metrics.pool_bytes_reserved.dec(reservation.nbytes)
+                self._metrics.pool_bytes_in_use.dec(reservation.nbytes)
+            if pool is not None:
+                self._pools.refresh(pool)
 
     def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Refuse new requests, let queued and running ones finish, then stop the threads."""
@@ -174,9 +382,21 @@ class ServedModel:
             error = ModelUnavailable(
                 f"model '{self._spec.name}' was unloaded before this request ran; retry"
             )
+            for request in left:
+                self._removed(request)
             self._fail_threadsafe(left, error, "unavailable")
-        if self._share_member is not None:
-            self._share.leave(self._share_member)
+        if self._turns is not None:
+            self._turns.leave()
+        if self._stager is not None:
+            self._stager.stop()
+        hung = sum(e.hung_calls for e in self._executors)
+        if drained and not hung:
+            self._release()
+        elif self._reservations:
+            # A batch still running (a drain that timed out, a call that hung) may write the
+            # buffers: they stay reserved rather than go to another model.
+            log.warning("memory_plan_kept", model=self._spec.name, hung_calls=hung,
+                        bytes=sum(r.nbytes for _, r in self._reservations if r))
 
     # -- the event loop's side -----------------------------------------------------------------
 
@@ -186,7 +406,9 @@ class ServedModel:
         try:
             return await future
         except asyncio.CancelledError:
-            self._queue.remove(request)  # a running batch still finishes; its answer is dropped
+            # A running batch still finishes; its answer is dropped.
+            if self._queue.remove(request):
+                self._removed(request)
             if future.cancelled():
                 self._count_failure("cancelled", [request])
             raise
@@ -229,6 +451,8 @@ class ServedModel:
         except QueueFull:
             self._count_failure("rejected", [request])
             raise
+        if self._stager is not None:
+            self._stager.put(request)
         if deadline is not None:
             timer = loop.call_later(max(0.0, deadline - time.monotonic()), self._expire, request)
             future.add_done_callback(lambda _: timer.cancel())
@@ -248,7 +472,9 @@ class ServedModel:
             raise
 
     def _expire(self, request: InferenceRequest) -> None:
-        self._queue.remove(request)  # a running batch still finishes; its answer is dropped
+        # A running batch still finishes; its answer is dropped.
+        if self._queue.remove(request):
+            self._removed(request)
         if request.future is not None and not request.future.done():
             self._count_failure("expired", [request])
             request.future.set_exception(
@@ -260,10 +486,16 @@ class ServedModel:
     def cancel(self, request: InferenceRequest) -> None:
         """Answer a request CANCELLED on its caller's behalf (stream cancellation, a front end
         that went away): a queued one leaves the queue; a running one's answer is dropped."""
-        self._queue.remove(request)
+        if self._queue.remove(request):
+            self._removed(request)
         if request.future is not None and not request.future.done():
             self._count_failure("cancelled", [request])
             request.future.set_exception(RequestCancelled("the request was cancelled"))
+
+    def _removed(self, request: InferenceRequest) -> None:
+        """``request`` left the queue without running: its staged inputs go back."""
+        if self._stager is not None:
+            self._stager.drop(request)
 
     # -- from the executor threads -----------------------------------------------------------
 
@@ -278,10 +510,13 @@ class ServedModel:
 
     def _deliver(self, outcome: Outcome) -> None:
         requests = outcome.batch.requests
-        for request in requests:
-            request.state = DONE
-            if request.on_release is not None:
-                request.on_release()
+        if not outcome.inputs_in_use:
+            for request in requests:
+                request.state = DONE
+                if request.on_release is not None:
+                    request.on_release()
+            if outcome.release_only:
+                return
         if outcome.error is not None:
             self._count_failure("model_error", [r for r in requests if not r.future.done()])
             for request in requests:
@@ -310,9 +545,32 @@ class ServedModel:
         if missed:
             self._metrics.slo_missed.inc(missed)
 
+    def _instance_died(self, reason: str) -> None:
+        """An executor stopped for good (executor thread): the model stops serving.
+
+        Queued requests get UNAVAILABLE at once rather than waiting for their deadlines; the
+        repository is told, so health reports NOT_SERVING and a load RPC brings the model back.
+        """
+        with self._failed_lock:
+            if self._failed:
+                return
+            self._failed = True
+        self._accepting = False
+        self._queue.close()
+        error = ModelUnavailable(
+            f"model '{self._spec.name}' stopped serving ({reason}); retry after it is loaded again"
+        )
+        left = self._queue.drain_remaining()
+        for request in left:
+            self._removed(request)
+        self._fail_threadsafe(left, error, "unavailable")
+        if self._on_failed is not None:
+            self._on_failed(reason)
+
     def _fail_threadsafe(self, requests: list[InferenceRequest], error: Exception,
                          reason: str) -> None:
-        """From a thread: answer ``requests`` with ``error`` on the loop, counted under ``reason``."""
+        """From a thread: answer ``requests`` with ``error`` on the loop, counted under ``reason``
+        (there, so that a request whose deadline fired meanwhile is counted once)."""
         loop = self._loop
         if not requests or loop is None or loop.is_closed():
             return
@@ -328,12 +586,24 @@ class ServedModel:
             request.future.set_exception(error)
 
     def _infeasible_threadsafe(self, requests: list[InferenceRequest]) -> None:
-        """The queue dropped ``requests``: their deadlines cannot be met (lock held: hand on)."""
+        """The queue dropped ``requests``: their deadlines cannot be met. Called under the
+        queue's lock, so it only hands them on to the loop."""
         error = DeadlineInfeasible(
             f"model '{self._spec.name}' could not have finished this request before its "
             "deadline, so it was dropped before running"
         )
-        self._fail_threadsafe(requests, error, "infeasible")
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._drop_infeasible, requests, error)
+        except RuntimeError:
+            pass
+
+    def _drop_infeasible(self, requests: list[InferenceRequest], error: Exception) -> None:
+        for request in requests:
+            self._removed(request)
+        self._fail(requests, error, "infeasible")
 
     def _on_inflight(self, delta: int) -> None:
         with self._inflight_lock:
@@ -344,10 +614,6 @@ class ServedModel:
     def _backlog(self) -> bool:
         """Work this model has right now: queued requests, or batches formed and not finished."""
         return self._queue.depth > 0 or self._inflight > 0
-
-    def _device_turn(self) -> contextlib.AbstractContextManager:
-        # Executor threads start after start() joined the share (warm-up runs outside turns).
-        return self._share.turn(self._share_member)
 
     def _record_batch(self, batch: Batch, infer_ns: int, output_ns: int) -> None:
         queue_ns = 0
@@ -368,6 +634,18 @@ class ServedModel:
             metrics.batches[batch.reason].inc()
             metrics.compute_seconds.observe(compute_s)
 
+    def _record_oom(self, rows: int, largest: int) -> None:
+        if self._metrics is not None:
+            self._metrics.oom_events.inc()
+            self._metrics.largest_bucket.set(largest)
+
+    def _record_copies(self, queued: int, at_batch: int) -> None:
+        copies = self._metrics.input_copies
+        if queued:
+            copies["queued"].inc(queued)
+        if at_batch:
+            copies["batch"].inc(at_batch)
+
     def _count_failure(self, reason: str, requests: list[InferenceRequest]) -> None:
         now = time.monotonic()
         missed = 0
@@ -379,6 +657,19 @@ class ServedModel:
             self._metrics.failures[reason].inc(len(requests))
             if missed:
                 self._metrics.slo_missed.inc(missed)
+
+
+def warmup_sets(spec: ModelSpec, given: list[list[np.ndarray]] | None,
+                buckets: BatchBuckets) -> list[list[np.ndarray]]:
+    """The input sets to warm up with: the config's ``model_warmup`` samples, else zeros at the
+    default batch sizes; then zeros at every bucket no sample lands in, so each is warm."""
+    sets = list(given) if given is not None else default_warmup(spec)
+    if buckets.buckets:
+        covered = {buckets.pad(arrays[0].shape[0]) for arrays in sets}
+        sets += [[np.zeros((n, *t.dims), dtype=t.numpy_dtype) for t in spec.inputs]
+                 for n in buckets.buckets if n not in covered]
+        sets.sort(key=lambda arrays: arrays[0].shape[0])  # smallest first: a cheap failure
+    return sets
 
 
 def default_warmup(spec: ModelSpec) -> list[list[np.ndarray]]:

@@ -39,47 +39,29 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from batcher.arena import ArenaAllocator
+from batcher.buckets import bucket_for, default_buckets  # noqa: F401 (part of this API)
 from batcher.errors import ResourceExhausted
 
 DEFAULT_POOL_ALIGNMENT = 512
 
 
-def default_buckets(max_batch: int) -> tuple[int, ...]:
-    """Batch buckets ``1, 2, 4, ...`` below ``max_batch``, then ``max_batch`` itself."""
-    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-        raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
-    buckets = []
-    bucket = 1
-    while bucket < max_batch:
-        buckets.append(bucket)
-        bucket *= 2
-    buckets.append(max_batch)
-    return tuple(buckets)
-
-
-def bucket_for(batch: int, buckets: Sequence[int]) -> int:
-    """The smallest bucket that holds ``batch`` samples; ValueError when none does."""
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
-    if not buckets:
-        raise ValueError("buckets must not be empty")
-    fitting = [bucket for bucket in buckets if bucket >= batch]
-    if not fitting:
-        raise ValueError(
-            f"batch must be at most the largest bucket {max(buckets)}, got {batch}"
-        )
-    return min(fitting)
+BUFFER_KINDS = ("input", "output", "batch")
 
 
 @dataclasses.dataclass(frozen=True)
 class PlannedBuffer:
-    """One buffer of a ``MemoryPlan``: the ``index``-th input or output at batch ``bucket``."""
+    """One buffer of a ``MemoryPlan``: the ``index``-th input or output at batch ``bucket``.
 
-    kind: str  # "input" or "output"
+    Kind ``batch`` is a forming batch's input buffer (``bucket`` rows, the largest batch) of
+    in-flight ``slot``; ``input``/``output`` are a bucket's fixed buffers (a CUDA graph's).
+    """
+
+    kind: str  # one of BUFFER_KINDS
     bucket: int
     index: int
     shape: tuple[int, ...]
     dtype: torch.dtype
+    slot: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -99,12 +81,17 @@ class MemoryPlan:
                 f"activation_bytes must be an int >= 0, got {self.activation_bytes!r}"
             )
         for buffer in self.buffers:
-            if buffer.kind not in ("input", "output"):
-                raise ValueError(f"buffer kind must be 'input' or 'output', got {buffer.kind!r}")
+            if buffer.kind not in BUFFER_KINDS:
+                raise ValueError(f"buffer kind must be one of {BUFFER_KINDS}, got {buffer.kind!r}")
 
     @property
     def buckets(self) -> tuple[int, ...]:
-        return tuple(sorted({buffer.bucket for buffer in self.buffers}))
+        """The buckets with fixed input/output buffers."""
+        return tuple(sorted({b.bucket for b in self.buffers if b.kind != "batch"}))
+
+    @property
+    def slots(self) -> int:
+        return len({b.slot for b in self.buffers if b.kind == "batch"})
 
     @property
     def nbytes(self) -> int:
@@ -112,11 +99,16 @@ class MemoryPlan:
         return sum(buffer.nbytes for buffer in self.buffers) + self.activation_bytes
 
     def describe(self) -> str:
-        return (
-            f"{len(self.buffers)} input/output buffers over buckets {self.buckets} "
-            f"({sum(b.nbytes for b in self.buffers)} bytes) + {self.activation_bytes} bytes "
-            "of activations"
-        )
+        fixed = [b for b in self.buffers if b.kind != "batch"]
+        batch = [b for b in self.buffers if b.kind == "batch"]
+        parts = []
+        if batch:
+            parts.append(f"{len(batch)} batch input buffers for {self.slots} batches in flight "
+                         f"({sum(b.nbytes for b in batch)} bytes)")
+        if fixed or not batch:
+            parts.append(f"{len(fixed)} input/output buffers over buckets {self.buckets} "
+                         f"({sum(b.nbytes for b in fixed)} bytes)")
+        return " + ".join(parts) + f" + {self.activation_bytes} bytes of activations"
 
 
 Spec = tuple[tuple[int, ...], torch.dtype]
@@ -144,6 +136,31 @@ def plan_for(
             for index, (dims, dtype) in enumerate(specs):
                 buffers.append(PlannedBuffer(kind, bucket, index, (bucket, *dims), dtype))
     return MemoryPlan(tuple(buffers), activation_bytes)
+
+
+def model_plan(
+    input_specs: Iterable[Spec],
+    output_specs: Iterable[Spec],
+    *,
+    max_rows: int | None,
+    slots: int,
+    graph_buckets: Sequence[int] = (),
+) -> MemoryPlan:
+    """A served model's plan: per batch in flight (``slots``), one input buffer per input of
+    ``max_rows`` rows (None: the model does not batch, a buffer is one sample), where requests'
+    rows are gathered; and per CUDA-graph bucket the graph's fixed input and output buffers."""
+    inputs, outputs = list(input_specs), list(output_specs)
+    if slots < 1:
+        raise ValueError(f"slots must be >= 1, got {slots}")
+    lead = () if max_rows is None else (max_rows,)
+    buffers = [
+        PlannedBuffer("batch", max_rows or 1, index, (*lead, *dims), dtype, slot)
+        for slot in range(slots)
+        for index, (dims, dtype) in enumerate(inputs)
+    ]
+    if graph_buckets:
+        buffers.extend(plan_for(inputs, outputs, graph_buckets, 0).buffers)
+    return MemoryPlan(tuple(buffers), 0)
 
 
 class PoolTensor:
@@ -183,9 +200,41 @@ class ModelReservation:
     activations: torch.Tensor  # uint8, activation_bytes long
     nbytes: int  # bytes taken from the pool, after alignment
     _offsets: list[int] = dataclasses.field(repr=False, default_factory=list)
+    batch: dict[int, tuple[torch.Tensor, ...]] = dataclasses.field(default_factory=dict)
+    fallbacks: int = 0  # buffers allocated outside the arena (a permissive pool's)
 
     def bucket_for(self, batch: int) -> int:
         return bucket_for(batch, self.plan.buckets)
+
+
+def _reservation(name: str, plan: MemoryPlan,
+                 tensor: Callable[[int, PlannedBuffer], torch.Tensor],
+                 activations: torch.Tensor, nbytes: int) -> ModelReservation:
+    """The typed views of ``plan``'s buffers (``tensor(index, buffer)``), grouped."""
+    groups: dict[str, dict[int, list[torch.Tensor]]] = {kind: {} for kind in BUFFER_KINDS}
+    order = sorted(range(len(plan.buffers)),
+                   key=lambda i: (plan.buffers[i].slot, plan.buffers[i].bucket,
+                                  plan.buffers[i].index))
+    for i in order:
+        buffer = plan.buffers[i]
+        key = buffer.slot if buffer.kind == "batch" else buffer.bucket
+        groups[buffer.kind].setdefault(key, []).append(tensor(i, buffer))
+
+    def frozen(kind: str) -> dict[int, tuple[torch.Tensor, ...]]:
+        return {key: tuple(ts) for key, ts in groups[kind].items()}
+
+    return ModelReservation(name=name, plan=plan, inputs=frozen("input"),
+                            outputs=frozen("output"), activations=activations, nbytes=nbytes,
+                            batch=frozen("batch"))
+
+
+def unpooled_reservation(name: str, plan: MemoryPlan, device: str | torch.device
+                         ) -> ModelReservation:
+    """``plan`` as plain tensors on ``device``: for a model served without a pool (tests and
+    benchmarks that build a ``ServedModel`` themselves)."""
+    return _reservation(
+        name, plan, lambda _, b: torch.empty(b.shape, dtype=b.dtype, device=device),
+        torch.empty(plan.activation_bytes, dtype=torch.uint8, device=device), 0)
 
 
 class DevicePool:
@@ -322,7 +371,9 @@ class DevicePool:
             align = self._allocator.aligned_size
             needed = sum(align(nbytes) for nbytes, _ in requests)
             if not self._fits([align(nbytes) for nbytes, _ in requests]):
-                self._refuse(name, plan, needed)
+                if self.strict:
+                    self._refuse(name, plan, needed)
+                return self._admit_outside(name, plan)
             offsets: list[int] = []
             placed: dict[int, int] = {}  # buffer index (-1: activations) -> offset
             for nbytes, buffer in requests:
@@ -333,25 +384,24 @@ class DevicePool:
                     self._refuse(name, plan, needed)
                 offsets.append(offset)
                 placed[buffer] = offset
-            inputs: dict[int, list[torch.Tensor]] = {b: [] for b in plan.buckets}
-            outputs: dict[int, list[torch.Tensor]] = {b: [] for b in plan.buckets}
-            order = sorted(range(len(plan.buffers)),
-                           key=lambda i: (plan.buffers[i].bucket, plan.buffers[i].index))
-            for i in order:
-                buffer = plan.buffers[i]
-                target = inputs if buffer.kind == "input" else outputs
-                target[buffer.bucket].append(self._view(placed[i], buffer.shape, buffer.dtype))
-            reservation = ModelReservation(
-                name=name,
-                plan=plan,
-                inputs={b: tuple(ts) for b, ts in inputs.items()},
-                outputs={b: tuple(ts) for b, ts in outputs.items()},
-                activations=self._view(placed[-1], (plan.activation_bytes,), torch.uint8),
-                nbytes=needed,
-                _offsets=offsets,
-            )
+            reservation = _reservation(
+                name, plan, lambda i, b: self._view(placed[i], b.shape, b.dtype),
+                self._view(placed[-1], (plan.activation_bytes,), torch.uint8), needed)
+            reservation._offsets = offsets
             self._reservations[name] = reservation
             return reservation
+
+    def _admit_outside(self, name: str, plan: MemoryPlan) -> ModelReservation:
+        """A permissive pool's answer to a plan that does not fit: every buffer a plain tensor
+        on the device, each counted as a fallback (lock held)."""
+        fallbacks = len(plan.buffers) + 1
+        self._fallbacks += fallbacks
+        reservation = _reservation(
+            name, plan, lambda _, b: torch.empty(b.shape, dtype=b.dtype, device=self.device),
+            torch.empty(plan.activation_bytes, dtype=torch.uint8, device=self.device), 0)
+        reservation.fallbacks = fallbacks
+        self._reservations[name] = reservation
+        return reservation
 
     def release(self, name: str) -> None:
         """Free everything model ``name`` reserved; ValueError when it holds nothing."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from batcher.pool import bucket_for, default_buckets
+from batcher.buckets import bucket_for, default_buckets
 
 # Weight of the newest measurement: about the last 10 batches of a bucket carry the estimate.
 DEFAULT_ALPHA = 0.1

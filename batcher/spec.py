@@ -36,7 +36,14 @@ ELEMENT_SIZES: Mapping[str, int] = {
     name: dtype.itemsize for name, dtype in NUMPY_DTYPES.items() if name != "BYTES"
 }
 
-PRECISIONS = ("fp32", "fp16", "bf16")
+# How a model runs: fp32; autocast to fp16 or bf16 (weights stay fp32); or fp16 weights (the
+# module converted with .half(), floating inputs cast to fp16).
+PRECISIONS = ("fp32", "amp-fp16", "amp-bf16", "fp16-weights")
+# The names the autocast precisions had before fp16 weights existed; still accepted.
+PRECISION_ALIASES: Mapping[str, str] = {"fp16": "amp-fp16", "bf16": "amp-bf16"}
+# When a request's inputs are copied into its model's pooled buffers: as soon as it is queued
+# (so a batch's inputs are already on the device when it closes), or when its batch is assembled.
+INPUT_STAGING = ("queue", "batch")
 # ``deadline``: a batch dispatched before MIN_BATCH or the queue delay were reached, because
 # waiting longer would make its earliest deadline miss (the ``deadline`` batch policy only).
 DISPATCH_REASONS = ("full", "preferred", "delay", "idle", "deadline")
@@ -194,10 +201,16 @@ class ModelSpec:
     batching: BatchingConfig = BatchingConfig()
     instance_count: int = 1
     device: str = "cpu"  # "cpu" or "cuda:N"
-    precision: str = "fp32"  # fp32 | fp16 | bf16 (autocast)
+    precision: str = "fp32"  # one of PRECISIONS (or an alias of PRECISION_ALIASES)
     intra_op_threads: int = 0  # 0: torch's default (OMP_NUM_THREADS)
     inter_op_threads: int = 0
     warmup: bool = True
+    # Batch sizes a batch is padded up to (zero rows, dropped from the answers); the largest is
+    # max_batch_size. Empty: no padding, each batch runs at its own size.
+    buckets: tuple[int, ...] = ()
+    cuda_graphs: bool = False  # capture a CUDA graph per bucket (CUDA devices only)
+    input_staging: str = "batch"  # one of INPUT_STAGING
+    execution_timeout_ms: int = 0  # 0: none; else a batch running longer fails (batcher/watchdog.py)
 
     def __post_init__(self) -> None:
         if not self.inputs:
@@ -206,16 +219,40 @@ class ModelSpec:
             raise ValueError(f"model {self.name!r}: at least one output is required")
         if self.instance_count < 1:
             raise ValueError(f"instance_count must be >= 1, got {self.instance_count}")
-        if self.precision not in PRECISIONS:
+        precision = PRECISION_ALIASES.get(self.precision, self.precision)
+        if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        object.__setattr__(self, "precision", precision)  # frozen: the canonical name
+        if self.input_staging not in INPUT_STAGING:
+            raise ValueError(
+                f"input_staging must be one of {INPUT_STAGING}, got {self.input_staging!r}")
+        self._check_buckets()
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda:N', got {self.device!r}")
         if self.intra_op_threads < 0 or self.inter_op_threads < 0:
             raise ValueError("thread counts must be >= 0")
+        if self.execution_timeout_ms < 0:
+            raise ValueError(f"execution_timeout_ms must be >= 0, got {self.execution_timeout_ms}")
+
+    def _check_buckets(self) -> None:
+        buckets, max_batch = self.buckets, self.batching.max_batch_size
+        if not buckets:
+            return
+        if max_batch == 0:
+            raise ValueError(f"buckets need max_batch_size >= 1, got buckets {buckets}")
+        if list(buckets) != sorted(set(buckets)) or buckets[0] < 1 or buckets[-1] != max_batch:
+            raise ValueError(
+                f"buckets must be increasing batch sizes >= 1 ending at max_batch_size "
+                f"({max_batch}), got {buckets}"
+            )
 
     @property
     def max_batch_size(self) -> int:
         return self.batching.max_batch_size
+
+    @property
+    def autocast(self) -> bool:
+        return self.precision.startswith("amp-")
 
     def input(self, name: str) -> TensorSpec | None:
         for spec in self.inputs:

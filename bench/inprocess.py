@@ -16,7 +16,6 @@ This module is the one place in ``bench/`` that imports torch and the server's l
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import platform
@@ -30,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from batcher import precision as precisions
 from batcher.loading import cuda_available, latest_version, load_module
 from batcher.spec import NUMPY_DTYPES, ModelSpec
 from server.logs import configure_logging
@@ -37,8 +37,6 @@ from server.model_config import model_spec_from_config, read_model_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_REPOSITORY = ROOT / "models"
-# Autocast dtypes by the config's ``precision`` parameter, as the executor applies them.
-_AUTOCAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Calls before timing starts: a traced module's profiling executor specialises on its first runs.
 _WARMUP_CALLS = 5
 
@@ -59,7 +57,8 @@ def load(model_dir: Path | str) -> LoadedModel:
     spec = model_spec_from_config(config, version_dir.name, cuda_available=cuda_available())
     parameters = {key: value.string_value for key, value in config.parameters.items()}
     module = load_module(version_dir, filename=filename, parameters=parameters, device=spec.device)
-    return LoadedModel(spec, module, version_dir)
+    # The precision as the executor applies it (fp16 weights: the module converted).
+    return LoadedModel(spec, precisions.convert(module, spec.precision), version_dir)
 
 
 def sample_inputs(spec: ModelSpec, batch_size: int, seed: int = 0) -> list[torch.Tensor]:
@@ -128,10 +127,10 @@ def run(model: LoadedModel, batch_size: int, seconds: float, threads: int = 1) -
 def _timed_calls(model: LoadedModel, inputs: list[torch.Tensor], seconds: float, threads: int) -> list[int]:
     torch.set_num_threads(threads)
     module = model.module
-    dtype = _AUTOCAST.get(model.spec.precision)
     device_type = torch.device(model.spec.device).type
     cuda = device_type == "cuda"
-    autocast = torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+    autocast = precisions.autocast(model.spec.precision, device_type)
+    inputs = precisions.cast_inputs(inputs, model.spec.precision)
     times_ns: list[int] = []
     with torch.inference_mode(), autocast:
         for _ in range(_WARMUP_CALLS):

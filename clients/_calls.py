@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from clients._security import Metadata
 from clients.errors import BatchgateError
 from clients.infer import InferRequest, InferResult
 from clients.retry import RetryPolicy
@@ -30,12 +31,14 @@ pb = inference_pb2
 
 
 class Endpoint:
-    """One server address: its channel and the stubs on it."""
+    """One server address: its channel, the stubs on it, and the metadata every call sends."""
 
-    def __init__(self, address: str, channel: grpc.Channel | grpc.aio.Channel) -> None:
+    def __init__(self, address: str, channel: grpc.Channel | grpc.aio.Channel,
+                 metadata: Metadata = ()) -> None:
         self.address = address
         self.channel = channel
         self.inference = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
+        self.metadata = metadata or None  # None: gRPC's own default
 
     @cached_property
     def health(self):
@@ -51,13 +54,14 @@ def open_endpoint(
     credentials: grpc.ChannelCredentials | None,
     options: list[tuple[str, Any]],
     aio: bool,
+    metadata: Metadata = (),
 ) -> Endpoint:
     grpc_module = grpc.aio if aio else grpc
     if credentials is None:
         channel = grpc_module.insecure_channel(address, options=options)
     else:
         channel = grpc_module.secure_channel(address, credentials, options=options)
-    return Endpoint(address, channel)
+    return Endpoint(address, channel, metadata)
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,7 @@ class Call:
     def invoke(self, endpoint: Endpoint, timeout_s: float | None):
         """Start the RPC: the response (sync channel) or an awaitable of it (aio channel)."""
         method = getattr(getattr(endpoint, self.service), self.method)
-        return method(self.request, timeout=timeout_s)
+        return method(self.request, timeout=timeout_s, metadata=endpoint.metadata)
 
 
 def _none(_response: Any) -> None:

@@ -29,6 +29,7 @@ from clients._endpoints import (
     channel_options,
     check_timeout_s,
 )
+from clients._security import PEM, auth_metadata, channel_credentials
 from clients.errors import BatchgateError
 from clients.infer import InferRequest, InferResult, ParameterValue
 from clients.retry import RetryPolicy, RetrySchedule
@@ -51,6 +52,11 @@ class AsyncClient:
         timeout_s: float | None = None,
         retry: RetryPolicy | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        tls: bool = False,
+        root_certificates: PEM | None = None,
+        certificate_chain: PEM | None = None,
+        private_key: PEM | None = None,
+        token: str | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         options: Sequence[tuple[str, Any]] = (),
         resolve: bool = False,
@@ -65,9 +71,14 @@ class AsyncClient:
         self._timeout_s = check_timeout_s(timeout_s)
         self._retry = _calls.check_retry(retry)
         # Channels open on the first call (in the loop): update() runs there.
+        credentials = channel_credentials(
+            credentials, tls=tls, root_certificates=root_certificates,
+            certificate_chain=certificate_chain, private_key=private_key,
+        )
+        metadata = auth_metadata(token)
         self._pool = EndpointPool(
             lambda a: _calls.open_endpoint(
-                a, credentials=credentials, options=channel_args, aio=True
+                a, credentials=credentials, options=channel_args, aio=True, metadata=metadata
             ),
             unhealthy_for_s=unhealthy_for_s,
         )
@@ -218,7 +229,8 @@ class AsyncClient:
 
         async def start() -> Any:
             endpoint = await self._pick(None, hold=False)
-            return endpoint.inference.ModelStreamInfer(requests_pb, timeout=timeout_s)
+            return endpoint.inference.ModelStreamInfer(
+                requests_pb, timeout=timeout_s, metadata=endpoint.metadata)
 
         return AsyncInferStream(start)
 

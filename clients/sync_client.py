@@ -21,6 +21,7 @@ from clients._endpoints import (
     channel_options,
     check_timeout_s,
 )
+from clients._security import PEM, auth_metadata, channel_credentials
 from clients.errors import BatchgateError
 from clients.infer import InferRequest, InferResult, ParameterValue
 from clients.retry import RetryPolicy, RetrySchedule
@@ -38,7 +39,11 @@ class Client:
     UNAVAILABLE is skipped for `unhealthy_for_s` (doubled on each further failure, up to 30 s;
     0: never skipped) while another is healthy. `timeout_s`: the default deadline of every call,
     retries included (None: no deadline). `retry`: see RetryPolicy (None: the defaults).
-    `credentials`: e.g. `grpc.ssl_channel_credentials()` for TLS (None: plaintext).
+    `tls=True`: TLS, trusting the system's CAs, or `root_certificates`; `certificate_chain`
+    and `private_key`: this client's own certificate, for mutual TLS (each PEM bytes or a
+    file path; any of them implies TLS). `credentials`: any grpc.ChannelCredentials instead
+    (None and no TLS option: plaintext). `token`: a bearer token, sent as
+    `authorization: Bearer <token>` metadata on every call.
     `max_message_bytes`: send and receive limit. `options`: further gRPC channel arguments.
     Thread-safe; use as a context manager or call `close()`.
     """
@@ -50,6 +55,11 @@ class Client:
         timeout_s: float | None = None,
         retry: RetryPolicy | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        tls: bool = False,
+        root_certificates: PEM | None = None,
+        certificate_chain: PEM | None = None,
+        private_key: PEM | None = None,
+        token: str | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         options: Sequence[tuple[str, Any]] = (),
         resolve: bool = False,
@@ -63,9 +73,14 @@ class Client:
         channel_args = channel_options(max_message_bytes, options)
         self._timeout_s = check_timeout_s(timeout_s)
         self._retry = _calls.check_retry(retry)
+        credentials = channel_credentials(
+            credentials, tls=tls, root_certificates=root_certificates,
+            certificate_chain=certificate_chain, private_key=private_key,
+        )
+        metadata = auth_metadata(token)
         self._pool = EndpointPool(
             lambda a: _calls.open_endpoint(
-                a, credentials=credentials, options=channel_args, aio=False
+                a, credentials=credentials, options=channel_args, aio=False, metadata=metadata
             ),
             unhealthy_for_s=unhealthy_for_s,
         )
@@ -217,7 +232,8 @@ class Client:
         timeout_s = self._timeout_s if timeout_s is None else check_timeout_s(timeout_s)
         endpoint = self._pick(None, hold=False)
         requests_pb = _calls.request_protos(requests)
-        call = endpoint.inference.ModelStreamInfer(requests_pb, timeout=timeout_s)
+        call = endpoint.inference.ModelStreamInfer(
+            requests_pb, timeout=timeout_s, metadata=endpoint.metadata)
         return InferStream(call)
 
     # Health, metadata, configuration

@@ -17,7 +17,10 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from batcher.memory import DevicePools, PoolSettings
 from protos import inference_pb2, inference_pb2_grpc
+from server import auth, tls
+from server.codec import RequestLimits
 from server.metrics import ServerMetrics
 from server.repository import ModelRepository
 from server.service import InferenceService
@@ -38,16 +41,23 @@ class Gateway:
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self.health = health.aio.HealthServicer()
         if repository is None:
+            pools = DevicePools(
+                PoolSettings(settings.device_pool_bytes, settings.device_pool_fraction,
+                             settings.device_pool_strict),
+                self.metrics.batcher)
             repository = ModelRepository(
                 settings.model_repository,
                 metrics=self.metrics.batcher,
                 on_state_change=self._on_model_state,
+                pools=pools,
             )
         else:
             repository.bind(metrics=self.metrics.batcher, on_state_change=self._on_model_state,
                             on_connection_change=self._on_executor)
         self.repository = repository
-        self.service = InferenceService(self.repository, self.metrics)
+        limits = RequestLimits(max_request_bytes=settings.request_bytes_limit,
+                               max_tensor_elements=settings.max_tensor_elements)
+        self.service = InferenceService(self.repository, self.metrics, limits)
         self.grpc_port = 0
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
@@ -65,7 +75,7 @@ class Gateway:
             ("grpc.max_send_message_length", s.max_message_bytes),
             ("grpc.so_reuseport", 1 if s.reuse_port else 0),
         ]
-        server = grpc.aio.server(options=options)
+        server = grpc.aio.server(options=options, interceptors=auth.interceptors(s))
         inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if s.reflection:
@@ -75,7 +85,7 @@ class Gateway:
                 server,
             )
         address = f"{s.host}:{s.grpc_port}" if ":" not in s.host else f"[{s.host}]:{s.grpc_port}"
-        self.grpc_port = server.add_insecure_port(address)
+        self.grpc_port = tls.bind(server, address, s)
         if self.grpc_port == 0:
             raise OSError(f"could not bind the gRPC port {address}")
         self._server = server
@@ -86,7 +96,8 @@ class Gateway:
             self._httpd = self.metrics.serve_http(s.host, s.metrics_port)
             self.metrics_port = self._httpd.server_port
         log.info("listening", grpc_port=self.grpc_port, metrics_port=self.metrics_port,
-                 models=str(getattr(self.repository, "root", "the executor process")))
+                 models=str(getattr(self.repository, "root", "the executor process")),
+                 **s.security())
         await self.repository.load_all()
         if s.gc_freeze:
             # Long-lived objects (torch modules, protobuf descriptors) leave the collector's

@@ -4,17 +4,26 @@ encode a request's outputs into a ModelInferResponse.
 Every check happens here, before a request reaches a queue, so a bad request never joins (and
 never fails) a batch. Raw buffers become arrays with ``numpy.frombuffer`` (no copy, no
 per-element Python); typed ``contents`` go through one vectorised conversion.
+
+Shapes are checked before anything is allocated from them: the rank first (in O(1), so a
+shape of a million dimensions costs nothing), then negative dimensions, then the server's
+``RequestLimits``, with the product of the dimensions given up as soon as it passes the limit
+(a shape like ``[2**40, 2**40]`` never becomes a huge integer, let alone an array). A limit
+refused is RESOURCE_EXHAUSTED, like gRPC's own message-size limit, and its message names the
+flag and its value; the shape not matching the model is INVALID_ARGUMENT. Shapes quoted in
+messages are cut short, since clients refuse long status messages.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import time
 from collections.abc import Mapping
 
 import numpy as np
 
-from batcher.errors import InvalidRequest, NotSupported
+from batcher.errors import InvalidRequest, NotSupported, ResourceExhausted
 from batcher.request import InferenceRequest
 from batcher.spec import ELEMENT_SIZES, NUMPY_DTYPES, ModelSpec, TensorSpec
 from protos import inference_pb2 as pb
@@ -35,6 +44,21 @@ TYPED_FIELDS: Mapping[str, tuple[str, np.dtype]] = {
 }
 SHARED_MEMORY_KEYS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
 _LENGTH = struct.Struct("<I")
+# Dimensions of a shape quoted in a message; the rest is summarised.
+_SHOWN_DIMS = 8
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What one inference request may ask for: the server's ``--max-*`` settings."""
+
+    max_request_bytes: int = 64 * 1024 * 1024
+    """Sum of the input tensors' bytes (``--max-request-bytes``)."""
+    max_tensor_elements: int = 1 << 26
+    """Elements of one input tensor, a zero dimension counted as one (``--max-tensor-elements``)."""
+
+
+DEFAULT_LIMITS = RequestLimits()
 
 
 def _int_parameter(parameters, key: str) -> int:
@@ -50,9 +74,14 @@ def _int_parameter(parameters, key: str) -> int:
 
 
 def decode_request(
-    msg: pb.ModelInferRequest, spec: ModelSpec, *, deadline: float | None = None
+    msg: pb.ModelInferRequest,
+    spec: ModelSpec,
+    *,
+    deadline: float | None = None,
+    limits: RequestLimits = DEFAULT_LIMITS,
 ) -> InferenceRequest:
-    """An InferenceRequest with inputs in the model's order, or InvalidRequest saying why."""
+    """An InferenceRequest with inputs in the model's order, or InvalidRequest (the request does
+    not fit the model) / ResourceExhausted (it is over one of ``limits``) saying why."""
     name = spec.name
     priority = 0
     timeout_us = 0
@@ -72,6 +101,7 @@ def decode_request(
     batching = spec.batching.max_batch_size > 0
     arrays: dict[str, np.ndarray] = {}
     batch_size = -1
+    request_bytes = 0
     for index, tensor in enumerate(msg.inputs):
         tspec = spec.input(tensor.name)
         if tspec is None:
@@ -96,8 +126,8 @@ def decode_request(
                 "shared-memory inputs are not supported by this server; send the tensor data "
                 "in raw_input_contents"
             )
-        shape = tuple(tensor.shape)
-        rows = _check_shape(name, tspec, shape, batching, spec.batching.max_batch_size)
+        rows, count, shape = _check_shape(name, tspec, tensor.shape, batching,
+                                          spec.batching.max_batch_size, limits)
         if batching:
             if batch_size == -1:
                 batch_size = rows
@@ -112,9 +142,13 @@ def decode_request(
                     f"model '{name}': input '{tensor.name}' has typed contents while the "
                     "request uses raw_input_contents; use one or the other"
                 )
-            arrays[tensor.name] = _from_raw(name, tspec, shape, raw[index])
+            request_bytes += _nbytes(tspec, count, len(raw[index]))
+            _check_request_bytes(name, request_bytes, limits)
+            arrays[tensor.name] = _from_raw(name, tspec, shape, count, raw[index])
         else:
-            arrays[tensor.name] = _from_contents(name, tspec, shape, tensor)
+            request_bytes += _nbytes(tspec, count, tensor.contents.ByteSize())
+            _check_request_bytes(name, request_bytes, limits)
+            arrays[tensor.name] = _from_contents(name, tspec, shape, count, tensor)
 
     if len(arrays) != len(spec.inputs):
         missing = [t.name for t in spec.inputs if t.name not in arrays]
@@ -146,46 +180,83 @@ def decode_request(
     return request
 
 
-def _check_shape(model: str, tspec: TensorSpec, shape: tuple, batching: bool,
-                 max_batch: int) -> int:
+def _check_shape(model: str, tspec: TensorSpec, wire_shape, batching: bool, max_batch: int,
+                 limits: RequestLimits) -> tuple[int, int, tuple[int, ...]]:
+    """``(rows, elements, shape)`` of an input whose shape fits the model and the limits."""
+    dims = tspec.dims
+    if len(wire_shape) != len(dims) + batching:
+        raise InvalidRequest(_shape_mismatch(model, tspec, batching, wire_shape))
+    shape = tuple(wire_shape)
     if any(d < 0 for d in shape):
         raise InvalidRequest(
-            f"model '{model}': input '{tspec.name}' has a negative dimension, got shape {list(shape)}"
+            f"model '{model}': input '{tspec.name}' has a negative dimension, got shape "
+            f"{_shape_text(shape)}"
         )
-    dims = tspec.dims
+    count = _element_count(model, tspec, shape, limits.max_tensor_elements)
     rows = 1
     body = shape
     if batching:
-        if not shape:
-            raise InvalidRequest(
-                f"model '{model}': input '{tspec.name}' needs a batch dimension first, "
-                f"shape [batch, {', '.join(map(str, dims))}], got []"
-            )
         rows = shape[0]
         body = shape[1:]
         if rows < 1 or rows > max_batch:
             raise InvalidRequest(
-                f"model '{model}': batch size must lie in 1..{max_batch} (max_batch_size), "
-                f"got {rows} for input '{tspec.name}'"
+                f"model '{model}': batch size must lie in 1..{max_batch} (the model's "
+                f"max_batch_size), got {rows} for input '{tspec.name}'"
             )
-    if len(body) != len(dims) or any(d != -1 and d != s for d, s in zip(dims, body)):
-        expected = (["batch"] if batching else []) + [str(d) for d in dims]
-        raise InvalidRequest(
-            f"model '{model}': input '{tspec.name}' must have shape [{', '.join(expected)}] "
-            f"(-1: any), got {list(shape)}"
-        )
-    return rows
+    if any(d != -1 and d != s for d, s in zip(dims, body)):
+        raise InvalidRequest(_shape_mismatch(model, tspec, batching, shape))
+    return rows, count, shape
 
 
-def _element_count(shape: tuple) -> int:
+def _element_count(model: str, tspec: TensorSpec, shape: tuple, limit: int) -> int:
+    """The product of ``shape``; ResourceExhausted as soon as the product of its non-zero
+    dimensions passes ``limit`` (a zero dimension does not make ``[2**62, 0]`` harmless:
+    numpy refuses such a shape)."""
+    extent = 1
     count = 1
     for d in shape:
+        extent *= d or 1
         count *= d
+        if extent > limit:
+            raise ResourceExhausted(
+                f"model '{model}': input '{tspec.name}' of shape {_shape_text(shape)} has "
+                f"more elements than this server allows (--max-tensor-elements {limit})"
+            )
     return count
 
 
-def _from_raw(model: str, tspec: TensorSpec, shape: tuple, buffer: bytes) -> np.ndarray:
-    count = _element_count(shape)
+def _nbytes(tspec: TensorSpec, count: int, wire_bytes: int) -> int:
+    """Bytes an input counts for against --max-request-bytes: its decoded size, or for BYTES
+    (variable length) what it takes on the wire."""
+    size = ELEMENT_SIZES.get(tspec.datatype)
+    return wire_bytes if size is None else count * size
+
+
+def _check_request_bytes(model: str, request_bytes: int, limits: RequestLimits) -> None:
+    if request_bytes > limits.max_request_bytes:
+        raise ResourceExhausted(
+            f"model '{model}': the request's inputs take more bytes than this server allows "
+            f"(--max-request-bytes {limits.max_request_bytes})"
+        )
+
+
+def _shape_mismatch(model: str, tspec: TensorSpec, batching: bool, shape) -> str:
+    expected = (["batch"] if batching else []) + [str(d) for d in tspec.dims]
+    return (
+        f"model '{model}': input '{tspec.name}' must have shape [{', '.join(expected)}] "
+        f"(-1: any), got {_shape_text(shape)}"
+    )
+
+
+def _shape_text(shape) -> str:
+    if len(shape) <= _SHOWN_DIMS:
+        return str(list(shape))
+    shown = ", ".join(str(d) for d in shape[:_SHOWN_DIMS])
+    return f"[{shown}, ...] ({len(shape)} dimensions)"
+
+
+def _from_raw(model: str, tspec: TensorSpec, shape: tuple, count: int,
+              buffer: bytes) -> np.ndarray:
     if tspec.datatype == "BYTES":
         return _bytes_from_raw(model, tspec, shape, count, buffer)
     expected = count * ELEMENT_SIZES[tspec.datatype]
@@ -193,6 +264,11 @@ def _from_raw(model: str, tspec: TensorSpec, shape: tuple, buffer: bytes) -> np.
         raise InvalidRequest(
             f"model '{model}': input '{tspec.name}' of shape {list(shape)} and datatype "
             f"{tspec.datatype} needs {expected} bytes, got {len(buffer)}"
+        )
+    if tspec.datatype == "BOOL" and buffer and np.frombuffer(buffer, np.uint8).max() > 1:
+        # Any other byte is not a bool: torch would compute with it (~x of 2 is still true).
+        raise InvalidRequest(
+            f"model '{model}': BOOL input '{tspec.name}' must hold bytes 0 and 1 only"
         )
     return np.frombuffer(buffer, dtype=NUMPY_DTYPES[tspec.datatype]).reshape(shape)
 
@@ -221,8 +297,8 @@ def _bytes_from_raw(model: str, tspec: TensorSpec, shape: tuple, count: int,
     return array.reshape(shape)
 
 
-def _from_contents(model: str, tspec: TensorSpec, shape: tuple, tensor) -> np.ndarray:
-    count = _element_count(shape)
+def _from_contents(model: str, tspec: TensorSpec, shape: tuple, count: int,
+                   tensor) -> np.ndarray:
     datatype = tspec.datatype
     if datatype == "BYTES":
         values = tensor.contents.bytes_contents

@@ -33,10 +33,12 @@ from batcher.errors import (
     RequestCancelled,
     ResourceExhausted,
 )
+from batcher.memory import DevicePools, PoolSettings
 from batcher.metrics import BatcherMetrics
 from batcher.request import InferenceRequest
 from batcher.spec import NUMPY_DTYPES
 from server import ipc
+from server.cli import add_device_pool_flags
 from server.logs import announce, configure_logging
 from server.repository import ModelRepository
 
@@ -272,8 +274,11 @@ async def run(args: argparse.Namespace) -> None:
     layout = ArenaLayout(args.arena_bytes, args.slots)
     metrics = BatcherMetrics()
     server = ExecutorServer(arena, layout, metrics)
+    pools = DevicePools(PoolSettings(args.device_pool_bytes, args.device_pool_fraction,
+                                     not args.device_pool_permissive), metrics)
     repository = ModelRepository(
-        args.model_repository, metrics=metrics, on_state_change=server.on_state_change
+        args.model_repository, metrics=metrics, on_state_change=server.on_state_change,
+        pools=pools,
     )
     server.repository = repository
     sys.setswitchinterval(args.switch_interval_s)
@@ -306,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--switch-interval-s", type=float, default=0.0005)
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--log-format", default="json")
+    add_device_pool_flags(parser)
     args = parser.parse_args(argv)
     configure_logging(args.log_level, args.log_format)
     structlog.contextvars.bind_contextvars(role="executor")

@@ -29,11 +29,17 @@ Executor → front end:
 - ``("release", rid)``: the request's inputs are no longer read (sent only when a ``result`` or
   ``error`` went out with ``released`` false: a request that expired while its batch ran);
 - ``("return", cid, value)`` / ``("raise", cid, error_class, message)`` answer a ``call``.
+
+An abstract socket has no file permissions: any local user could connect, and a pickle is code.
+So each end checks the other's credentials (SO_PEERCRED) and talks only to a process of its own
+user, which could ptrace it anyway: another user can neither bypass the front ends' tokens
+(loading and unloading models through the executor) nor run code in either process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
 import socket
 import struct
@@ -41,6 +47,7 @@ import struct
 from batcher import errors
 
 _LENGTH = struct.Struct("<I")
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
@@ -72,6 +79,9 @@ class Channel:
     @classmethod
     async def connect(cls, name: str) -> Channel:
         reader, writer = await asyncio.open_unix_connection(socket_address(name))
+        if not _same_user(writer):
+            writer.close()
+            raise ConnectionRefusedError(f"{name} is served by another user's process")
         _tune(writer)
         return cls(reader, writer)
 
@@ -116,10 +126,23 @@ async def serve(name: str, handler) -> asyncio.AbstractServer:
     """Listen on ``name``; ``handler(channel)`` runs for each connection."""
 
     async def on_connect(reader, writer):
+        if not _same_user(writer):
+            writer.close()  # before reading a byte of what it sent
+            return
         _tune(writer)
         await handler(Channel(reader, writer))
 
     return await asyncio.start_unix_server(on_connect, path=socket_address(name))
+
+
+def _same_user(writer: asyncio.StreamWriter) -> bool:
+    """Whether the process at the other end runs as this process's user."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return False
+    _pid, uid, _gid = _PEERCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return uid == os.getuid()
 
 
 def _tune(writer: asyncio.StreamWriter) -> None:

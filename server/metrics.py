@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
 from batcher.metrics import SECONDS_BUCKETS, BatcherMetrics
+from batcher.telemetry import GpuTelemetry
 
 
 class ServerMetrics:
@@ -26,6 +27,8 @@ class ServerMetrics:
         )
 
     def serve_http(self, host: str, port: int):
-        """Start ``/metrics`` on a daemon thread; returns the HTTP server (its port for port 0)."""
+        """Start ``/metrics`` on a daemon thread; returns the HTTP server (its port for port 0).
+        The process that serves ``/metrics`` is the one that reports the GPUs (NVML)."""
+        self.registry.register(GpuTelemetry())
         httpd, _thread = start_http_server(port, addr=host, registry=self.registry)
         return httpd

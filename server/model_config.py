@@ -34,9 +34,12 @@ from google.protobuf import text_format
 from google.protobuf.message import Message
 
 from batcher.errors import LoadError
+from batcher.buckets import default_buckets
 from batcher.spec import (
     BATCH_POLICIES,
     NUMPY_DTYPES,
+    INPUT_STAGING,
+    PRECISION_ALIASES,
     PRECISIONS,
     BatchingConfig,
     ModelSpec,
@@ -53,7 +56,19 @@ BACKEND = "pytorch"
 
 # batchgate's own parameter keys: key -> what it sets. README's parameter table comes from here.
 PARAMETERS: Mapping[str, str] = {
-    "precision": "fp32 | fp16 | bf16: the forward's autocast precision (default fp32)",
+    "precision": (
+        "fp32 | amp-fp16 | amp-bf16 | fp16-weights: autocast to fp16 or bf16, or the weights "
+        "converted to fp16 (default fp32; fp16 and bf16 are accepted for amp-fp16 and amp-bf16)"
+    ),
+    "buckets": (
+        "batch sizes a batch is padded up to: a list (1,4,16,64), pow2 (1, 2, 4, ... up to "
+        "max_batch_size) or none; default pow2 on a GPU, none on the CPU"
+    ),
+    "cuda_graphs": "true | false: capture a CUDA graph per bucket at load (default false)",
+    "input_staging": (
+        "queue | batch: copy a request's inputs to the device as soon as it is queued, or when "
+        "its batch is assembled (default queue on a GPU, batch on the CPU)"
+    ),
     "min_batch_size": (
         "MIN_BATCH: with a queue delay, dispatch once this many samples wait "
         "(default: largest preferred_batch_size, else max_batch_size)"
@@ -62,6 +77,10 @@ PARAMETERS: Mapping[str, str] = {
         "batches in flight per instance: one assembling while one computes (default 2)"
     ),
     "warmup": "true | false: run the model before reporting it ready (default true)",
+    "execution_timeout_ms": (
+        "a batch still running after this long fails (INTERNAL) and the instance goes on on a "
+        "fresh thread; 0 = no limit (default 0; costs one thread hand-off per batch)"
+    ),
     "batch_policy": (
         "fifo | deadline: arrival order, or earliest deadline first with batches sized from the "
         "latency profile (default fifo)"
@@ -263,6 +282,8 @@ def model_spec_from_config(
     _check_unique(name, "output", [t.name for t in outputs])
 
     batching = _batching_config(config, params)
+    device = _device(config, cuda_available=cuda_available)
+    on_gpu = device.startswith("cuda")
     try:
         return ModelSpec(
             name=name,
@@ -272,20 +293,28 @@ def model_spec_from_config(
             outputs=outputs,
             batching=batching,
             instance_count=_instance_count(config),
-            device=_device(config, cuda_available=cuda_available),
-            precision=_choice(name, params, "precision", PRECISIONS, "fp32"),
+            device=device,
+            precision=_choice(name, params, "precision",
+                              (*PRECISIONS, *PRECISION_ALIASES), "fp32"),
             intra_op_threads=_int_param(name, params, "INTRA_OP_THREAD_COUNT", 0, minimum=0),
             inter_op_threads=_int_param(name, params, "INTER_OP_THREAD_COUNT", 0, minimum=0),
             warmup=_bool_param(name, params, "warmup", True),
+            buckets=_buckets(name, params, batching.max_batch_size, on_gpu=on_gpu),
+            cuda_graphs=_bool_param(name, params, "cuda_graphs", False),
+            input_staging=_choice(name, params, "input_staging", INPUT_STAGING,
+                                  "queue" if on_gpu else "batch"),
+            execution_timeout_ms=_int_param(name, params, "execution_timeout_ms", 0, minimum=0),
         )
     except ValueError as exc:
         raise LoadError(f"model {name!r}: {exc}") from None
 
 
 def effective_config(
-    config: model_config_pb2.ModelConfig, spec: ModelSpec
+    config: model_config_pb2.ModelConfig, spec: ModelSpec,
+    load_report: Mapping[str, str] | None = None,
 ) -> model_config_pb2.ModelConfig:
-    """The config as served: ``config`` with defaults and resolved settings filled in."""
+    """The config as served: ``config`` with defaults and resolved settings filled in, plus what
+    the load found out (``load_report``: the precision check's error, CUDA graphs, memory plan)."""
     out = model_config_pb2.ModelConfig()
     out.CopyFrom(config)
     out.name = spec.name
@@ -315,12 +344,17 @@ def effective_config(
         "min_batch_size": str(spec.batching.effective_min_batch),
         "max_inflight_batches": str(spec.batching.max_inflight_batches),
         "warmup": "true" if spec.warmup else "false",
+        "execution_timeout_ms": str(spec.execution_timeout_ms),
         "batch_policy": spec.batching.policy,
         "slo_ms": f"{spec.batching.slo_ms:g}",
         "admission": "true" if spec.batching.admission else "false",
         "device_share_weight": f"{spec.batching.device_share_weight:g}",
         "INTRA_OP_THREAD_COUNT": str(spec.intra_op_threads),
         "INTER_OP_THREAD_COUNT": str(spec.inter_op_threads),
+        "buckets": ",".join(map(str, spec.buckets)) if spec.buckets else "none",
+        "cuda_graphs": "true" if spec.cuda_graphs else "false",
+        "input_staging": spec.input_staging,
+        **(load_report or {}),
     }
     for key, value in resolved.items():
         out.parameters[key].string_value = value
@@ -541,6 +575,30 @@ def _bool_param(model: str, params: Mapping[str, str], key: str, default: bool) 
     if value not in ("true", "false"):
         raise LoadError(f"model {model!r}: parameter {key} must be true or false, got {raw!r}")
     return value == "true"
+
+
+def _buckets(model: str, params: Mapping[str, str], max_batch: int, *, on_gpu: bool
+             ) -> tuple[int, ...]:
+    raw = params.get("buckets")
+    value = (raw or "").strip().lower()
+    if not value:
+        value = "pow2" if on_gpu else "none"
+    if max_batch == 0 or value == "none":
+        return ()
+    if value == "pow2":
+        return default_buckets(max_batch)
+    try:
+        sizes = sorted({int(part) for part in value.split(",") if part.strip()})
+    except ValueError:
+        sizes = []
+    if not sizes or sizes[0] < 1 or sizes[-1] > max_batch:
+        raise LoadError(
+            f"model {model!r}: parameter buckets must be pow2, none, or a comma-separated list "
+            f"of batch sizes in 1..max_batch_size ({max_batch}), got {raw!r}"
+        )
+    if sizes[-1] != max_batch:
+        sizes.append(max_batch)  # every batch needs a bucket that holds it
+    return tuple(sizes)
 
 
 def _choice(

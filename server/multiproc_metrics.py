@@ -34,6 +34,8 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, multiprocess, start_http_server
 from prometheus_client.core import CounterMetricFamily
 
+from batcher.telemetry import GpuTelemetry
+
 ENV_VAR = "PROMETHEUS_MULTIPROC_DIR"
 PREFIX = "batchgate-metrics-"
 # A folder younger than this is left alone even when unlocked: its owner may not have locked it yet.
@@ -65,7 +67,9 @@ class MultiProcessMetrics:
         multiprocess.mark_process_dead(pid, str(self.path))
 
     def serve_http(self, host: str, port: int) -> int:
-        """Start ``/metrics`` on a daemon thread; returns the port (the one chosen, for 0)."""
+        """Start ``/metrics`` on a daemon thread; returns the port (the one chosen, for 0).
+        The GPUs' NVML figures are read here, at scrape time, not from the children's files."""
+        self.registry.register(GpuTelemetry())
         self._httpd, _thread = start_http_server(port, addr=host, registry=self.registry)
         return self._httpd.server_port
 

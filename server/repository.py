@@ -10,6 +10,11 @@ worker thread, and the model answers requests only once its warm-up is done. Rel
 model builds the new version beside the old one, swaps, then drains and stops the old one: the
 old version keeps serving until the swap, and keeps serving if the new version fails to load.
 
+A model name from a client is only ever a folder directly under the root: names with a path
+separator, NUL, a leading dot (``.``, ``..``, hidden folders), or longer than a file name may be
+are refused, and so is a model folder that is a symbolic link leading outside the root. Every
+file-system lookup a name causes goes through ``_model_dir``, which checks it first.
+
 This module knows nothing of gRPC: it raises the ``batcher.errors`` hierarchy, and calls
 ``on_state_change(name, state)`` on every state change so the server can mirror it elsewhere
 (per-model health service names). State is only changed on the event loop's thread.
@@ -18,6 +23,7 @@ This module knows nothing of gRPC: it raises the ``batcher.errors`` hierarchy, a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +37,9 @@ from batcher.errors import (
     LoadError,
     ModelNotFound,
     ModelUnavailable,
+    ResourceExhausted,
 )
+from batcher.memory import DevicePools
 from batcher.model import ServedModel
 from batcher.spec import ModelSpec
 from protos import model_config_pb2
@@ -47,6 +55,8 @@ STATES = (UNAVAILABLE, LOADING, READY, UNLOADING)
 
 # How long a version replaced by a reload may take to finish the requests queued on it.
 RETIRE_DRAIN_TIMEOUT_S = 30.0
+# The longest file name Linux file systems take, in bytes; a longer model name cannot be a folder.
+MAX_NAME_BYTES = 255
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,13 +97,19 @@ class ModelRepository:
         metrics=None,
         cuda_available: bool | None = None,
         on_state_change: Callable[[str, str], None] | None = None,
+        pools: DevicePools | None = None,
     ) -> None:
+        """``pools``: the device memory pools models are admitted into (default: pools of the
+        default size, strict)."""
         self._root = Path(root)
+        self._real_root = self._root.resolve()
         self._metrics = metrics
+        self._pools = pools if pools is not None else DevicePools(metrics=metrics)
         self._cuda = loading.cuda_available() if cuda_available is None else cuda_available
         self._on_state_change = on_state_change
         self._slots: dict[str, _Slot] = {}
         self._closing = False
+        self._background: set[asyncio.Task] = set()
 
     @property
     def root(self) -> Path:
@@ -137,8 +153,9 @@ class ModelRepository:
     def _loaded(self, name: str, version: str) -> _Loaded:
         slot = self._slots.get(name)
         if slot is None:
-            config_file = self._root / name / model_config.CONFIG_FILENAME
-            if self._is_plain_name(name) and config_file.is_file():
+            model_dir = self._root / name
+            if (self._is_plain_name(name) and self._has_config(model_dir)
+                    and self._inside_root(model_dir)):
                 raise ModelUnavailable(f"model {name!r} is not available: not loaded")
             raise ModelNotFound(f"unknown model {name!r}")
         loaded = slot.loaded
@@ -165,6 +182,9 @@ class ModelRepository:
         """Load every model folder; one that fails is logged and left UNAVAILABLE."""
         names = self._model_folders()
         log.info("repository_loading", repository=str(self._root), models=names)
+        for name in self._folders_outside():
+            log.warning("model_folder_outside_repository", model=name,
+                        reason="a symbolic link leading outside the repository; not served")
         for name in names:
             try:
                 await self.load(name)
@@ -173,13 +193,13 @@ class ModelRepository:
 
     async def load(self, name: str) -> None:
         """Load (or reload) the latest version of ``name``; READY once warmed up."""
-        self._check_name(name)
+        model_dir = self._model_dir(name)
         if self._closing:
             raise ModelUnavailable(f"the repository is closing; model {name!r} was not loaded")
-        model_dir = self._root / name
-        if not (model_dir / model_config.CONFIG_FILENAME).is_file():
+        if not self._has_config(model_dir):
             raise ModelNotFound(
-                f"unknown model {name!r}: no {model_config.CONFIG_FILENAME} in {model_dir}"
+                f"unknown model {name!r}: no {model_config.CONFIG_FILENAME} in its folder "
+                "of the model repository"
             )
         slot = self._slot(name)
         async with slot.lock:
@@ -188,9 +208,12 @@ class ModelRepository:
                 self._set_state(slot, LOADING, "loading")
             log.info("model_loading", model=name, reloading=previous is not None)
             try:
-                loaded = await asyncio.to_thread(self._build, model_dir)
+                loaded = await asyncio.to_thread(
+                    self._build, model_dir, self._failure_reporter(name))
             except Exception as exc:
-                error = exc if isinstance(exc, LoadError) else self._unexpected(name, exc)
+                # A model that does not fit its device's memory pool: RESOURCE_EXHAUSTED.
+                known = isinstance(exc, (LoadError, ResourceExhausted))
+                error = exc if known else self._unexpected(name, exc)
                 log.error("model_load_failed", model=name, reason=str(error))
                 if previous is not None:
                     # The old version keeps serving; the failure shows in the index.
@@ -220,10 +243,10 @@ class ModelRepository:
 
     async def unload(self, name: str, drain_timeout_s: float = 30.0) -> None:
         """Refuse new requests for ``name``, let queued ones finish, stop it."""
-        self._check_name(name)
+        model_dir = self._model_dir(name)
         slot = self._slots.get(name)
         if slot is None:
-            if not (self._root / name).is_dir():
+            if not self._is_folder(model_dir):
                 raise ModelNotFound(f"unknown model {name!r}")
             return  # never loaded: nothing to do
         async with slot.lock:
@@ -253,7 +276,35 @@ class ModelRepository:
 
     # -- the blocking part of a load (worker thread) -------------------------------------------
 
-    def _build(self, model_dir: Path) -> _Loaded:
+    def _failure_reporter(self, name: str) -> Callable[[ServedModel, str], None]:
+        """Called from an executor thread when a served model stops for good."""
+        loop = asyncio.get_running_loop()
+
+        def report(served: ServedModel, reason: str) -> None:
+            def spawn() -> None:
+                task = loop.create_task(self._model_failed(name, served, reason))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to report to
+                loop.call_soon_threadsafe(spawn)
+
+        return report
+
+    async def _model_failed(self, name: str, served: ServedModel, reason: str) -> None:
+        slot = self._slots.get(name)
+        if slot is None:
+            return
+        async with slot.lock:
+            if slot.loaded is None or slot.loaded.model is not served:
+                return  # already unloaded or replaced
+            slot.loaded = None
+            log.error("model_failed", model=name, version=slot.version, reason=reason)
+            self._set_state(slot, UNAVAILABLE, f"failed: {reason}; load it again to retry")
+        await asyncio.to_thread(served.stop, 0.0)
+
+    def _build(self, model_dir: Path,
+               on_failed: Callable[[ServedModel, str], None] | None = None) -> _Loaded:
         name = model_dir.name
         config, unsupported = model_config.read_model_config(model_dir)
         if unsupported:
@@ -269,13 +320,18 @@ class ModelRepository:
         module = loading.load_module(
             version_dir, filename=filename, parameters=parameters, device=spec.device
         )
-        served = ServedModel(spec, module, metrics=self._metrics, warmup_inputs=warmup)
+        served = ServedModel(
+            spec, module, metrics=self._metrics, warmup_inputs=warmup, pools=self._pools,
+            on_failed=None if on_failed is None else lambda reason: on_failed(served, reason),
+        )
         try:
             served.start()
         except BaseException:
             served.stop(0.0)
             raise
-        return _Loaded(served, model_config.effective_config(config, spec))
+        log.info("model_load_report", model=name, **served.load_report)
+        return _Loaded(served, model_config.effective_config(config, served.spec,
+                                                             served.load_report))
 
     @staticmethod
     def _unexpected(name: str, exc: Exception) -> LoadError:
@@ -287,17 +343,23 @@ class ModelRepository:
     # -- bookkeeping ---------------------------------------------------------------------------
 
     def _model_folders(self) -> list[str]:
+        """The model folders under the root that may be served (inside it, with a config)."""
+        return [name for name, inside in self._candidate_folders() if inside]
+
+    def _folders_outside(self) -> list[str]:
+        """Model folders that are links leading outside the root: refused, and said so once."""
+        return [name for name, inside in self._candidate_folders() if not inside]
+
+    def _candidate_folders(self) -> list[tuple[str, bool]]:
         try:
             entries = sorted(self._root.iterdir())
         except OSError as exc:
             log.error("repository_unreadable", repository=str(self._root), error=exc.strerror)
             return []
         return [
-            entry.name
+            (entry.name, self._inside_root(entry))
             for entry in entries
-            if not entry.name.startswith(".")
-            and entry.is_dir()
-            and (entry / model_config.CONFIG_FILENAME).is_file()
+            if self._is_plain_name(entry.name) and self._has_config(entry)
         ]
 
     def _slot(self, name: str) -> _Slot:
@@ -325,13 +387,43 @@ class ModelRepository:
             or "/" in name
             or "\\" in name
             or "\x00" in name
+            or len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES
             or Path(name).is_absolute()
             or Path(name).name != name
         )
 
-    @classmethod
-    def _check_name(cls, name: str) -> None:
-        if not cls._is_plain_name(name):
+    def _inside_root(self, path: Path) -> bool:
+        """Whether ``path``, links followed, is the root or lies under it."""
+        try:
+            return path.resolve().is_relative_to(self._real_root)
+        except (OSError, RuntimeError):  # unreadable, or a loop of links
+            return False
+
+    def _model_dir(self, name: str) -> Path:
+        """The folder of model ``name``, or InvalidRequest when the name could leave the root."""
+        if not self._is_plain_name(name):
             raise InvalidRequest(
-                f"model name must be a plain folder name under the repository, got {name!r}"
+                f"model name must be a plain folder name under the repository (no '/', '\\', "
+                f"NUL, leading '.', at most {MAX_NAME_BYTES} bytes), got {name!r}"
             )
+        model_dir = self._root / name
+        if not self._inside_root(model_dir):
+            raise InvalidRequest(
+                f"model {name!r} is a symbolic link leading outside the model repository; only "
+                "folders inside the repository are served"
+            )
+        return model_dir
+
+    @staticmethod
+    def _has_config(model_dir: Path) -> bool:
+        try:
+            return (model_dir / model_config.CONFIG_FILENAME).is_file()
+        except OSError:  # e.g. permission denied: as good as absent
+            return False
+
+    @staticmethod
+    def _is_folder(path: Path) -> bool:
+        try:
+            return path.is_dir()
+        except OSError:
+            return False

@@ -1,7 +1,9 @@
 """The KServe v2 / Triton gRPC service: thin handlers over the model repository and the codec.
 
 Each handler turns protocol messages into calls on ``ModelRepository`` / ``ServedModel`` and back;
-errors go through ``server.errors.status_of`` in one place (``_fail``).
+errors go through ``server.errors.status_of`` in one place (``_fail``). Every handler hands
+``_fail`` whatever it caught, not only ``BatchgateError``: a bug of ours then reaches the client
+as INTERNAL with a fixed text, where gRPC would send UNKNOWN with the exception's text.
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ from batcher.stats import Duration
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
 from server import __version__
-from server.codec import decode_request, deadline_from, encode_outputs
+from server.codec import DEFAULT_LIMITS, RequestLimits, decode_request, deadline_from, encode_outputs
 from server.errors import status_of
 from server.metrics import ServerMetrics
 from server.repository import ModelRepository
 
 log = structlog.get_logger(__name__)
+
+# (model, status) pairs with their own batchgate_requests_total series; the rest are "_unknown".
+MAX_LABELLED_COUNTERS = 4096
 
 _END_OF_STREAM = object()
 SERVER_EXTENSIONS = [
@@ -41,9 +46,11 @@ SHARED_MEMORY_MESSAGE = (
 
 
 class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, repository: ModelRepository, metrics: ServerMetrics) -> None:
+    def __init__(self, repository: ModelRepository, metrics: ServerMetrics,
+                 limits: RequestLimits = DEFAULT_LIMITS) -> None:
         self._repository = repository
         self._metrics = metrics
+        self._limits = limits
         self._ready = False
         self._draining = False
         self._status_counters: dict[tuple[str, grpc.StatusCode], object] = {}
@@ -72,6 +79,8 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
             model = self._repository.get(request.name, request.version)
         except BatchgateError:
             return pb.ModelReadyResponse(ready=False)
+        except Exception as exc:
+            return await _fail(context, exc)
         return pb.ModelReadyResponse(ready=model.ready and not self._draining)
 
     async def ServerMetadata(self, request, context):
@@ -82,7 +91,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(self, request, context):
         try:
             spec = self._repository.get(request.name, request.version).spec
-        except BatchgateError as exc:
+        except Exception as exc:
             return await _fail(context, exc)
         batch = [-1] if spec.batching.max_batch_size > 0 else []
         return pb.ModelMetadataResponse(
@@ -104,14 +113,14 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelConfig(self, request, context):
         try:
             config = self._repository.config(request.name, request.version)
-        except BatchgateError as exc:
+        except Exception as exc:
             return await _fail(context, exc)
         return pb.ModelConfigResponse(config=config)
 
     async def ModelStatistics(self, request, context):
         try:
             stats = await self._repository.statistics(request.name, request.version)
-        except BatchgateError as exc:
+        except Exception as exc:
             return await _fail(context, exc)
         return pb.ModelStatisticsResponse(model_stats=[_statistics(*s) for s in stats])
 
@@ -139,7 +148,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
             raise ModelUnavailable("the server is shutting down; retry on another replica")
         model = self._repository.get(request.model_name, request.model_version)
         spec = model.spec
-        decoded = decode_request(request, spec, deadline=deadline)
+        decoded = decode_request(request, spec, deadline=deadline, limits=self._limits)
         outputs = await model.infer(decoded)
         response = pb.ModelInferResponse(
             model_name=spec.name, model_version=spec.version, id=request.id
@@ -190,7 +199,10 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
     # -- repository --------------------------------------------------------------------------
 
     async def RepositoryIndex(self, request, context):
-        entries = self._repository.index()
+        try:
+            entries = self._repository.index()
+        except Exception as exc:
+            return await _fail(context, exc)
         if request.ready:
             entries = [e for e in entries if e.state == "READY"]
         return pb.RepositoryIndexResponse(models=[
@@ -202,14 +214,14 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelLoad(self, request, context):
         try:
             await self._repository.load(request.model_name)
-        except BatchgateError as exc:
+        except Exception as exc:
             return await _fail(context, exc)
         return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request, context):
         try:
             await self._repository.unload(request.model_name)
-        except BatchgateError as exc:
+        except Exception as exc:
             return await _fail(context, exc)
         return pb.RepositoryModelUnloadResponse()
 
@@ -237,12 +249,16 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
     # -- helpers -----------------------------------------------------------------------------
 
     def _count(self, model: str, code: grpc.StatusCode, started: float) -> None:
-        key = (model, code)
-        counter = self._status_counters.get(key)
+        counter = self._status_counters.get((model, code))
         if counter is None:
-            if len(self._status_counters) > 10_000:  # unknown names from clients: bound labels
+            # Model names come from clients: past a bound, new ones share one label (and one
+            # dict entry), so a client sending random names cannot grow the server's memory.
+            if len(self._status_counters) >= MAX_LABELLED_COUNTERS:
                 model = "_unknown"
-            counter = self._status_counters[key] = self._metrics.requests.labels(model, code.name)
+                counter = self._status_counters.get((model, code))
+            if counter is None:
+                counter = self._metrics.requests.labels(model, code.name)
+                self._status_counters[(model, code)] = counter
         counter.inc()
         if code is grpc.StatusCode.OK:
             histogram = self._latency.get(model)

@@ -42,6 +42,7 @@ import structlog
 
 from batcher.arena import ArenaLayout, SharedArena
 from server.multiproc_metrics import MultiProcessMetrics
+from server.settings import TOKEN_ENV, device_pool_args
 
 if TYPE_CHECKING:
     from server.app import Settings
@@ -290,7 +291,8 @@ class Supervisor:
                 self._phase = "serving"
                 self.serving = True
                 log.info("listening", grpc_port=self.grpc_port, metrics_port=self.metrics_port,
-                         model_repository=str(self.settings.model_repository))
+                         model_repository=str(self.settings.model_repository),
+                         **self.settings.security())
                 log.info("serving", models=self.models, grpc_port=self.grpc_port,
                          metrics_port=self.metrics_port, frontends=self.frontends)
             self._started.set()
@@ -471,15 +473,38 @@ class Supervisor:
         return [*self.executor_command, *self._arena_args(),
                 "--model-repository", str(self.settings.model_repository),
                 "--drain-timeout-s", str(self.settings.drain_timeout_s),
-                "--switch-interval-s", str(self.settings.switch_interval_s), *self._log_args()]
+                "--switch-interval-s", str(self.settings.switch_interval_s),
+                *device_pool_args(self.settings), *self._log_args()]
 
     def _frontend_argv(self, slot: int) -> list[str]:
         s = self.settings
         return [*self.frontend_command, *self._arena_args(), "--slot", str(slot),
                 "--host", s.host, "--grpc-port", str(self.grpc_port),
                 "--max-message-bytes", str(s.max_message_bytes),
+                "--max-request-bytes", str(s.request_bytes_limit),
+                "--max-tensor-elements", str(s.max_tensor_elements),
+                *self._tls_args(),
                 "--drain-timeout-s", str(s.drain_timeout_s),
                 "--switch-interval-s", str(s.switch_interval_s), *self._log_args()]
+
+    def _tls_args(self) -> list[str]:
+        s = self.settings
+        paths = {"--tls-cert": s.tls_cert, "--tls-key": s.tls_key,
+                 "--tls-client-ca": s.tls_client_ca}
+        # Absolute: a child could be started from another working directory.
+        return [arg for flag, path in paths.items() if path is not None
+                for arg in (flag, str(path.resolve()))]
+
+    def _child_env(self, role: str) -> dict[str, str]:
+        """Front ends get the bearer tokens in their environment (not their command line,
+        which ``ps`` shows); the executor, which serves no RPC, gets none."""
+        env = {k: v for k, v in self._env.items() if k not in TOKEN_ENV.values()}
+        if role == "frontend":
+            for kind, name in TOKEN_ENV.items():
+                token = getattr(self.settings, f"{kind}_token")
+                if token is not None:
+                    env[name] = token
+        return env
 
     def _arena_args(self) -> list[str]:
         return ["--arena-fd", str(self._arena.fd), "--arena-bytes", str(self.arena_bytes),
@@ -493,7 +518,8 @@ class Supervisor:
     def _spawn(self, child: _Child) -> None:
         try:
             proc = subprocess.Popen(
-                child.argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=self._env,
+                child.argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                env=self._child_env(child.role),
                 pass_fds=(self._arena.fd,), start_new_session=True,
                 # Between fork and exec this runs only prctl and getppid: no lock that another
                 # thread could have held at fork time.

@@ -117,6 +117,54 @@ def build_model(parameters):
     return WrongBatch()
 '''
 
+# A batch holding a 7 hangs until the file "unhang" appears in the gate folder (at most 120 s);
+# a 1-second execution timeout fails it first. Two batches in flight: the timeout must also
+# work with the assembler/compute thread pair.
+HANGING_CONFIG = FAILING_CONFIG.replace('"failing"', '"hanging"') + """
+parameters { key: "execution_timeout_ms" value: { string_value: "1000" } }
+parameters { key: "gate_dir" value: { string_value: "GATE_DIR" } }
+"""
+HANGING_MODEL = '''
+import time
+from pathlib import Path
+
+import torch
+
+
+class Hanging(torch.nn.Module):
+    def __init__(self, gate_dir):
+        super().__init__()
+        self.unhang = Path(gate_dir) / "unhang"
+
+    def forward(self, x):
+        if bool((x == 7).any()):
+            deadline = time.monotonic() + 120
+            while not self.unhang.exists() and time.monotonic() < deadline:
+                time.sleep(0.005)
+        return x + 1
+
+
+def build_model(parameters):
+    return Hanging(parameters["gate_dir"])
+'''
+
+# A batch holding a 13 raises SystemExit, which no model should: the instance stops for good.
+FATAL_CONFIG = FAILING_CONFIG.replace('"failing"', '"fatal"')
+FATAL_MODEL = '''
+import torch
+
+
+class Fatal(torch.nn.Module):
+    def forward(self, x):
+        if bool((x == 13).any()):
+            raise SystemExit(3)
+        return x + 1
+
+
+def build_model(parameters):
+    return Fatal()
+'''
+
 NUMERIC_TYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32",
                  "INT64", "FP16", "FP32", "FP64", "BF16")
 TRITON_TYPES = {"BOOL": "TYPE_BOOL", "BF16": "TYPE_BF16"}
@@ -176,6 +224,8 @@ TEST_MODELS = {
     "gated": (GATED_CONFIG, GATED_MODEL),
     "failing": (FAILING_CONFIG, FAILING_MODEL),
     "wrongbatch": (WRONGBATCH_CONFIG, WRONGBATCH_MODEL),
+    "hanging": (HANGING_CONFIG, HANGING_MODEL),
+    "fatal": (FATAL_CONFIG, FATAL_MODEL),
 }
 
 
@@ -245,12 +295,14 @@ def reference(model: str, x: np.ndarray) -> np.ndarray:
 class Load:
     """Closed-loop SDK clients on threads, inferring the example ``mlp``: every answer checked,
     final failures counted by status code. Each client has its own connection (gRPC shares one
-    per target otherwise), so load balancers and SO_REUSEPORT spread them. Bounded in time."""
+    per target otherwise), so load balancers and SO_REUSEPORT spread them. Bounded in time:
+    clients stop after ``max_s`` whatever happens."""
 
-    def __init__(self, address: str, clients: int = 8, retry=None) -> None:
+    def __init__(self, address: str, clients: int = 8, retry=None, max_s: float = 120) -> None:
         from clients import RetryPolicy
 
         self.address = address
+        self.max_s = max_s
         self.retry = retry or RetryPolicy(max_attempts=1)
         self.ok = 0
         self.wrong = 0
@@ -267,7 +319,7 @@ class Load:
 
         with Client(self.address, timeout_s=10, retry=self.retry,
                     options=[("grpc.use_local_subchannel_pool", 1)]) as client:
-            deadline = time.monotonic() + 120  # bounded whatever happens
+            deadline = time.monotonic() + self.max_s
             while not self._stop.is_set() and time.monotonic() < deadline:
                 try:
                     out = client.infer("mlp", {"INPUT__0": self._x})["OUTPUT__0"]
@@ -394,17 +446,20 @@ class ServeProcess:
     Children's lines (multi-process mode) carry a ``role``; ``wait_for`` and ``pids`` tell them
     apart from the server's own."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "server.cli", *args],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
         )
         self.events: list[dict] = []
+        self.lines: list[bytes] = []  # every line of stderr, JSON or not
         self._changed = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         for line in self.proc.stderr:
+            with self._changed:
+                self.lines.append(line)
             try:
                 event = json.loads(line)
             except ValueError:
@@ -443,16 +498,18 @@ class ServeProcess:
             raise
 
 
-def start_multiprocess_server(repository: Path, gate: Gate | None = None, frontends: int = 2
-                              ) -> RunningServer:
-    """The supervisor with an executor process and ``frontends`` front-end processes."""
+def start_multiprocess_server(repository: Path, gate: Gate | None = None, frontends: int = 2,
+                              extra_args: tuple[str, ...] = (),
+                              env: dict[str, str] | None = None) -> RunningServer:
+    """The supervisor with an executor process and ``frontends`` front-end processes;
+    ``extra_args``: further ``serve`` flags; ``env``: the server's whole environment."""
     # The supervisor runs apart from the test process on purpose: it forks its children, and a
     # fork of a process whose threads are inside gRPC (the tests' clients) is not safe.
     supervisor = ServeProcess(
         "serve", "--frontends", str(frontends), "--host", "127.0.0.1", "--grpc-port", "0",
         "--metrics-port", "0", "--model-repository", str(repository),
         "--arena-bytes", str(256 << 20), "--drain-timeout-s", "10", "--log-format", "json",
-        "--no-gc-freeze")
+        "--no-gc-freeze", *extra_args, env=env)
     try:
         serving = supervisor.wait_for("serving")
     except BaseException:
@@ -466,6 +523,52 @@ def start_multiprocess_server(repository: Path, gate: Gate | None = None, fronte
     running = RunningServer("multi", serving["grpc_port"], serving["metrics_port"], gate, stop)
     running.supervisor = supervisor
     return running
+
+
+def make_pki(directory: Path) -> dict[str, Path]:
+    """Throwaway certificates, made with the ``openssl`` command: a CA; a server certificate it
+    signed for localhost and 127.0.0.1; a client certificate it signed; and a client
+    certificate signed by another CA (``rogue_*``), which a server trusting the first refuses.
+    Keys are P-256: quick to make. Paths by name: ``ca``, ``server_cert``, ``server_key``,
+    ``client_cert``, ``client_key``, ``rogue_cert``, ``rogue_key``."""
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True,
+                       timeout=60)
+
+    def ca(name: str) -> None:
+        run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+            "-nodes", "-days", "2", "-subj", f"/CN=batchgate test {name}",
+            "-addext", "basicConstraints=critical,CA:TRUE",
+            "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+            "-keyout", f"{name}.key", "-out", f"{name}.pem")
+
+    def leaf(name: str, issuer: str, extensions: str) -> None:
+        (directory / f"{name}.ext").write_text(extensions)
+        run("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+            "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.csr")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", f"{issuer}.pem", "-CAkey",
+            f"{issuer}.key", "-CAcreateserial", "-days", "2", "-extfile", f"{name}.ext",
+            "-out", f"{name}.pem")
+
+    ca("ca")
+    ca("rogue-ca")
+    leaf("server", "ca", "subjectAltName=DNS:localhost,IP:127.0.0.1\n"
+                         "extendedKeyUsage=serverAuth\n")
+    leaf("client", "ca", "extendedKeyUsage=clientAuth\n")
+    leaf("rogue", "rogue-ca", "extendedKeyUsage=clientAuth\n")
+    return {
+        "ca": directory / "ca.pem",
+        "server_cert": directory / "server.pem", "server_key": directory / "server.key",
+        "client_cert": directory / "client.pem", "client_key": directory / "client.key",
+        "rogue_cert": directory / "rogue.pem", "rogue_key": directory / "rogue.key",
+    }
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory) -> dict[str, Path]:
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is needed to make the test certificates")
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from batcher.admission import Admission
-from batcher.device_share import DeviceShare
+from batcher.device_share import DeviceShare, DeviceTurns
 from batcher.errors import (
     AdmissionRefused,
     DeadlineExceeded,
@@ -478,12 +478,14 @@ def test_two_backlogged_members_get_device_time_in_the_ratio_of_their_weights():
 
     def executor(member) -> None:
         while True:
-            with share.turn(member):
-                if len(grants) >= total:
-                    working.clear()  # no reservation for a member that has stopped
-                    return
-                grants.append(member.name)
-                clock.advance(3.0)  # every batch: 3 s of (fake) device time, exact passes
+            share.acquire(member)
+            if len(grants) >= total:
+                working.clear()  # no reservation for a member that has stopped
+                share.release(member, 0.0)
+                return
+            grants.append(member.name)
+            clock.advance(3.0)
+            share.release(member, 3.0)  # every batch: 3 s of (fake) device time, exact passes
 
     # Hold the device until both executors wait for it, so neither runs alone at first.
     gatekeeper = share.join("gatekeeper", 1)
@@ -538,6 +540,29 @@ def test_a_member_alone_gets_the_whole_device_and_idling_banks_no_credit():
     assert idle.pass_ >= 9.0
     share.leave(busy)
     share.leave(idle)
+
+
+def test_a_batch_turn_ends_on_whichever_thread_finishes_the_batch():
+    clock = FakeClock()
+    share = DeviceShare("cuda:0", clock=clock)
+    charged: list[float] = []
+    turns = DeviceTurns(share)
+    turns.begin(1)  # not joined yet (warm-up): no turn taken
+    turns.end(1)
+    turns.join("gpu-model", 1, backlog=lambda: False, on_charge=charged.append)
+    other = share.join("other", 1)
+    turns.begin(7)  # the compute thread launches batch 7
+    assert not share.acquire(other, blocking=False)
+    clock.advance(0.25)
+    finisher = threading.Thread(target=turns.end, args=(7,))  # the batch completes there
+    finisher.start()
+    finisher.join(10)
+    assert charged == [0.25]
+    assert share.acquire(other, blocking=False)
+    share.release(other, 0.0)
+    turns.end(7)  # a second end of the same batch is a no-op
+    assert charged == [0.25]
+    turns.leave()
 
 
 async def test_served_models_with_a_weight_take_turns_and_are_metered(served, registry):

@@ -32,9 +32,9 @@ def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
     assert json.loads((tmp_path / "out.json").read_text())["cuda"] is False
 
 
-def test_cpu_mode_runs_the_correctness_harness(tmp_path):
+def test_cpu_mode_runs_the_correctness_harness_and_the_pool_trace(tmp_path):
     out = tmp_path / "out.json"
-    result = run_check("--cpu", "--json", str(out), timeout_s=120)
+    result = run_check("--cpu", "--json", str(out), timeout_s=240)
 
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
@@ -44,10 +44,21 @@ def test_cpu_mode_runs_the_correctness_harness(tmp_path):
     assert mlp["data"]["max_relative_error"] <= mlp["data"]["tolerance"] == 1e-4
     assert mlp["data"]["sizes"] == [1, 7, 64]
     assert mlp["data"]["requests"] == 12
-    assert {row["section"] for row in report["rows"]} == {"a"}
-    assert all(row["status"] == "PASS" for row in report["rows"]), report["rows"]
+    staged = rows["mlp fp32 buckets+staging on cpu"]
+    assert staged["status"] == "PASS" and staged["data"]["input_staging"] == "queue"
+    assert staged["data"]["buckets"] == [1, 2, 4, 8, 16, 32, 64]
+    correctness = [row for row in report["rows"] if row["section"] == "a"]
+    assert len(correctness) == 9
+    assert all(row["status"] == "PASS" for row in correctness), correctness
     assert any(line.split()[:4] == ["mlp", "fp32", "on", "cpu"] and "PASS" in line
                for line in result.stdout.splitlines()), result.stdout
+    # (b): every seeded trace served by our pool, its in-use / reserved figure printed.
+    pool = rows["batchgate pool, mixed traces, on cpu"]
+    assert pool["status"] == "INFO"
+    assert all(seed["refused"] == 0 for seed in pool["data"]["seeds"])
+    assert 0.5 < pool["data"]["min_ratio"] <= pool["data"]["ratio"] <= 1.0
+    assert rows["caching allocator, same trace"]["status"] == "SKIP"
+    assert {row["section"] for row in report["rows"]} == {"a", "b"}
 
 
 @pytest.mark.cuda
@@ -60,7 +71,7 @@ def test_full_run_on_cuda(tmp_path):
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     report = json.loads(out.read_text())
     correctness = [row for row in report["rows"] if row["section"] == "a"]
-    assert len(correctness) == 9, correctness
+    assert len(correctness) == 18, correctness
     assert all(row["status"] == "PASS" for row in correctness), correctness
 
 
@@ -78,4 +89,4 @@ def test_cpu_mode_runs_the_gateway_throughput_harness(tmp_path):
     assert gateway["data"]["errors"] == 0
     assert gateway["data"]["requests_ok"] > 0
     assert gateway["data"]["ratio_vs_inprocess"] > 0
-    assert rows["CUDA graphs (captured per batch bucket)"]["status"] == "NOT BUILT"
+    assert rows["encoder in-process b8 amp-bf16+graphs"]["status"] == "SKIP"

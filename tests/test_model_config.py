@@ -268,10 +268,16 @@ def test_other_backends_are_refused(tmp_path):
     ("key", "value"),
     [
         ("precision", "fp8"),
+        ("buckets", "0,4"),
+        ("buckets", "1,16"),  # over max_batch_size 8
+        ("buckets", "some"),
+        ("cuda_graphs", "yes"),
+        ("input_staging", "later"),
         ("min_batch_size", "lots"),
         ("min_batch_size", "9"),  # over max_batch_size 8
         ("max_inflight_batches", "0"),
         ("warmup", "maybe"),
+        ("execution_timeout_ms", "-5"),
         ("INTRA_OP_THREAD_COUNT", "-1"),
         ("INTER_OP_THREAD_COUNT", "two"),
         ("batch_policy", "lifo"),
@@ -289,10 +295,10 @@ def test_bad_parameter_values_say_what_they_got(tmp_path, key, value):
 
 
 def test_documented_parameters_take_effect(tmp_path):
-    assert set(PARAMETERS) == {
-        "precision", "min_batch_size", "max_inflight_batches", "warmup", "batch_policy",
-        "slo_ms", "admission", "device_share_weight",
-    }
+    assert set(PARAMETERS) == {"precision", "min_batch_size", "max_inflight_batches", "warmup",
+                               "execution_timeout_ms", "buckets", "cuda_graphs",
+                               "input_staging", "batch_policy", "slo_ms", "admission",
+                               "device_share_weight"}
     assert all(description.strip() for description in PARAMETERS.values())
     default = spec_of(tmp_path, BASE)
     spec = spec_of(
@@ -302,24 +308,51 @@ def test_documented_parameters_take_effect(tmp_path):
             min_batch_size="3",
             max_inflight_batches="4",
             warmup="false",
+            execution_timeout_ms="250",
             INTRA_OP_THREAD_COUNT="2",
             INTER_OP_THREAD_COUNT="1",
+            buckets="2,4",
+            cuda_graphs="true",
+            input_staging="queue",
             batch_policy="Deadline",
             slo_ms="12.5",
             admission="false",
             device_share_weight="3",
         ),
     )
-    assert (default.precision, spec.precision) == ("fp32", "bf16")
+    assert (default.precision, spec.precision) == ("fp32", "amp-bf16")
     assert (default.batching.min_batch_size, spec.batching.min_batch_size) == (0, 3)
     assert (default.batching.max_inflight_batches, spec.batching.max_inflight_batches) == (2, 4)
     assert (default.warmup, spec.warmup) == (True, False)
+    assert (default.execution_timeout_ms, spec.execution_timeout_ms) == (0, 250)
     assert (default.intra_op_threads, spec.intra_op_threads) == (0, 2)
     assert (default.inter_op_threads, spec.inter_op_threads) == (0, 1)
     assert (default.batching.policy, spec.batching.policy) == ("fifo", "deadline")
     assert (default.batching.slo_ms, spec.batching.slo_ms) == (0.0, 12.5)
     assert (default.batching.admission, spec.batching.admission) == (True, False)
     assert (default.batching.device_share_weight, spec.batching.device_share_weight) == (0.0, 3.0)
+    assert (default.buckets, spec.buckets) == ((), (2, 4, 8))  # max_batch_size is added
+    assert (default.cuda_graphs, spec.cuda_graphs) == (False, True)
+    assert (default.input_staging, spec.input_staging) == ("batch", "queue")
+
+
+@pytest.mark.parametrize(
+    ("given", "canonical"),
+    [("fp32", "fp32"), ("fp16", "amp-fp16"), ("bf16", "amp-bf16"), ("amp-fp16", "amp-fp16"),
+     ("AMP-BF16", "amp-bf16"), ("fp16-weights", "fp16-weights")],
+)
+def test_precision_names_old_and_new(tmp_path, given, canonical):
+    assert spec_of(tmp_path, with_params(precision=given)).precision == canonical
+
+
+def test_buckets_default_to_powers_of_two_on_a_gpu_and_none_on_the_cpu(tmp_path):
+    config, _ = read_model_config(write_config(tmp_path, BASE))
+    cpu = model_spec_from_config(config, "1", cuda_available=False)
+    gpu = model_spec_from_config(config, "1", cuda_available=True)
+    assert cpu.buckets == () and cpu.input_staging == "batch"
+    assert gpu.buckets == (1, 2, 4, 8) and gpu.input_staging == "queue"
+    assert spec_of(tmp_path, with_params(buckets="pow2")).buckets == (1, 2, 4, 8)
+    assert spec_of(tmp_path, with_params(buckets="none")).buckets == ()
 
 
 def test_queue_policies_map_to_the_batcher(tmp_path):
@@ -385,16 +418,20 @@ def test_effective_config_fills_defaults_and_resolved_parameters(tmp_path):
     assert (group.kind, group.count) == (model_config_pb2.ModelInstanceGroup.KIND_CPU, 1)
     params = {k: v.string_value for k, v in effective.parameters.items()}
     assert params == {
-        "precision": "fp16",
+        "precision": "amp-fp16",
         "min_batch_size": "8",
         "max_inflight_batches": "2",
         "warmup": "true",
+        "execution_timeout_ms": "0",
         "batch_policy": "fifo",
         "slo_ms": "0",
         "admission": "true",
         "device_share_weight": "0",
         "INTRA_OP_THREAD_COUNT": "0",
         "INTER_OP_THREAD_COUNT": "0",
+        "buckets": "none",
+        "cuda_graphs": "false",
+        "input_staging": "batch",
         "my_own": "x",
     }
     assert not effective.HasField("dynamic_batching")

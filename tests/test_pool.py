@@ -16,9 +16,11 @@ from batcher.pool import (
     bucket_for,
     default_buckets,
     mixed_trace,
+    model_plan,
     peak_live_bytes,
     plan_for,
     replay_trace,
+    unpooled_reservation,
 )
 
 CUDA = torch.cuda.is_available()
@@ -290,3 +292,46 @@ def test_random_alloc_free_keeps_the_allocator_consistent(operations):
         handle.release()
     assert pool.bytes_in_use == 0
     pool._allocator.check_invariants()
+
+
+def test_model_plan_has_a_batch_buffer_per_slot_and_graph_buffers_per_bucket():
+    plan = model_plan([((3, 4), torch.float32), ((2,), torch.int64)], [((5,), torch.float16)],
+                      max_rows=8, slots=2, graph_buckets=(1, 8))
+    batch = [b for b in plan.buffers if b.kind == "batch"]
+    assert plan.slots == 2 and plan.buckets == (1, 8)
+    assert sorted((b.slot, b.index, b.shape) for b in batch) == [
+        (0, 0, (8, 3, 4)), (0, 1, (8, 2)), (1, 0, (8, 3, 4)), (1, 1, (8, 2))]
+    assert plan.nbytes == 2 * 8 * (12 * 4 + 2 * 8) + (1 + 8) * (12 * 4 + 2 * 8 + 5 * 2)
+    assert "for 2 batches in flight" in plan.describe()
+    pool = DevicePool("cpu", MIB)
+    reservation = pool.admit("m", plan)
+    assert [t.shape for t in reservation.batch[1]] == [(8, 3, 4), (8, 2)]
+    assert [t.shape for t in reservation.outputs[8]] == [(8, 5)]
+    # A model without batching: one sample per buffer, no batch dimension.
+    single = model_plan([((3,), torch.float32)], [], max_rows=None, slots=1)
+    assert [b.shape for b in single.buffers] == [(3,)]
+
+
+def test_a_permissive_pool_admits_what_does_not_fit_outside_and_counts_it():
+    pool = DevicePool("cpu", 8192, alignment=512, strict=False)
+    plan = model_plan([((1024,), torch.float32)], [], max_rows=4, slots=2)
+    reservation = pool.admit("big", plan)
+    assert reservation.fallbacks == pool.fallbacks == len(plan.buffers) + 1
+    assert reservation.nbytes == 0 and pool.bytes_in_use == 0
+    for tensor in reservation.batch[0] + reservation.batch[1]:
+        assert tensor.shape == (4, 1024)
+        assert tensor.untyped_storage().data_ptr() != pool._buffer.untyped_storage().data_ptr()
+    pool.release("big")
+    assert pool.bytes_in_use == 0
+    strict = DevicePool("cpu", 8192, alignment=512)
+    with pytest.raises(ResourceExhausted, match="needs 33280 bytes"):
+        strict.admit("big", plan)
+
+
+def test_unpooled_reservation_matches_the_plan():
+    plan = model_plan([((2,), torch.bfloat16)], [((2,), torch.float32)], max_rows=4, slots=3,
+                      graph_buckets=(2, 4))
+    reservation = unpooled_reservation("m", plan, "cpu")
+    assert sorted(reservation.batch) == [0, 1, 2]
+    assert reservation.batch[2][0].dtype == torch.bfloat16
+    assert sorted(reservation.inputs) == sorted(reservation.outputs) == [2, 4]

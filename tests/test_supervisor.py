@@ -67,10 +67,16 @@ STANDIN = textwrap.dedent('''
     p.add_argument("--switch-interval-s", type=float, required=True)
     if ROLE == "executor":
         p.add_argument("--model-repository", required=True)
+        p.add_argument("--device-pool-bytes", type=int, required=True)
+        p.add_argument("--device-pool-fraction", type=float)
+        p.add_argument("--device-pool-permissive", action="store_true")
     else:
-        for flag in ("--slot", "--grpc-port", "--max-message-bytes"):
+        for flag in ("--slot", "--grpc-port", "--max-message-bytes", "--max-request-bytes",
+                     "--max-tensor-elements"):
             p.add_argument(flag, type=int, required=True)
         p.add_argument("--host", required=True)
+        for flag in ("--tls-cert", "--tls-key", "--tls-client-ca"):
+            p.add_argument(flag)
     args = p.parse_args(sys.argv[2:])
     say("standin_started")
     say("standin_warning", level="warning")
@@ -116,20 +122,22 @@ STANDIN = textwrap.dedent('''
 
 # The supervisor as the CLI runs it, in its own process, with stand-in children.
 DRIVER = textwrap.dedent('''
-    import json, sys, types
+    import json, sys
     from pathlib import Path
 
     sys.path.insert(0, {root!r})
     from server.logs import configure_logging
+    from server.settings import Settings
     from server.supervisor import RestartPolicy, Supervisor
 
     configure_logging("info", "json")
     print(json.dumps(dict(event="driver_modules", torch="torch" in sys.modules,
                           grpc="grpc" in sys.modules)), file=sys.stderr, flush=True)
     here = Path(__file__).parent
-    settings = types.SimpleNamespace(
+    settings = Settings(
         host="127.0.0.1", grpc_port=0, metrics_port=0, model_repository=here,
-        max_message_bytes=1 << 20, drain_timeout_s=float(sys.argv[1]), switch_interval_s=0.0005)
+        max_message_bytes=1 << 20, drain_timeout_s=float(sys.argv[1]), switch_interval_s=0.0005,
+        device_pool_bytes=1 << 20, device_pool_fraction=None, device_pool_strict=True)
     supervisor = Supervisor(
         settings, frontends=2, arena_bytes=1 << 20, log_format="json",
         executor_command=[sys.executable, str(here / "standin.py"), "executor"],

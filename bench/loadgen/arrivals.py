@@ -1,0 +1,77 @@
+"""Intended send times for the open loop: constant, Poisson, or bursty on/off.
+
+The schedule is drawn before the run (seeded) and never adapts to the server: a request is due
+at its time whether or not earlier ones have been answered, and its latency is counted from
+that time. That is what keeps queueing visible when the server stalls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+ARRIVALS = ("constant", "poisson", "bursty")
+MAX_ARRIVALS = 50_000_000  # 400 MB of float64 times: far beyond what one machine can send
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrival:
+    """``kind`` at ``rate_per_s``; bursty sends Poisson arrivals at that rate during on-periods
+    of ``on_s`` and nothing during off-periods of ``off_s``, starting with an on-period."""
+
+    kind: str
+    rate_per_s: float
+    on_s: float = 1.0
+    off_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ARRIVALS:
+            raise ValueError(f"arrival must be one of {', '.join(ARRIVALS)}, got {self.kind!r}")
+        if not self.rate_per_s > 0:
+            raise ValueError(f"rate must be > 0, got {self.rate_per_s}")
+        if self.kind == "bursty" and not (self.on_s > 0 and self.off_s >= 0):
+            raise ValueError(f"bursts need on > 0 s and off >= 0 s, got {self.on_s}, {self.off_s}")
+
+    @property
+    def mean_rate_per_s(self) -> float:
+        if self.kind != "bursty":
+            return self.rate_per_s
+        return self.rate_per_s * self.on_s / (self.on_s + self.off_s)
+
+
+def schedule(arrival: Arrival, rng: np.random.Generator, *, start_s: float,
+             duration_s: float | None = None, count: int | None = None,
+             phase_origin_s: float = 0.0) -> np.ndarray:
+    """Sorted intended send times (seconds) from ``start_s``: those before ``start_s +
+    duration_s``, or exactly ``count`` of them. Bursts are phased from ``phase_origin_s``."""
+    if (duration_s is None) == (count is None):
+        raise ValueError("give exactly one of duration_s and count")
+    if count is not None:
+        return _first(arrival, rng, start_s, count, phase_origin_s)
+    expected = arrival.mean_rate_per_s * duration_s
+    if expected > MAX_ARRIVALS:
+        raise ValueError(f"{expected:,.0f} arrivals in one step; lower the rate or the duration")
+    end = start_s + duration_s
+    # Draw a little more than expected, and more again in the rare case that was not enough.
+    n = int(expected + 6 * np.sqrt(expected) + 16)
+    while True:
+        times = _first(arrival, rng, start_s, n, phase_origin_s)
+        if times.size and times[-1] >= end:
+            return times[times < end]
+        n *= 2
+
+
+def _first(arrival: Arrival, rng: np.random.Generator, start_s: float, count: int,
+           phase_origin_s: float) -> np.ndarray:
+    rate = arrival.rate_per_s
+    if arrival.kind == "constant":
+        return start_s + np.arange(count, dtype=np.float64) / rate
+    busy = start_s + np.cumsum(rng.exponential(1.0 / rate, size=count))
+    if arrival.kind == "poisson":
+        return busy
+    # Bursty: lay the Poisson process of on-time only over a clock that skips the off-periods.
+    on, period = arrival.on_s, arrival.on_s + arrival.off_s
+    on_time = (start_s - phase_origin_s) // period * on + min((start_s - phase_origin_s) % period, on)
+    on_time = on_time + (busy - start_s)
+    return phase_origin_s + on_time // on * period + on_time % on
