@@ -348,7 +348,8 @@ class Step:
 _REASON_PREFIX = "batchgate_batches_total{reason="
 
 
-def run_bench_cli(url: str, model: str, concurrency: int, seconds: float) -> PerfRun:
+def run_bench_cli(url: str, model: str, concurrency: int, seconds: float,
+                  metrics_url: str) -> PerfRun:
     """``batchgate bench`` (closed loop at ``concurrency``) as a subprocess: its JSON figures as
     a PerfRun, with its own CPU time (the load generator shares the cores)."""
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as scratch:
@@ -356,7 +357,7 @@ def run_bench_cli(url: str, model: str, concurrency: int, seconds: float) -> Per
         command = [
             sys.executable, "-m", "bench.loadgen", "--url", url, "--model", model,
             "--concurrency", str(concurrency), "--warmup-s", "1", "--duration-s", f"{seconds:g}",
-            "--quiet", "--json", str(report_path),
+            "--metrics-url", metrics_url, "--quiet", "--json", str(report_path),
         ]
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         started = time.monotonic()
@@ -398,7 +399,8 @@ def load_step(server: ServerProcess, concurrency: int, seconds: float, args: arg
             measurement_interval_ms=int(seconds * 1000), perf_analyzer=args.perf_analyzer,
         )
     else:
-        perf = run_bench_cli(url, name, concurrency, seconds)
+        perf = run_bench_cli(url, name, concurrency, seconds,
+                             f"http://127.0.0.1:{server.metrics_port}/metrics")
     after, cpu_after, busy_after = server.scrape(), process_cpu_s(server.pid), machine_busy_s()
 
     def delta(key: str) -> float:
