@@ -5,7 +5,8 @@ One run, one machine, the model on one intra-op thread in both:
 1. the in-process ceiling (``bench.inprocess``, in a subprocess): samples/s at batch 64 and the
    per-call p50 at batch 1;
 2. the server as a subprocess on loopback, serving only the measured model;
-3. ``perf_analyzer`` (gRPC, synchronous, closed loop) at concurrency 1 and 64, with the server's
+3. the load generator, closed loop at concurrency 1 and 64: ``batchgate bench`` (the default) or
+   Triton's ``perf_analyzer`` (``--load-generator perf_analyzer``, gRPC, synchronous), with the server's
    ``/metrics`` and CPU time read around each step;
 4. SIGTERM, checking the server exits 0, then the in-process figures again: the machine is
    shared, so the ceiling is the mean of before and after and both are shown.
@@ -30,6 +31,7 @@ import os
 import platform
 import queue
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -290,7 +292,7 @@ def single_model_repository(repository: Path, model: str,
 @dataclasses.dataclass
 class Step:
     concurrency: int
-    perf: PerfRun
+    perf: PerfRun  # from either load generator; perf.cpu_s is the load generator's CPU
     batches: float
     samples: float
     compute_s: float
@@ -328,17 +330,17 @@ class Step:
     def as_dict(self) -> dict[str, Any]:
         return {
             "concurrency": self.concurrency,
-            "perf_analyzer": dataclasses.asdict(self.perf.row),
+            "load": dataclasses.asdict(self.perf.row),
             "stability_percentage": self.perf.stability_percentage,
             "wall_s": self.perf.wall_s,
-            "perf_analyzer_command": self.perf.command,
+            "load_command": self.perf.command,
             "batches": self.batches,
             "mean_batch_size": self.mean_batch,
             "mean_compute_ms": self.mean_compute_ms,
             "mean_queue_ms": self.mean_queue_ms,
             "dispatch_reasons": self.reasons,
             "server_cores": self.server_cores,
-            "perf_analyzer_cores": self.perf_analyzer_cores,
+            "load_generator_cores": self.perf_analyzer_cores,
             "other_cores": self.other_cores,
         }
 
@@ -346,13 +348,59 @@ class Step:
 _REASON_PREFIX = "batchgate_batches_total{reason="
 
 
-def load_step(server: ServerProcess, concurrency: int, seconds: float, perf_analyzer: Path) -> Step:
-    name = server.model
-    before, cpu_before, busy_before = server.scrape(), process_cpu_s(server.pid), machine_busy_s()
-    perf = run_perf_analyzer(
-        url=f"127.0.0.1:{server.grpc_port}", model=name, concurrency=concurrency,
-        measurement_interval_ms=int(seconds * 1000), perf_analyzer=perf_analyzer,
+def run_bench_cli(url: str, model: str, concurrency: int, seconds: float,
+                  metrics_url: str) -> PerfRun:
+    """``batchgate bench`` (closed loop at ``concurrency``) as a subprocess: its JSON figures as
+    a PerfRun, with its own CPU time (the load generator shares the cores)."""
+    with tempfile.TemporaryDirectory(prefix="bench-serving-") as scratch:
+        report_path = Path(scratch) / "bench.json"
+        command = [
+            sys.executable, "-m", "bench.loadgen", "--url", url, "--model", model,
+            "--concurrency", str(concurrency), "--warmup-s", "1", "--duration-s", f"{seconds:g}",
+            "--metrics-url", metrics_url, "--quiet", "--json", str(report_path),
+        ]
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        started = time.monotonic()
+        process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, text=True)
+        _, stderr = process.communicate()
+        wall_s = time.monotonic() - started
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if process.returncode != 0 or not report_path.exists():
+            raise BenchError(f"batchgate bench exited {process.returncode}:\n{stderr[-2000:]}")
+        report = json.loads(report_path.read_text())
+    (step,) = report["steps"]
+    errors = sum(step["errors"].values())
+    if errors:
+        raise BenchError(f"batchgate bench counted {errors} errors at c={concurrency}: {step['errors']}")
+    latency = step["latency_ms"]
+    server = step.get("server_metrics") or {}
+    row = PerfRow(
+        concurrency=concurrency, throughput_per_s=step["throughput_per_s"],
+        p50_ms=latency["p50"], p99_ms=latency["p99"], p90_ms=latency["p90"],
+        server_queue_ms=server.get("mean_queue_ms"),
     )
+    # RUSAGE_CHILDREN accumulates over every child waited for: the difference is this one's.
+    cpu_s = (usage.ru_utime + usage.ru_stime) - (before.ru_utime + before.ru_stime)
+    return PerfRun(row=row, stability_percentage=0.0,
+                   wall_s=wall_s,
+                   cpu_s=cpu_s, command=command)
+
+
+
+def load_step(server: ServerProcess, concurrency: int, seconds: float, args: argparse.Namespace
+              ) -> Step:
+    name = server.model
+    url = f"127.0.0.1:{server.grpc_port}"
+    before, cpu_before, busy_before = server.scrape(), process_cpu_s(server.pid), machine_busy_s()
+    if args.load_generator == "perf_analyzer":
+        perf = run_perf_analyzer(
+            url=url, model=name, concurrency=concurrency,
+            measurement_interval_ms=int(seconds * 1000), perf_analyzer=args.perf_analyzer,
+        )
+    else:
+        perf = run_bench_cli(url, name, concurrency, seconds,
+                             f"http://127.0.0.1:{server.metrics_port}/metrics")
     after, cpu_after, busy_after = server.scrape(), process_cpu_s(server.pid), machine_busy_s()
 
     def delta(key: str) -> float:
@@ -395,8 +443,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             server.wait_serving()
             config = server.model_config()
             for concurrency in (1, HIGH_CONCURRENCY):
-                _say(f"perf_analyzer at concurrency {concurrency}, {seconds:g} s windows ...")
-                steps.append(load_step(server, concurrency, seconds, args.perf_analyzer))
+                _say(f"{args.load_generator} at concurrency {concurrency}, {seconds:g} s ...")
+                steps.append(load_step(server, concurrency, seconds, args))
         except BaseException:
             server.stop()
             raise
@@ -441,6 +489,7 @@ def summarize(
             "max_queue_delay_us": dynamic.max_queue_delay_microseconds if dynamic else None,
             "max_inflight_batches": params.get("max_inflight_batches"),
             "server_args": args.server_arg,
+            "load_generator": args.load_generator,
             "seconds_per_step": args.seconds_per_step,
             "server_command": server.command,
         },
@@ -491,7 +540,7 @@ def render(report: dict[str, Any]) -> str:
         ("c=64 throughput", f"{f['c64_throughput_per_s']:,.0f} infer/s", "", ""),
         ("ratio c=64 ÷ ceiling", f"{f['ratio']:.2f}", f"≥ {TARGET_RATIO:.2f}", verdict("ratio")),
         ("c=64 p99", f"{f['c64_p99_ms']:.1f} ms", f"≤ {TARGET_P99_MS:.0f} ms", verdict("c64_p99_ms")),
-        ("c=64 p50", f"{high['perf_analyzer']['p50_ms']:.1f} ms", "", ""),
+        ("c=64 p50", f"{high['load']['p50_ms']:.1f} ms", "", ""),
         ("c=1 p50", f"{f['c1_p50_ms']:.2f} ms", "", ""),
         ("added p50 (c=1 p50 − batch-1 time)", f"{f['added_p50_ms']:+.2f} ms",
          f"≤ {TARGET_ADDED_P50_MS:.1f} ms", verdict("added_p50_ms")),
@@ -500,15 +549,15 @@ def render(report: dict[str, Any]) -> str:
         ("c=64 batches by dispatch reason", _shares(high["dispatch_reasons"]), "", ""),
         ("c=64 mean compute per batch", f"{opt(high['mean_compute_ms'], '.2f')} ms", "", ""),
         ("c=64 server queue / infer (per request)",
-         f"{opt(high['perf_analyzer']['server_queue_ms'], '.1f')} / "
-         f"{opt(high['perf_analyzer']['server_compute_infer_ms'], '.1f')} ms", "", ""),
+         f"{opt(high['load']['server_queue_ms'], '.1f')} / "
+         f"{opt(high['load']['server_compute_infer_ms'], '.1f')} ms", "", ""),
         ("c=1 server queue / infer (per request)",
-         f"{opt(low['perf_analyzer']['server_queue_ms'], '.2f')} / "
-         f"{opt(low['perf_analyzer']['server_compute_infer_ms'], '.2f')} ms", "", ""),
-        ("CPU at c=64: server / perf_analyzer / other",
-         f"{high['server_cores']:.2f} / {high['perf_analyzer_cores']:.2f} / "
+         f"{opt(low['load']['server_queue_ms'], '.2f')} / "
+         f"{opt(low['load']['server_compute_infer_ms'], '.2f')} ms", "", ""),
+        ("CPU at c=64: server / load generator / other",
+         f"{high['server_cores']:.2f} / {high['load_generator_cores']:.2f} / "
          f"{high['other_cores']:.2f} cores",
-         f"c=1: {low['server_cores']:.2f} / {low['perf_analyzer_cores']:.2f} / "
+         f"c=1: {low['server_cores']:.2f} / {low['load_generator_cores']:.2f} / "
          f"{low['other_cores']:.2f}", ""),
         ("server exit after SIGTERM", str(report["server_exit_code"]), "0",
          "pass" if report["server_exit_code"] == 0 else "short"),
@@ -521,9 +570,9 @@ def render(report: dict[str, Any]) -> str:
         f"{s['max_batch_size']}, {batching}",
         f"settings: {s['inprocess_threads']} intra-op thread in-process, server "
         f"INTRA_OP_THREAD_COUNT={s['server_intra_op_threads']}, max_inflight_batches="
-        f"{s['max_inflight_batches']}; perf_analyzer gRPC sync closed loop on loopback, "
-        f"{s['seconds_per_step']:g} s windows (stability {low['stability_percentage']:g}% / "
-        f"{high['stability_percentage']:g}%); server flags: {' '.join(s['server_args']) or 'defaults'}",
+        f"{s['max_inflight_batches']}; load: {s['load_generator']}, closed loop on loopback, "
+        f"{s['seconds_per_step']:g} s windows; server flags: "
+        f"{' '.join(s['server_args']) or 'defaults'}",
         "",
     ]
     for r in rows:
@@ -557,6 +606,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="in-process seconds per batch size, and perf_analyzer's measurement "
                              "window (default: %(default)s)")
     parser.add_argument("--json", type=Path, default=None, help="also write the full report here")
+    parser.add_argument("--load-generator", choices=("bench", "perf_analyzer"), default="bench",
+                        help="closed-loop load: batchgate bench, or Triton's perf_analyzer as a "
+                             "cross-check (default: %(default)s)")
     parser.add_argument("--perf-analyzer", type=Path, default=DEFAULT_PERF_ANALYZER,
                         help="perf_analyzer executable (default: scripts/perf_analyzer)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",

@@ -12,8 +12,10 @@ old version keeps serving until the swap, and keeps serving if the new version f
 
 A model name from a client is only ever a folder directly under the root: names with a path
 separator, NUL, a leading dot (``.``, ``..``, hidden folders), or longer than a file name may be
-are refused, and so is a model folder that is a symbolic link leading outside the root. Every
-file-system lookup a name causes goes through ``_model_dir``, which checks it first.
+are refused. Every file-system lookup a name causes goes through ``_model_dir``, which checks it
+first. What the operator put in the root is trusted: a model folder that is a symbolic link is
+followed wherever it leads (model stores and volume mounts are laid out that way, and whoever
+can write a link into the root could as well write a ``model.py``).
 
 This module knows nothing of gRPC: it raises the ``batcher.errors`` hierarchy, and calls
 ``on_state_change(name, state)`` on every state change so the server can mirror it elsewhere
@@ -102,7 +104,6 @@ class ModelRepository:
         """``pools``: the device memory pools models are admitted into (default: pools of the
         default size, strict)."""
         self._root = Path(root)
-        self._real_root = self._root.resolve()
         self._metrics = metrics
         self._pools = pools if pools is not None else DevicePools(metrics=metrics)
         self._cuda = loading.cuda_available() if cuda_available is None else cuda_available
@@ -154,8 +155,7 @@ class ModelRepository:
         slot = self._slots.get(name)
         if slot is None:
             model_dir = self._root / name
-            if (self._is_plain_name(name) and self._has_config(model_dir)
-                    and self._inside_root(model_dir)):
+            if self._is_plain_name(name) and self._has_config(model_dir):
                 raise ModelUnavailable(f"model {name!r} is not available: not loaded")
             raise ModelNotFound(f"unknown model {name!r}")
         loaded = slot.loaded
@@ -182,9 +182,6 @@ class ModelRepository:
         """Load every model folder; one that fails is logged and left UNAVAILABLE."""
         names = self._model_folders()
         log.info("repository_loading", repository=str(self._root), models=names)
-        for name in self._folders_outside():
-            log.warning("model_folder_outside_repository", model=name,
-                        reason="a symbolic link leading outside the repository; not served")
         for name in names:
             try:
                 await self.load(name)
@@ -343,21 +340,14 @@ class ModelRepository:
     # -- bookkeeping ---------------------------------------------------------------------------
 
     def _model_folders(self) -> list[str]:
-        """The model folders under the root that may be served (inside it, with a config)."""
-        return [name for name, inside in self._candidate_folders() if inside]
-
-    def _folders_outside(self) -> list[str]:
-        """Model folders that are links leading outside the root: refused, and said so once."""
-        return [name for name, inside in self._candidate_folders() if not inside]
-
-    def _candidate_folders(self) -> list[tuple[str, bool]]:
+        """The model folders under the root: plain names, with a config."""
         try:
             entries = sorted(self._root.iterdir())
         except OSError as exc:
             log.error("repository_unreadable", repository=str(self._root), error=exc.strerror)
             return []
         return [
-            (entry.name, self._inside_root(entry))
+            entry.name
             for entry in entries
             if self._is_plain_name(entry.name) and self._has_config(entry)
         ]
@@ -392,13 +382,6 @@ class ModelRepository:
             or Path(name).name != name
         )
 
-    def _inside_root(self, path: Path) -> bool:
-        """Whether ``path``, links followed, is the root or lies under it."""
-        try:
-            return path.resolve().is_relative_to(self._real_root)
-        except (OSError, RuntimeError):  # unreadable, or a loop of links
-            return False
-
     def _model_dir(self, name: str) -> Path:
         """The folder of model ``name``, or InvalidRequest when the name could leave the root."""
         if not self._is_plain_name(name):
@@ -406,13 +389,7 @@ class ModelRepository:
                 f"model name must be a plain folder name under the repository (no '/', '\\', "
                 f"NUL, leading '.', at most {MAX_NAME_BYTES} bytes), got {name!r}"
             )
-        model_dir = self._root / name
-        if not self._inside_root(model_dir):
-            raise InvalidRequest(
-                f"model {name!r} is a symbolic link leading outside the model repository; only "
-                "folders inside the repository are served"
-            )
-        return model_dir
+        return self._root / name
 
     @staticmethod
     def _has_config(model_dir: Path) -> bool:
