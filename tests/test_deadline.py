@@ -275,13 +275,17 @@ def test_admission_estimates_the_wait_from_queue_depth_profile_and_instances():
                           instances=2, include_own=False)
     # Nothing ahead: its own batch starts at once.
     assert admission.estimate_s(0) == pytest.approx((0.0, 0.01 / 2))
-    # 8 ahead + itself: two full batches of 4 (0.1 s each, over 2 instances), then its own.
-    assert admission.estimate_s(8) == pytest.approx((2 * 0.1 / 2, 2 * 0.1 / 2 + 0.01 / 2))
-    # 3 ahead + itself fill one batch: no wait.
-    assert admission.estimate_s(3) == pytest.approx((0.0, 0.1 / 2))
-    with pytest.raises(AdmissionRefused, match=r"estimated wait 100.0 ms .* 50.0 ms left"):
-        admission.check(batch_size=1, deadline=NOW + 0.05, now=NOW, samples_ahead=8)
-    admission.check(batch_size=1, deadline=NOW + 0.101, now=NOW, samples_ahead=8)
+    # 8 ahead + itself, one batch running: it, two full batches of 4 (0.1 s each, over 2
+    # instances), then its own, which later arrivals fill.
+    assert admission.estimate_s(8, batches_in_flight=1) == pytest.approx((3 * 0.1 / 2, 4 * 0.1 / 2))
+    # 3 ahead + itself fill one batch: it starts after the running one.
+    assert admission.estimate_s(3, batches_in_flight=1) == pytest.approx((0.1 / 2, 2 * 0.1 / 2))
+    with pytest.raises(AdmissionRefused,
+                       match=r"estimated wait 150.0 ms, done in 200.0 ms .* 100.0 ms left"):
+        admission.check(batch_size=1, deadline=NOW + 0.1, now=NOW, samples_ahead=8,
+                        batches_in_flight=1)
+    admission.check(batch_size=1, deadline=NOW + 0.201, now=NOW, samples_ahead=8,
+                    batches_in_flight=1)
     admission.check(batch_size=1, deadline=None, now=NOW, samples_ahead=1000)
 
 
@@ -296,9 +300,11 @@ def test_admission_under_the_deadline_policy_holds_the_completion_to_the_deadlin
                           instances=2, include_own=True)
     with pytest.raises(DeadlineInfeasible, match="cannot be served in time"):
         admission.check(batch_size=1, deadline=NOW + 0.005, now=NOW, samples_ahead=0)
-    with pytest.raises(AdmissionRefused, match=r"estimated wait 100.0 ms, done in 105.0 ms"):
-        admission.check(batch_size=1, deadline=NOW + 0.104, now=NOW, samples_ahead=8)
-    admission.check(batch_size=1, deadline=NOW + 0.106, now=NOW, samples_ahead=8)
+    with pytest.raises(AdmissionRefused, match=r"estimated wait 150.0 ms, done in 200.0 ms"):
+        admission.check(batch_size=1, deadline=NOW + 0.199, now=NOW, samples_ahead=8,
+                        batches_in_flight=1)
+    admission.check(batch_size=1, deadline=NOW + 0.201, now=NOW, samples_ahead=8,
+                    batches_in_flight=1)
 
 
 # -- through ServedModel, with a fake model --------------------------------------------------------
@@ -342,7 +348,8 @@ async def test_admission_refuses_with_resource_exhausted_and_counts_rejected(ser
     blocker = await hold_executor(model, fake)
     queued = asyncio.ensure_future(model.infer(request(1.0)))
     await wait_until(lambda: model.queue_depth == 1)
-    with pytest.raises(AdmissionRefused, match="estimated wait 10000.0 ms"):
+    # The running batch, the queued one, then its own: done in 30 s, 5 s left.
+    with pytest.raises(AdmissionRefused, match="estimated wait 20000.0 ms, done in 30000.0 ms"):
         await model.infer(request(2.0, timeout_us=5_000_000))
     assert model.queue_depth == 1
     assert failures(registry, "rejected") == 1 and slo(registry, "missed") == 1
