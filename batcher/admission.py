@@ -18,7 +18,9 @@ deadline policy when deadlines arrive in order (the usual case: one timeout per 
 The completion is held against the time left before the deadline, under every policy: a
 request whose batch would end after its deadline is answered DEADLINE_EXCEEDED anyway, after
 spending its whole deadline and a share of a batch (measured: with the start held against the
-deadline instead, a 5x overload admitted requests that all expired in their batch). Batches
+deadline instead, a 5x overload admitted requests that all expired in their batch). Under
+``fifo`` only the queue is judged: a request whose deadline is shorter than its own batch even
+on an empty queue is let in (the profile may be stale; it will expire if it is not). Batches
 already taken from the queue (assembling or running) count as whole ones (one may have just
 started); behind a queue the request's own batch is counted full, since later arrivals fill it. Under ``deadline`` a request that cannot finish
 in time even on an empty queue is also refused as *infeasible*:
@@ -93,7 +95,9 @@ class Admission:
                     f"{left_s * 1e3:.1f} ms left before the request's deadline; retry later or "
                     "with a longer deadline"
                 )
-        elif done_s > left_s:
+        elif done_s > left_s and (self._profile.mean(batch_size) or 0.0) <= left_s:
+            # fifo judges only the queue: a request too short even for an empty queue is let
+            # in (the profile may be stale); the deadline policy refuses it as infeasible.
             raise AdmissionRefused(
                 f"model '{self._model}': estimated wait {wait_s * 1e3:.1f} ms, done in "
                 f"{done_s * 1e3:.1f} ms ({samples_ahead} samples queued ahead), after the "
