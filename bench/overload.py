@@ -29,17 +29,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from bench.serving import (
     DEFAULT_REPOSITORY,
-    ROOT,
     BenchError,
     ServerProcess,
+    bench_step,
     machine,
     single_model_repository,
 )
@@ -48,15 +46,8 @@ TARGET = 0.9
 
 
 def bench(url: str, model: str, args: list[str], metrics_url: str) -> dict[str, Any]:
-    """One ``batchgate bench`` step; its JSON step."""
-    with tempfile.TemporaryDirectory(prefix="bench-overload-") as scratch:
-        path = Path(scratch) / "bench.json"
-        command = [sys.executable, "-m", "bench.loadgen", "--url", url, "--model", model,
-                   "--metrics-url", metrics_url, "--quiet", "--json", str(path), *args]
-        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
-        if result.returncode != 0 or not path.exists():
-            raise BenchError(f"batchgate bench exited {result.returncode}:\n{result.stderr[-2000:]}")
-        (step,) = json.loads(path.read_text())["steps"]
+    """One ``batchgate bench`` step; its JSON step, with the command that made it."""
+    step, command, _, _ = bench_step(url, model, args, metrics_url)
     step["command"] = command
     return step
 

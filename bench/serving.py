@@ -348,16 +348,15 @@ class Step:
 _REASON_PREFIX = "batchgate_batches_total{reason="
 
 
-def run_bench_cli(url: str, model: str, concurrency: int, seconds: float,
-                  metrics_url: str) -> PerfRun:
-    """``batchgate bench`` (closed loop at ``concurrency``) as a subprocess: its JSON figures as
-    a PerfRun, with its own CPU time (the load generator shares the cores)."""
-    with tempfile.TemporaryDirectory(prefix="bench-serving-") as scratch:
+def bench_step(url: str, model: str, args: list[str], metrics_url: str
+               ) -> tuple[dict[str, Any], list[str], float, float]:
+    """One ``batchgate bench`` step (``args`` say which) as a subprocess: its JSON step, the
+    command, wall seconds and the bench's own CPU seconds (it shares the cores)."""
+    with tempfile.TemporaryDirectory(prefix="bench-step-") as scratch:
         report_path = Path(scratch) / "bench.json"
         command = [
             sys.executable, "-m", "bench.loadgen", "--url", url, "--model", model,
-            "--concurrency", str(concurrency), "--warmup-s", "1", "--duration-s", f"{seconds:g}",
-            "--metrics-url", metrics_url, "--quiet", "--json", str(report_path),
+            "--metrics-url", metrics_url, "--quiet", "--json", str(report_path), *args,
         ]
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         started = time.monotonic()
@@ -368,8 +367,18 @@ def run_bench_cli(url: str, model: str, concurrency: int, seconds: float,
         usage = resource.getrusage(resource.RUSAGE_CHILDREN)
         if process.returncode != 0 or not report_path.exists():
             raise BenchError(f"batchgate bench exited {process.returncode}:\n{stderr[-2000:]}")
-        report = json.loads(report_path.read_text())
-    (step,) = report["steps"]
+        (step,) = json.loads(report_path.read_text())["steps"]
+    # RUSAGE_CHILDREN accumulates over every child waited for: the difference is this one's.
+    cpu_s = (usage.ru_utime + usage.ru_stime) - (before.ru_utime + before.ru_stime)
+    return step, command, wall_s, cpu_s
+
+
+def run_bench_cli(url: str, model: str, concurrency: int, seconds: float,
+                  metrics_url: str) -> PerfRun:
+    """``batchgate bench`` in closed loop at ``concurrency``: its figures as a PerfRun."""
+    step, command, wall_s, cpu_s = bench_step(url, model, [
+        "--concurrency", str(concurrency), "--warmup-s", "1", "--duration-s", f"{seconds:g}",
+    ], metrics_url)
     errors = sum(step["errors"].values())
     if errors:
         raise BenchError(f"batchgate bench counted {errors} errors at c={concurrency}: {step['errors']}")
@@ -380,12 +389,7 @@ def run_bench_cli(url: str, model: str, concurrency: int, seconds: float,
         p50_ms=latency["p50"], p99_ms=latency["p99"], p90_ms=latency["p90"],
         server_queue_ms=server.get("mean_queue_ms"),
     )
-    # RUSAGE_CHILDREN accumulates over every child waited for: the difference is this one's.
-    cpu_s = (usage.ru_utime + usage.ru_stime) - (before.ru_utime + before.ru_stime)
-    return PerfRun(row=row, stability_percentage=0.0,
-                   wall_s=wall_s,
-                   cpu_s=cpu_s, command=command)
-
+    return PerfRun(row=row, stability_percentage=0.0, wall_s=wall_s, cpu_s=cpu_s, command=command)
 
 
 def load_step(server: ServerProcess, concurrency: int, seconds: float, args: argparse.Namespace
