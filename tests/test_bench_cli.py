@@ -180,7 +180,7 @@ def test_json_layout_is_the_documented_one(bench_server, other_server, tmp_path)
                    "--deadline-ms", "1000", "--metrics-url", bench_server.metrics_url,
                    "--compare-metrics-url", other_server.metrics_url)
 
-    assert report["schema_version"] == 1
+    assert report["schema_version"] == 2
     assert layout_problems(report) == []
     assert len(report["steps"]) == 4 and len(report["comparison"]) == 2
     for entry in report["steps"]:
@@ -344,6 +344,22 @@ def test_bursty_arrivals_keep_out_of_the_off_periods():
     assert (phase < 0.1 + 1e-9).all()
     assert np.all(np.diff(times) >= 0)
     assert arrival.mean_rate_per_s == pytest.approx(250)
+
+
+def test_bursty_arrivals_with_an_off_rate_keep_both_rates_and_their_mean():
+    arrival = arrivals.Arrival("bursty", 1000, on_s=0.1, off_s=0.3, off_rate_per_s=200)
+    times = arrivals.schedule(arrival, np.random.default_rng(2), start_s=0.25, duration_s=40.0)
+
+    on = np.count_nonzero(times % 0.4 < 0.1)  # bursts are phased from 0, not from start_s
+    assert np.all(np.diff(times) >= 0) and times[0] >= 0.25 and times[-1] < 40.25
+    assert on == pytest.approx(1000 * 0.1 * 100, rel=0.05)
+    assert times.size - on == pytest.approx(200 * 0.3 * 100, rel=0.05)
+    assert arrival.mean_rate_per_s == pytest.approx(400)
+    assert times.size == pytest.approx(400 * 40, rel=0.05)
+    counted = arrivals.schedule(arrival, np.random.default_rng(2), start_s=0.25, count=500)
+    assert counted.size == 500 and np.all(np.diff(counted) >= 0)
+    with pytest.raises(ValueError, match="needs bursty"):
+        arrivals.Arrival("poisson", 10, off_rate_per_s=5)
 
 
 def test_a_count_of_poisson_arrivals_is_exact_and_seeded():

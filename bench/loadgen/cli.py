@@ -107,6 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="bursty: length of each on-period (default: %(default)s)")
     load.add_argument("--burst-off-s", type=float, default=1.0,
                       help="bursty: length of each off-period (default: %(default)s)")
+    load.add_argument("--burst-off-rate", type=float, default=0.0, metavar="R",
+                      help="bursty: Poisson arrivals per second during off-periods; --rate is "
+                           "the on-period rate (default: %(default)s, nothing between bursts)")
     load.add_argument("--max-outstanding", type=int, default=None, metavar="N",
                       help="open loop: at most N requests in flight (split over workers); a "
                            "request due while all are busy is sent late and its latency still "
@@ -184,8 +187,11 @@ def _options(args: argparse.Namespace) -> Options:
     if args.concurrency and args.rate:
         raise ValueError("give --concurrency (closed loop) or --rate (open loop), not both")
     if args.rate:
+        off_rate = args.burst_off_rate if args.arrival == "bursty" else 0.0
+        if args.burst_off_rate and args.arrival != "bursty":
+            raise ValueError("--burst-off-rate is for --arrival bursty")
         levels = tuple(plan.LoadLevel(arrival=Arrival(args.arrival, rate, args.burst_on_s,
-                                                      args.burst_off_s))
+                                                      args.burst_off_s, off_rate))
                        for rate in _numbers(args.rate, "--rate", float))
     else:
         levels = tuple(plan.LoadLevel(concurrency=c)
@@ -465,6 +471,8 @@ def _report(options: Options, targets: Sequence[Target], models: Sequence[ModelI
             "arrival": None if closed else args.arrival,
             "burst_on_s": args.burst_on_s if args.arrival == "bursty" and not closed else None,
             "burst_off_s": args.burst_off_s if args.arrival == "bursty" and not closed else None,
+            "burst_off_rate_per_s": (args.burst_off_rate if args.arrival == "bursty" and not closed
+                                     else None),
             "warmup_s": args.warmup_s,
             "duration_s": options.duration_s,
             "requests": args.requests,

@@ -1,6 +1,6 @@
 """The run's report: a JSON document of a stable, documented layout, and the tables people read.
 
-``LAYOUT`` is the layout of ``schema_version`` 1: every key the JSON has, nested as it is
+``LAYOUT`` is the layout of ``schema_version`` 2 (2 added ``burst_off_rate_per_s``): every key the JSON has, nested as it is
 (a key ending in ``[]`` is a list of such objects; ``{"*": ...}`` a mapping whose keys are
 data, such as model names). bench/README.md documents each key, and a test holds the output, the layout
 and the README together. Add keys only with a new ``schema_version``.
@@ -17,7 +17,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _COUNTS = {"sent": None, "ok": None, "errors": {"*": None}}
 _PERCENTILES = {"mean": None, "p50": None, "p90": None, "p99": None, "p99.9": None, "max": None}
 _SUBSET = {**_COUNTS, "p50_ms": None, "p99_ms": None}
@@ -30,7 +30,8 @@ LAYOUT: dict[str, Any] = {
                 "grpcio": None},
     "settings": {
         "mode": None, "concurrency": None, "rate_per_s": None, "arrival": None,
-        "burst_on_s": None, "burst_off_s": None, "warmup_s": None, "duration_s": None,
+        "burst_on_s": None, "burst_off_s": None, "burst_off_rate_per_s": None,
+        "warmup_s": None, "duration_s": None,
         "requests": None, "slice_s": None, "deadline_ms": None, "enforce_deadline": None,
         "max_outstanding": None, "workers": None, "seed": None, "batch": None,
         "models[]": {"name": None, "weight": None, "max_batch_size": None,
