@@ -3,7 +3,8 @@
 ``bench/deadline.py`` measures the policies through a real server, where a shared machine and a
 Python load driver add their own noise. This runs the real ``ModelQueue`` (and ``Admission``)
 on a fake clock instead: one executor whose batch of n takes ``fixed + per_sample × n`` ms
-(times a seeded normal jitter), bursty on/off arrivals from ``bench.deadline.bursty_offsets``,
+(times a seeded normal jitter), the bursty on/off arrivals ``batchgate bench`` sends
+(``bench.deadline.burst_arrival``),
 every request with the same deadline, queued requests expiring at their deadline as the server's
 timers do. So the policies' decisions are compared on identical traces, and a change to the
 policy shows up here first. It is a model of the server, not a measurement of it: no figure
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -30,9 +32,9 @@ from batcher.profile import LatencyProfile
 from batcher.queue import ModelQueue
 from batcher.request import QUEUED, InferenceRequest
 from batcher.spec import BatchingConfig
-from bench.deadline import bursty_offsets
+from bench.deadline import burst_arrival
+from bench.loadgen.arrivals import schedule
 
-POLICIES = (("fifo", False), ("fifo", True), ("deadline", True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +64,7 @@ class Outcome:
     admission: bool
     load: float
     sent: int
+    delay_us: int = 0
     on_time: int = 0
     late: int = 0  # ran, but finished after its deadline: device time spent for nothing
     expired: int = 0
@@ -72,7 +75,8 @@ class Outcome:
 
     def row(self, seconds: float) -> dict:
         return {
-            "policy": self.policy, "admission": self.admission, "load": self.load,
+            "policy": self.policy, "admission": self.admission, "delay_us": self.delay_us,
+            "load": self.load,
             "sent": self.sent, "attainment": round(self.on_time / self.sent, 4),
             "goodput_per_s": round(self.on_time / seconds, 1), "late": self.late,
             "expired": self.expired, "refused": self.refused, "infeasible": self.infeasible,
@@ -80,28 +84,47 @@ class Outcome:
         }
 
 
-def simulate(workload: Workload, policy: str, admission: bool, load: float) -> Outcome:
-    """One executor serving the trace at ``load`` × capacity under ``policy``."""
+class _Wait(Exception):
+    """The queue would block: for ``timeout_s`` (None: until something arrives)."""
+
+    def __init__(self, timeout_s: float | None) -> None:
+        super().__init__(timeout_s)
+        self.timeout_s = timeout_s
+
+
+def _raise_wait(timeout_s: float | None, *, eager: bool) -> None:
+    raise _Wait(timeout_s)
+
+
+def simulate(workload: Workload, policy: str, admission: bool, load: float,
+             delay_us: int = 0) -> Outcome:
+    """One executor serving the trace at ``load`` × capacity under ``policy``, with a
+    ``max_queue_delay_microseconds`` of ``delay_us``."""
     w = workload
-    arrivals = bursty_offsets(load * w.capacity, w.seconds, on_s=w.on_s, off_s=w.off_s,
-                              peak=w.peak, seed=w.seed)
+    arrival = burst_arrival(load * w.capacity, on_s=w.on_s, off_s=w.off_s, peak=w.peak)
+    arrivals = schedule(arrival, np.random.default_rng(w.seed), start_s=0.0, duration_s=w.seconds)
     rng = np.random.default_rng(w.seed)
     now = [0.0]
     dropped: list[InferenceRequest] = []
     profile = LatencyProfile(w.max_batch)
     for size in profile.buckets:  # what a warm-up would have measured
         profile.record(size, w.batch_s(size))
-    queue = ModelQueue(BatchingConfig(max_batch_size=w.max_batch, policy=policy),
+    queue = ModelQueue(BatchingConfig(max_batch_size=w.max_batch, policy=policy,
+                                      max_queue_delay_us=delay_us),
                        clock=lambda: now[0], profile=profile, on_infeasible=dropped.extend)
+    # Where the server's executor would block on the queue's condition, the simulation moves
+    # its clock on instead: to the end of the wait or the next arrival, whichever is first.
+    queue._wait = _raise_wait  # type: ignore[method-assign]
     door = (Admission("sim", profile, max_batch=w.max_batch, instances=1,
                       include_own=policy == "deadline") if admission else None)
-    out = Outcome(policy, admission, load, len(arrivals))
+    out = Outcome(policy, admission, load, len(arrivals), delay_us=delay_us)
     x = np.zeros((1, 1), np.float32)
     waiting: list[InferenceRequest] = []
     next_arrival = 0
+    running_until = 0.0  # the executor's batch, counted by admission as the server does
 
     def arrive(until: float) -> None:
-        nonlocal next_arrival
+        nonlocal next_arrival, running_until
         while next_arrival < len(arrivals) and arrivals[next_arrival] <= until:
             now[0] = at = float(arrivals[next_arrival])
             next_arrival += 1
@@ -110,7 +133,8 @@ def simulate(workload: Workload, policy: str, admission: bool, load: float) -> O
             if door is not None:
                 try:
                     door.check(batch_size=1, deadline=request.deadline, now=at,
-                               samples_ahead=queue.samples_ahead(1))
+                               samples_ahead=queue.samples_ahead(1),
+                               batches_in_flight=int(at < running_until))
                 except (AdmissionRefused, DeadlineInfeasible):
                     out.refused += 1
                     continue
@@ -128,11 +152,19 @@ def simulate(workload: Workload, policy: str, admission: bool, load: float) -> O
         if not queue.depth:
             clock = float(arrivals[next_arrival])
             continue
-        batch, _ = queue.next_batch()
+        try:
+            batch, _ = queue.next_batch()
+        except _Wait as wait:
+            clock = min(clock + wait.timeout_s if wait.timeout_s is not None else math.inf,
+                        float(arrivals[next_arrival]) if next_arrival < len(arrivals) else math.inf)
+            if math.isinf(clock):
+                break
+            continue
         samples = sum(r.batch_size for r in batch)
         took = max(w.batch_s(samples) * (1 + w.jitter * rng.standard_normal()), 1e-4)
         profile.record(samples, took)
-        arrive(clock + took)
+        running_until = clock + took
+        arrive(running_until)
         clock += took
         out.batches += 1
         out.samples += samples
@@ -145,6 +177,13 @@ def simulate(workload: Workload, policy: str, admission: bool, load: float) -> O
     return out
 
 
+def best_fixed(workload: Workload, load: float, delays_us: list[int]) -> Outcome:
+    """The fixed delay at its best settings for this load: each delay, admission off and on."""
+    trials = [simulate(workload, "fifo", admission, load, delay)
+              for delay in delays_us for admission in (False, True)]
+    return max(trials, key=lambda o: (o.on_time, -o.delay_us))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.deadline_sim", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -154,25 +193,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fixed-ms", type=float, default=20.0)
     parser.add_argument("--per-sample-ms", type=float, default=1.5)
     parser.add_argument("--peak", type=float, default=2.5)
+    parser.add_argument("--on-s", type=float, default=0.5)
+    parser.add_argument("--off-s", type=float, default=1.5)
+    parser.add_argument("--delays-us", default="0,1000,5000,20000",
+                        help="max_queue_delay_microseconds tried for the fixed delay")
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     workload = Workload(fixed_s=args.fixed_ms / 1e3, per_sample_s=args.per_sample_ms / 1e3,
-                        deadline_s=args.deadline_ms / 1e3, peak=args.peak,
-                        seconds=args.seconds, seed=args.seed)
-    rows = [
-        simulate(workload, policy, admission, float(load)).row(workload.seconds)
-        for load in args.loads.split(",") for policy, admission in POLICIES
-    ]
+                        deadline_s=args.deadline_ms / 1e3, peak=args.peak, on_s=args.on_s,
+                        off_s=args.off_s, seconds=args.seconds, seed=args.seed)
+    delays = [int(d) for d in args.delays_us.split(",")]
+    rows = []
+    for load in (float(x) for x in args.loads.split(",")):
+        rows.append(best_fixed(workload, load, delays).row(workload.seconds))
+        rows.append(simulate(workload, "deadline", True, load).row(workload.seconds))
     print(f"capacity {workload.capacity:.0f}/s, {dataclasses.asdict(workload)}")
-    print("| policy | admission | load | attainment | goodput/s | late | expired | refused | "
-          "infeasible | mean batch |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| policy | admission | delay µs | load | attainment | goodput/s | late | expired | "
+          "refused | infeasible | mean batch |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['policy']} | {r['admission']} | {r['load']:g} | {r['attainment']:.1%} | "
-              f"{r['goodput_per_s']} | {r['late']} | {r['expired']} | {r['refused']} | "
-              f"{r['infeasible']} | {r['mean_batch']} |")
+        print(f"| {r['policy']} | {r['admission']} | {r['delay_us']} | {r['load']:g} | "
+              f"{r['attainment']:.1%} | {r['goodput_per_s']} | {r['late']} | {r['expired']} | "
+              f"{r['refused']} | {r['infeasible']} | {r['mean_batch']} |")
     if args.json:
         args.json.write_text(json.dumps({"workload": dataclasses.asdict(workload), "rows": rows},
                                         indent=2))
