@@ -61,6 +61,10 @@ DEFAULT_ALIGNMENT = 256
 _MEMFD_NAME = "batchgate-arena"
 
 
+# cudaHostRegisterPortable (CUDA runtime API): pinned for all CUDA contexts, not just the current.
+CUDA_HOST_REGISTER_PORTABLE = 0x01
+
+
 class SharedArena:
     """A shared, anonymous (memfd) mapping that front ends and the executor all map.
 
@@ -202,8 +206,11 @@ class SharedArena:
         """Register the mapping with CUDA as pinned host memory; False when CUDA is absent.
 
         Registration belongs to this process's mapping: every process that copies between the
-        arena and a device pins its own. With flags 0 the pages count as pinned for ``device``'s
-        CUDA context, the one its copies run in. Calling it again is harmless.
+        arena and a device pins its own. It is registered portable
+        (``cudaHostRegisterPortable``), so the pages count as pinned for every device's CUDA
+        context, not only ``device``'s (the one current while registering): an executor
+        process serving models on several GPUs copies from one arena into each at full DMA
+        speed. Calling it again is harmless.
         """
         mapping = self._open_mapping()
         import torch  # only processes that drive a device need torch
@@ -214,7 +221,8 @@ class SharedArena:
             return True
         ptr = _address(mapping)
         with torch.cuda.device(device):
-            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(ptr, self._size, 0))
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(
+                ptr, self._size, CUDA_HOST_REGISTER_PORTABLE))
         self._pinned_ptr = ptr
         self._pinned_device = device
         return True
