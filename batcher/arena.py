@@ -22,8 +22,10 @@ that process alone allocates in it, so no lock crosses processes.
 ``ArenaAllocator`` hands out byte ranges inside one region. The scheme: **best fit over a free
 list kept in two sorted lists** — free blocks by address (``_free_starts`` plus a size per start)
 and by ``(size, address)`` (``_by_size``) — with **immediate coalescing** of address neighbours
-on free, and every size rounded up to ``alignment`` (256 by default: a multiple of the cache line
-and of what CUDA copies and kernels want).
+on free, every size rounded up to ``alignment`` (256 by default: a multiple of the cache line
+and of what CUDA copies and kernels want), and **placement inside the chosen hole by expected
+lifetime**: each ``alloc`` says whether the block is ``"short"``-lived (a request's inputs,
+freed when its batch has run) or ``"long"``-lived (a model's buffers, freed when it unloads).
 
 Why this scheme:
 
@@ -34,13 +36,38 @@ Why this scheme:
 - Among free-list policies, best fit and address-ordered first fit fragment least on real
   allocation traces (Johnstone and Wilson, "The Memory Fragmentation Problem: Solved?", ISMM
   1998). With plain sorted lists best fit is the cheaper of the two: one ``bisect`` on
-  ``_by_size`` finds the smallest block that fits (the lowest address among equals), where first
-  fit would scan the free blocks in address order.
+  ``_by_size`` finds the smallest block that fits, where first fit would scan the free blocks in
+  address order.
+- Which end of the hole a block takes decides what the leftover can merge with later. Plain best
+  fit always takes the low end, and on a mixed trace that is where it fragments: a model's large
+  input buffers live one or two steps each, so the next one is placed just above the previous
+  one; when the previous one is freed, its space and the leftover above the new block are two
+  holes split by the new block, each too small for the next large input. So a short-lived block
+  is placed **against whichever neighbour of its hole will be freed later**, and the leftover
+  borders the neighbour freed first, merging with its space when it goes. The order: a region
+  end is never freed, a long-lived block outlives a short-lived one, and of two blocks of the
+  same kind the younger is expected to outlive the older (request buffers are freed roughly in
+  the order they were taken). A long-lived block always takes the top of its hole (ties between
+  equal holes go to the highest address): long-lived blocks collect at the top ends of holes,
+  away from the low ends where the short-lived churn reuses space. This is the general principle
+  of segregating allocations by expected lifetime (Barrett and Zorn, "Using Lifetime Predictors
+  to Improve Memory Allocation Performance", PLDI 1993; Wilson et al., "Dynamic Storage
+  Allocation: A Survey and Critical Review", 1995).
 - Coalescing on free finds both neighbours with one ``bisect`` on ``_free_starts``, so the free
   list never holds two adjacent blocks and a region that empties is one block again.
 
+Measured (``batcher.pool``'s docstring has the commands): ``batcher.pool.mixed_trace``, each seed
+replayed in the smallest pool that serves it without a refusal, peak bytes in use / bytes
+reserved, mean / worst: plain best fit 84.6 % / 70.0 % on seeds 0-7, 84.7 % / 68.2 % on held-out
+seeds 8-39; this scheme 95.2 % / 87.2 % and 90.5 % / 74.4 % (90.8 % / 73.0 % on seeds 40-231).
+On one kind of block alone (a front end's input region, the executor's output region, which
+allocate with the default ``"short"``) the neighbour rule packs a FIFO stream of request
+buffers with little waste: the trace's inputs alone, 83.9 % with plain best fit, 99.7 % with it
+(an offset simulator, mean over seeds 0-39).
+
 Cost per ``alloc``/``free``: a few ``bisect`` searches (O(log n) in the number of free blocks),
-a dict lookup for the allocation, and list inserts/deletes (a C ``memmove`` of pointers, well
+dict lookups for the allocation and for the hole's two neighbours (``_ends`` maps an
+allocation's end to its start), and list inserts/deletes (a C ``memmove`` of pointers, well
 under a microsecond at the block counts a region sees). No per-byte work, no scan over the live
 allocations. ``check_invariants`` is the O(n) exception, for tests.
 """
@@ -58,6 +85,8 @@ import numpy as np
 
 PAGE_SIZE = mmap.PAGESIZE
 DEFAULT_ALIGNMENT = 256
+LIFETIMES = ("short", "long")  # what ``ArenaAllocator.alloc`` is told about a block
+_REGION_END = (2, 0)  # release order of a region's ends: after every block's (never freed)
 _MEMFD_NAME = "batchgate-arena"
 
 
@@ -321,7 +350,8 @@ class ArenaLayout:
 
 
 class ArenaAllocator:
-    """Best-fit allocation of byte ranges in one arena region ``[base, base + size)``.
+    """Best-fit allocation of byte ranges in one arena region ``[base, base + size)``, placed in
+    the hole by expected lifetime.
 
     Offsets are arena offsets (they go into request descriptors as they are). One process owns
     a region and is the only one to call this; the lock is for that process's own threads (a
@@ -344,6 +374,11 @@ class ArenaAllocator:
         self.alignment = alignment
         self._lock = threading.Lock()
         self._allocated: dict[int, int] = {}  # offset -> rounded size
+        # offset -> (long-lived, allocation number): sorts in the order blocks are expected
+        # to be freed, the last last
+        self._release_order: dict[int, tuple[int, int]] = {}
+        self._ends: dict[int, int] = {}  # allocation end -> offset: a hole's lower neighbour
+        self._serial = 0
         self._in_use = 0
         self._free_starts: list[int] = [base]  # free blocks by address
         self._free_size: dict[int, int] = {base: size}
@@ -355,18 +390,38 @@ class ArenaAllocator:
             raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
         return max(-(-nbytes // self.alignment), 1) * self.alignment
 
-    def alloc(self, nbytes: int) -> int | None:
-        """The arena offset of ``nbytes`` reserved here, or None when no free block fits."""
+    def alloc(self, nbytes: int, lifetime: str = "short") -> int | None:
+        """The arena offset of ``nbytes`` reserved here, or None when no free block fits.
+
+        ``lifetime`` is ``"short"`` (freed soon, roughly in allocation order: request buffers)
+        or ``"long"`` (held until much later: a model's buffers); it decides only where in the
+        best-fitting hole the block goes.
+        """
         need = self.aligned_size(nbytes)
+        if lifetime not in LIFETIMES:
+            raise ValueError(f"lifetime must be one of {LIFETIMES}, got {lifetime!r}")
+        long_lived = lifetime == "long"
         with self._lock:
-            index = bisect.bisect_left(self._by_size, (need, -1))
-            if index == len(self._by_size):
+            by_size = self._by_size
+            index = bisect.bisect_left(by_size, (need, -1))
+            if index == len(by_size):
                 return None
-            block_size, offset = self._by_size[index]
-            self._remove_free(offset)
-            if block_size > need:
-                self._add_free(offset + need, block_size - need)
+            if long_lived:  # the highest address among the holes of the best-fitting size
+                index = bisect.bisect_left(by_size, (by_size[index][0] + 1, -1)) - 1
+            hole_size, start = by_size[index]
+            self._serial += 1
+            order = (int(long_lived), self._serial)
+            offset = start
+            if long_lived or self._upper_neighbour_outlives(start, hole_size):
+                offset = start + hole_size - need
+            self._remove_free(start)
+            if offset > start:
+                self._add_free(start, offset - start)
+            if offset + need < start + hole_size:
+                self._add_free(offset + need, start + hole_size - offset - need)
             self._allocated[offset] = need
+            self._release_order[offset] = order
+            self._ends[offset + need] = offset
             self._in_use += need
             return offset
 
@@ -380,6 +435,8 @@ class ArenaAllocator:
                         f"offset {offset} lies in free space: a double free, or never allocated"
                     )
                 raise ValueError(f"offset {offset} is not the start of an allocation here")
+            del self._release_order[offset]
+            del self._ends[offset + size]
             self._in_use -= size
             index = bisect.bisect_left(self._free_starts, offset)
             if index > 0:
@@ -448,6 +505,21 @@ class ArenaAllocator:
                     assert following[0] != position, (
                         f"free blocks at {start} and {following[0]} are adjacent (not coalesced)"
                     )
+            assert self._release_order.keys() == self._allocated.keys(), (
+                "release order out of step with the allocations"
+            )
+            ends = {start + size: start for start, size in self._allocated.items()}
+            assert self._ends == ends, "end index out of step with the allocations"
+
+    def _upper_neighbour_outlives(self, start: int, size: int) -> bool:
+        """Whether the block above the hole ``[start, start + size)`` is expected to be freed
+        after the block below it (a region end counts as never freed). Coalescing keeps every
+        hole between two allocations or region ends, so both lookups hit. Two region ends (an
+        empty region): False, the block goes low."""
+        end = start + size
+        below = self._release_order[self._ends[start]] if start != self.base else _REGION_END
+        above = self._release_order[end] if end != self.base + self.size else _REGION_END
+        return above > below
 
     def _free_block_holding(self, offset: int) -> int | None:
         index = bisect.bisect_right(self._free_starts, offset) - 1

@@ -290,7 +290,7 @@ class ServedModel:
             if pool is None:
                 tensor = torch.empty(shape, dtype=dtype, device=device)
                 return Block(tensor, lambda: None, tensor.nbytes, True)
-            handle = pool.allocate(shape, dtype)
+            handle = pool.allocate(shape, dtype, lifetime="short")  # freed once its batch ran
             if handle is None:
                 return None
             return Block(handle.tensor, handle.release, handle.nbytes, handle.in_pool)

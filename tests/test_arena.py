@@ -22,7 +22,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from batcher.arena import PAGE_SIZE, ArenaAllocator, ArenaLayout, SharedArena
+from batcher.arena import LIFETIMES, PAGE_SIZE, ArenaAllocator, ArenaLayout, SharedArena
 
 REPO = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
@@ -38,11 +38,14 @@ def arena_mappings() -> int:
 
 
 class AllocatorMachine(RuleBasedStateMachine):
-    """Random alloc/free sequences against a model of the live allocations."""
+    """Random alloc/free sequences, short- and long-lived interleaved, against a model of the
+    live allocations and of where each block belongs."""
 
     def __init__(self) -> None:
         super().__init__()
         self.live: dict[int, int] = {}  # offset -> aligned size
+        self.release_order: dict[int, tuple[bool, int]] = {}  # offset -> (long-lived, number)
+        self.allocated = 0
         self.freed: set[int] = set()
 
     @initialize(
@@ -55,13 +58,21 @@ class AllocatorMachine(RuleBasedStateMachine):
         size = max(size_units * 256 // alignment, 1) * alignment
         self.allocator = ArenaAllocator(base_units * alignment, size, alignment=alignment)
 
-    def _alloc_and_check(self, nbytes: int) -> int | None:
+    def _later_freed(self, below: int | None, above: int | None) -> bool:
+        """Whether the block at ``above`` is expected to outlive the one at ``below`` (None: a
+        region end, never freed)."""
+        never = (True, float("inf"))
+        rank_below = never if below is None else self.release_order[below]
+        rank_above = never if above is None else self.release_order[above]
+        return rank_above > rank_below
+
+    def _alloc_and_check(self, nbytes: int, lifetime: str) -> int | None:
         allocator = self.allocator
         need = allocator.aligned_size(nbytes)
         assert need >= max(nbytes, 1) and need % allocator.alignment == 0
         largest, blocks = allocator.largest_free_block, allocator.free_blocks()
         in_use = allocator.bytes_in_use
-        offset = allocator.alloc(nbytes)
+        offset = allocator.alloc(nbytes, lifetime)
         if offset is None:
             assert need > largest, f"alloc({nbytes}) refused with a free block of {largest}"
             assert allocator.free_blocks() == blocks and allocator.bytes_in_use == in_use
@@ -74,23 +85,40 @@ class AllocatorMachine(RuleBasedStateMachine):
                 f"[{offset}, +{need}) overlaps live [{other}, +{other_size})"
             )
         assert allocator.bytes_in_use == in_use + need
+        # Best fit picks the hole; the lifetime picks the end of it.
+        hole, hole_size = next((start, size) for start, size in blocks
+                               if start <= offset < start + size)
+        assert hole_size == min(size for _, size in blocks if size >= need), "not the best fit"
+        equal_holes = [start for start, size in blocks if size == hole_size]
+        top = hole + hole_size - need
+        if lifetime == "long":
+            assert hole == max(equal_holes) and offset == top, "long-lived: not the top"
+        else:
+            assert hole == min(equal_holes)
+            below = next((start for start, size in self.live.items() if start + size == hole),
+                         None)
+            above = hole + hole_size if hole + hole_size in self.live else None
+            expected = top if self._later_freed(below, above) else hole
+            assert offset == expected, "short-lived: not against the neighbour freed later"
+        self.allocated += 1
         self.live[offset] = need
+        self.release_order[offset] = (lifetime == "long", self.allocated)
         self.freed.discard(offset)
         return offset
 
-    @rule(nbytes=st.integers(0, 64 * KIB))
-    def alloc(self, nbytes: int) -> None:
-        self._alloc_and_check(nbytes)
+    @rule(nbytes=st.integers(0, 64 * KIB), lifetime=st.sampled_from(LIFETIMES))
+    def alloc(self, nbytes: int, lifetime: str) -> None:
+        self._alloc_and_check(nbytes, lifetime)
 
-    @rule()
-    def alloc_the_largest_free_block(self) -> None:
+    @rule(lifetime=st.sampled_from(LIFETIMES))
+    def alloc_the_largest_free_block(self, lifetime: str) -> None:
         largest = self.allocator.largest_free_block
-        offset = self._alloc_and_check(largest)
+        offset = self._alloc_and_check(largest, lifetime)
         assert (offset is None) == (largest == 0)
 
-    @rule()
-    def alloc_one_byte_more_than_fits(self) -> None:
-        assert self._alloc_and_check(self.allocator.largest_free_block + 1) is None
+    @rule(lifetime=st.sampled_from(LIFETIMES))
+    def alloc_one_byte_more_than_fits(self, lifetime: str) -> None:
+        assert self._alloc_and_check(self.allocator.largest_free_block + 1, lifetime) is None
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -99,6 +127,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         in_use = self.allocator.bytes_in_use
         self.allocator.free(offset)
         assert self.allocator.bytes_in_use == in_use - self.live.pop(offset)
+        del self.release_order[offset]
         self.freed.add(offset)
 
     @precondition(lambda self: self.freed)
@@ -143,7 +172,7 @@ def test_zero_byte_allocations_take_one_unit_each():
 
     offsets = [allocator.alloc(0) for _ in range(4)]
 
-    assert offsets == [4096, 4096 + 256, 4096 + 512, 4096 + 768]
+    assert sorted(offsets) == [4096, 4096 + 256, 4096 + 512, 4096 + 768]
     assert allocator.bytes_in_use == 4 * 256
     assert allocator.alloc(0) is None
     allocator.free(offsets[2])
@@ -153,18 +182,74 @@ def test_zero_byte_allocations_take_one_unit_each():
 def test_best_fit_takes_the_smallest_hole_that_fits():
     allocator = ArenaAllocator(0, 16 * 256)
     a, _, c, _ = (allocator.alloc(n * 256) for n in (4, 1, 2, 9))
-    allocator.free(a)  # a 4-unit hole at 0
-    allocator.free(c)  # a 2-unit hole at 5 units
+    allocator.free(a)  # a 4-unit hole
+    allocator.free(c)  # a 2-unit hole
+    assert sorted(size for _, size in allocator.free_blocks()) == [512, 1024]
 
-    # first fit would cut the 4-unit hole; best fit keeps it whole for a larger request
+    # first fit would cut the 4-unit hole at 0; best fit keeps it whole for a larger request
     assert allocator.alloc(2 * 256) == c
     assert allocator.alloc(4 * 256) == a
     assert allocator.alloc(0) is None
 
 
+def test_a_long_lived_block_takes_the_top_and_a_short_lived_one_the_bottom():
+    allocator = ArenaAllocator(4096, 16 * 256)
+
+    long_lived = allocator.alloc(3 * 256, "long")
+    short_lived = allocator.alloc(2 * 256, "short")
+
+    assert long_lived == 4096 + 13 * 256  # ignoring the hint would put it at the bottom
+    assert short_lived == 4096
+    assert allocator.free_blocks() == [(4096 + 2 * 256, 11 * 256)]
+    allocator.free(long_lived)
+    allocator.free(short_lived)
+    assert allocator.free_blocks() == [(4096, 16 * 256)]
+
+
+def test_equal_holes_go_to_the_lowest_short_lived_and_the_highest_long_lived():
+    allocator = ArenaAllocator(0, 12 * 256)
+    blocks = sorted(allocator.alloc(2 * 256, "long") for _ in range(6))
+    for hole in blocks[0], blocks[2], blocks[4]:  # three 2-unit holes, none adjacent
+        allocator.free(hole)
+
+    assert allocator.alloc(2 * 256, "short") == blocks[0]
+    assert allocator.alloc(2 * 256, "long") == blocks[4]
+    assert allocator.free_blocks() == [(blocks[2], 2 * 256)]
+
+
+def test_a_short_lived_block_goes_against_the_neighbour_freed_later():
+    # The pattern that fragments plain best fit: a big short-lived buffer while the previous
+    # one is still live. Against the region's end, the new one leaves its leftover next to
+    # the old one, so freeing the old one makes one hole large enough for the next.
+    allocator = ArenaAllocator(0, 10 * 256)
+    older = allocator.alloc(4 * 256)
+    newer = allocator.alloc(4 * 256)
+    assert (older, newer) == (0, 6 * 256)  # plain best fit: 4 * 256, leaving 2 + 4 units apart
+
+    allocator.free(older)
+
+    assert allocator.free_blocks() == [(0, 6 * 256)]
+    assert allocator.alloc(5 * 256) == 0  # against the older neighbour: freed sooner
+    # Between a long-lived block above and a short-lived one below, it goes against the
+    # long-lived one.
+    allocator = ArenaAllocator(0, 10 * 256)
+    top = allocator.alloc(2 * 256, "long")
+    bottom = allocator.alloc(2 * 256)
+    assert (bottom, top) == (0, 8 * 256)
+    assert allocator.alloc(256) == 7 * 256
+    allocator.check_invariants()
+
+
+def test_alloc_refuses_an_unknown_lifetime():
+    allocator = ArenaAllocator(0, 1024)
+    with pytest.raises(ValueError, match="lifetime must be one of .*got 'forever'"):
+        allocator.alloc(256, "forever")
+    assert allocator.bytes_in_use == 0 and allocator.free_blocks() == [(0, 1024)]
+
+
 def test_freeing_between_two_holes_coalesces_all_three():
     allocator = ArenaAllocator(0, 8 * 256)
-    a, b, c, d = (allocator.alloc(2 * 256) for _ in range(4))
+    a, b, c, d = sorted(allocator.alloc(2 * 256) for _ in range(4))
     allocator.free(a)
     allocator.free(c)
     assert allocator.free_blocks() == [(a, 512), (c, 512)]
@@ -233,12 +318,10 @@ def _misaligned_allocation(allocator: ArenaAllocator) -> None:
 
 
 def _overlapping_allocations(allocator: ArenaAllocator) -> None:
-    allocator.alloc(256)
-    allocator.alloc(256)
-    allocator._allocated[0] = 512
-    allocator._in_use = 768
-    allocator._remove_free(512)
-    allocator._add_free(768, 256)
+    for _ in range(4):
+        allocator.alloc(256)  # the whole region
+    del allocator._allocated[256]
+    allocator._allocated[512] = 512  # also covers the allocation at 768
 
 
 def _lost_free_bytes(allocator: ArenaAllocator) -> None:
@@ -246,11 +329,17 @@ def _lost_free_bytes(allocator: ArenaAllocator) -> None:
     allocator._add_free(0, 768)
 
 
+def _stale_end_index(allocator: ArenaAllocator) -> None:
+    offset = allocator.alloc(256)
+    allocator._ends[offset + 512] = allocator._ends.pop(offset + 256)
+
+
 @pytest.mark.parametrize("corrupt, text", [
     (_adjacent_free_blocks, "adjacent"),
     (_misaligned_allocation, "not 256-aligned"),
     (_overlapping_allocations, "overlaps"),
     (_lost_free_bytes, r"free \+ used"),
+    (_stale_end_index, "end index out of step"),
 ])
 def test_check_invariants_catches_a_corrupted_state(corrupt, text):
     allocator = ArenaAllocator(0, 1024)

@@ -241,6 +241,29 @@ def test_mixed_trace_is_deterministic_and_balanced():
     assert len(allocs) == 400 and sorted(e[1] for e in frees) == sorted(e[1] for e in allocs)
     assert len({e[1].split(".")[0] for e in allocs}) == 4
     assert len({e[2] for e in allocs}) > 50  # mixed sizes
+    # inputs are freed after compute, outputs after the response: short- and long-lived
+    assert {(e[1].rsplit(".", 1)[1], e[3]) for e in allocs} == {("in", "short"),
+                                                                ("out", "long")}
+
+
+def test_replay_passes_each_allocation_its_lifetime():
+    trace = [("alloc", "a", 1000, "long"), ("alloc", "b", 1000, "short")]
+    placed = {}
+    created = DevicePool("cpu", 64 * 1024, alignment=512)
+
+    def pool() -> DevicePool:
+        allocate = created.allocate
+
+        def recording(shape, dtype, *, lifetime="short"):
+            handle = allocate(shape, dtype, lifetime=lifetime)
+            placed[lifetime] = handle.offset
+            return handle
+
+        created.allocate = recording
+        return created
+
+    replay_trace(pool, trace)
+    assert placed == {"long": created.capacity - 1024, "short": 0}
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -266,15 +289,16 @@ def test_replay_counts_refusals_in_a_small_pool():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.booleans(), st.integers(0, 6000), st.integers(0, 1000)),
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 6000), st.integers(0, 1000),
+                          st.sampled_from(["short", "long"])),
                 max_size=60))
 def test_random_alloc_free_keeps_the_allocator_consistent(operations):
     pool = DevicePool("cpu", 64 * 1024, alignment=256)
     live = []
-    for is_alloc, nbytes, pick in operations:
+    for is_alloc, nbytes, pick, lifetime in operations:
         if is_alloc or not live:
             before = pool._allocator.free_blocks()
-            handle = pool.allocate((nbytes,), torch.uint8)
+            handle = pool.allocate((nbytes,), torch.uint8, lifetime=lifetime)
             if handle is None:
                 assert pool._allocator.free_blocks() == before
                 assert pool.largest_free_block < pool._allocator.aligned_size(nbytes)
@@ -291,7 +315,26 @@ def test_random_alloc_free_keeps_the_allocator_consistent(operations):
     for handle, _ in live:
         handle.release()
     assert pool.bytes_in_use == 0
+    assert pool._allocator.free_blocks() == [(0, pool.capacity)]  # coalesced into one block
     pool._allocator.check_invariants()
+
+
+def test_model_buffers_sit_above_request_buffers():
+    pool = DevicePool("cpu", 4 * MIB)
+    reservation = pool.admit("resnet", _plan())
+    model_lowest = min(reservation._offsets)
+    staged = pool.allocate((64 * 1024,), torch.uint8)  # a request's inputs: short-lived
+
+    # admit placed the model's buffers at the top, so requests churn below them
+    assert staged.offset == 0 and staged.offset + staged.nbytes <= model_lowest
+    assert max(offset + size for offset, size in pool._allocator._allocated.items()
+               if offset in reservation._offsets) == pool.capacity
+    held = pool.allocate((64 * 1024,), torch.uint8, lifetime="long")
+    assert staged.offset + staged.nbytes <= held.offset < model_lowest
+    for handle in staged, held:
+        handle.release()
+    pool.release("resnet")
+    assert pool._allocator.free_blocks() == [(0, pool.capacity)]
 
 
 def test_model_plan_has_a_batch_buffer_per_slot_and_graph_buffers_per_bucket():
