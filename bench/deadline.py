@@ -39,7 +39,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.loadgen.arrivals import Arrival
-from bench.serving import DEFAULT_REPOSITORY, BenchError, ServerProcess, bench_step, machine
+from bench.serving import (
+    DEFAULT_REPOSITORY,
+    BenchError,
+    ServerProcess,
+    bench_step,
+    machine,
+    window_goodput,
+)
 TARGET_FIXED_ATTAINMENT = 0.90
 TARGET_DEADLINE_ATTAINMENT = 0.99
 JUDGED_WITHIN = 0.03  # the verdict's load must give the fixed delay 87-93 % attainment
@@ -174,9 +181,7 @@ class Result:
 
     @property
     def goodput(self) -> float:
-        # Over the measured window: the answers to requests sent in it, however late they came
-        # (bench's own rate divides by the window stretched to the last answer).
-        return (self.step["goodput_per_s"] or 0.0) * self.step["measured_s"] / self.seconds
+        return window_goodput(self.step, self.seconds)
 
     def row(self) -> dict[str, Any]:
         latency = self.step["latency_ms"]

@@ -40,6 +40,7 @@ from bench.serving import (
     bench_step,
     machine,
     single_model_repository,
+    window_goodput,
 )
 
 TARGET = 0.9
@@ -82,11 +83,8 @@ def measure(repository: Path, model: str, parameters: dict[str, str] | None,
         raise BenchError(f"the server exited {exit_code}:\n{server.log_tail()}")
     result["capacity_per_s"] = capacity
     result["offered_per_s"] = rate
-    # Both rates over the measured window: the requests sent in it, however late their answers
-    # came. batchgate bench's own rates divide by the window stretched to the last answer,
-    # which under a ~1 s deadline understates a server that kept up.
-    step = result["overload_step"]
-    result["goodput_per_s"] = step["goodput_per_s"] * step["measured_s"] / options.seconds
+    # Both rates over the measured window (see window_goodput).
+    result["goodput_per_s"] = window_goodput(result["overload_step"], options.seconds)
     result["goodput_ratio"] = result["goodput_per_s"] / capacity
     return result
 

@@ -373,6 +373,13 @@ def bench_step(url: str, model: str, args: list[str], metrics_url: str
     return step, command, wall_s, cpu_s
 
 
+def window_goodput(step: dict[str, Any], seconds: float) -> float:
+    """A bench step's goodput over its measured window of ``seconds``: the in-deadline answers
+    to the requests sent in it, however late they came (bench's own ``goodput_per_s`` divides
+    by the window stretched to the last answer, which understates a server that kept up)."""
+    return (step["goodput_per_s"] or 0.0) * step["measured_s"] / seconds
+
+
 def run_bench_cli(url: str, model: str, concurrency: int, seconds: float,
                   metrics_url: str) -> PerfRun:
     """``batchgate bench`` in closed loop at ``concurrency``: its figures as a PerfRun."""
