@@ -9,11 +9,14 @@ The estimate, from the model's latency profile (``batcher/profile.py``):
 
     wait = full batches ahead x expected full-batch time / instances
 
-The samples queued at the request's priority level or above, followed by the request itself,
-are cut into batches of ``max_batch_size``; the request rides in the last one, so the batches
-before it are the wait (each taking the profile's mean time for a full batch) and the last
-one's own time completes it. Counting every such sample as ahead is exact for FIFO, and for the
-deadline policy when deadlines arrive in order (the usual case: one timeout per client).
+The samples that run before the request, followed by the request itself, are cut into batches
+of ``max_batch_size``; the request rides in the last one, so the batches before it are the wait
+(each taking the profile's mean time for a full batch) and the last one's own time completes
+it. Under FIFO the samples ahead are those queued at its priority level or above; under the
+deadline policy, those at higher levels and, at its own, those due no later than it
+(``ModelQueue.samples_ahead``): a request with a tight deadline overtakes the loose ones queued
+before it, and counting them refused it although it would have made it (simulated, deadlines
+of 100 and 300 ms mixed: 89 % attainment with them counted, 99 % without, at 0.3 × capacity).
 
 The completion is held against the time left before the deadline, under every policy: a
 request whose batch would end after its deadline is answered DEADLINE_EXCEEDED anyway, after
@@ -22,7 +25,8 @@ deadline instead, a 5x overload admitted requests that all expired in their batc
 ``fifo`` only the queue is judged: a request whose deadline is shorter than its own batch even
 on an empty queue is let in (the profile may be stale; it will expire if it is not). Batches
 already taken from the queue (assembling or running) count as whole ones (one may have just
-started); behind a queue the request's own batch is counted full, since later arrivals fill it. Under ``deadline`` a request that cannot finish
+started; under the deadline policy each counts half, see ``estimate_s``); behind a queue the
+request's own batch is counted full, since later arrivals fill it. Under ``deadline`` a request that cannot finish
 in time even on an empty queue is also refused as *infeasible*:
 DEADLINE_EXCEEDED, not RESOURCE_EXHAUSTED, since retrying elsewhere will not help it. That
 last test uses the profile's optimistic time (a refusal is final); the estimates use the mean.
@@ -37,6 +41,9 @@ import math
 
 from batcher.errors import AdmissionRefused, DeadlineInfeasible
 from batcher.profile import LatencyProfile
+
+# Under the deadline policy: the share of a batch already taken that is counted as still ahead.
+IN_FLIGHT_LEFT = 0.5
 
 
 class Admission:
@@ -61,9 +68,13 @@ class Admission:
         samples = samples_ahead + batch_size
         batches = math.ceil(samples / self._max_batch)
         last = samples - (batches - 1) * self._max_batch
-        # Batches already taken count whole: one may have just started, and the next one is
-        # assembled while it runs (leaving them out let most requests in to expire: measured).
-        wait_s = (batches - 1 + batches_in_flight) * full_s / self._instances
+        # Under fifo, batches already taken count whole: one may have just started, and the
+        # next one is assembled while it runs (leaving them out let most requests in to expire:
+        # measured). The deadline policy drops what would finish late before it runs, so its
+        # door need not err towards refusing: a batch in progress has half its time left on
+        # average, and whole ones refused requests with tight deadlines that would have made it.
+        in_flight = batches_in_flight * (IN_FLIGHT_LEFT if self._include_own else 1.0)
+        wait_s = (batches - 1 + in_flight) * full_s / self._instances
         # Behind a queue, the request's batch fills up with later arrivals before it runs.
         own_s = full_s if batches > 1 else (self._profile.mean(last) or 0.0)
         return wait_s, wait_s + own_s / self._instances

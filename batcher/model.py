@@ -463,7 +463,7 @@ class ServedModel:
         try:
             self._admission.check(batch_size=request.batch_size, deadline=request.deadline,
                                   now=time.monotonic(),
-                                  samples_ahead=self._queue.samples_ahead(request.level),
+                                  samples_ahead=self._queue.samples_ahead(request.level, request),
                                   batches_in_flight=self._inflight)
         except AdmissionRefused:
             self._count_failure("rejected", [request])

@@ -46,6 +46,7 @@ MIN_BATCH-sized batch finish late.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import heapq
 import itertools
@@ -74,18 +75,38 @@ class _DeadlineLevel:
     It offers what ``ModelQueue`` uses of a deque (``append``, ``[0]``, ``popleft``, iteration
     in order, ``clear``), so the FIFO code paths serve both. Removed requests stay in the heap,
     marked, like in a deque; ``compact`` drops them when they outnumber the live ones.
+
+    Beside the heap, the live requests' deadlines are kept sorted (``_live_keys``), so that
+    admission control can ask how many queued requests run before a new one (``due_before``)
+    with a bisect instead of a scan: under EDF that is not the whole level.
     """
 
-    __slots__ = ("_heap", "_seq", "_slo_s")
+    __slots__ = ("_heap", "_live_keys", "_seq", "_slo_s")
 
     def __init__(self, slo_s: float | None) -> None:
         self._heap: list[tuple[float, int, InferenceRequest]] = []
+        self._live_keys: list[tuple[float, int]] = []  # (scheduling deadline, id(request))
         self._seq = itertools.count()
         self._slo_s = slo_s
 
+    def key(self, request: InferenceRequest) -> float:
+        return scheduling_deadline(request, self._slo_s)
+
     def append(self, request: InferenceRequest) -> None:
-        key = scheduling_deadline(request, self._slo_s)
+        key = self.key(request)
         heapq.heappush(self._heap, (key, next(self._seq), request))
+        bisect.insort(self._live_keys, (key, id(request)))
+
+    def discard(self, request: InferenceRequest) -> None:
+        """``request`` left the queue (taken or removed): it no longer runs before anyone."""
+        entry = (self.key(request), id(request))
+        index = bisect.bisect_left(self._live_keys, entry)
+        if index < len(self._live_keys) and self._live_keys[index] == entry:
+            del self._live_keys[index]
+
+    def due_before(self, key: float) -> int:
+        """Live requests whose scheduling deadline is not later than ``key``."""
+        return bisect.bisect_right(self._live_keys, (key, math.inf))
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -104,6 +125,7 @@ class _DeadlineLevel:
 
     def clear(self) -> None:
         self._heap.clear()
+        self._live_keys.clear()
 
     def compact(self, live: int) -> None:
         if len(self._heap) > 2 * live + 64:
@@ -221,9 +243,19 @@ class ModelQueue:
     def depth(self) -> int:
         return self._live
 
-    def samples_ahead(self, level: int) -> int:
-        """Samples queued at priority ``level`` or above (read without the lock: an estimate)."""
-        return sum(self._level_samples[:level])
+    def samples_ahead(self, level: int, request: InferenceRequest | None = None) -> int:
+        """Samples that run before a new request at priority ``level``: all those queued at
+        higher levels, and at its own level all of them (FIFO) or, under the deadline policy
+        given the ``request``, those due no later than it (counted at the level's mean samples
+        per request). Read without the lock: an estimate."""
+        above = sum(self._level_samples[:level - 1])
+        own = self._level_samples[level - 1]
+        if request is None or not self._deadline_policy or not own:
+            return above + own
+        heap = self._levels[level - 1]
+        ahead = heap.due_before(heap.key(request))
+        count = self._level_counts[level - 1]
+        return above + (own if ahead >= count else round(own * ahead / max(count, 1)))
 
     # -- the executors' side ----------------------------------------------------------------
 
@@ -297,6 +329,8 @@ class ModelQueue:
 
     def _forget(self, request: InferenceRequest, state: int) -> None:
         request.state = state
+        if self._deadline_policy:
+            self._levels[request.level - 1].discard(request)
         self._level_counts[request.level - 1] -= 1
         self._level_samples[request.level - 1] -= request.batch_size
         key = request.shape_key

@@ -133,7 +133,7 @@ def simulate(workload: Workload, policy: str, admission: bool, load: float,
             if door is not None:
                 try:
                     door.check(batch_size=1, deadline=request.deadline, now=at,
-                               samples_ahead=queue.samples_ahead(1),
+                               samples_ahead=queue.samples_ahead(1, request),
                                batches_in_flight=int(at < running_until))
                 except (AdmissionRefused, DeadlineInfeasible):
                     out.refused += 1

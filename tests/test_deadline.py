@@ -300,11 +300,53 @@ def test_admission_under_the_deadline_policy_holds_the_completion_to_the_deadlin
                           instances=2, include_own=True)
     with pytest.raises(DeadlineInfeasible, match="cannot be served in time"):
         admission.check(batch_size=1, deadline=NOW + 0.005, now=NOW, samples_ahead=0)
-    with pytest.raises(AdmissionRefused, match=r"estimated wait 150.0 ms, done in 200.0 ms"):
-        admission.check(batch_size=1, deadline=NOW + 0.199, now=NOW, samples_ahead=8,
+    # Two full batches ahead and one running, which counts half (fifo counts it whole):
+    # waits (2 + 0.5) x 0.1 s over 2 instances, done after its own full batch.
+    with pytest.raises(AdmissionRefused, match=r"estimated wait 125.0 ms, done in 175.0 ms"):
+        admission.check(batch_size=1, deadline=NOW + 0.174, now=NOW, samples_ahead=8,
                         batches_in_flight=1)
-    admission.check(batch_size=1, deadline=NOW + 0.201, now=NOW, samples_ahead=8,
+    admission.check(batch_size=1, deadline=NOW + 0.176, now=NOW, samples_ahead=8,
                     batches_in_flight=1)
+
+
+def test_under_the_deadline_policy_only_requests_due_first_count_as_ahead():
+    clock = FakeClock()
+    queue = deadline_queue(clock, profile_of({1: 0.01, 8: 0.05}))
+    loose = [put(queue, clock, i, deadline=1.0) for i in range(6)]
+    put(queue, clock, 6, deadline=0.03)  # due before the tight one below
+    tight = request(7.0, deadline=clock.now + 0.05)
+    tight.level, tight.arrival = 1, clock.now
+    later = request(8.0, deadline=clock.now + 2.0)
+    later.level, later.arrival = 1, clock.now
+    # EDF serves the tight one after the single request due before it, not after all seven.
+    assert queue.samples_ahead(1, tight) == 1
+    assert queue.samples_ahead(1, later) == queue.samples_ahead(1) == 7
+    # Requests that leave the queue (removed, or taken in a batch) stop counting.
+    queue.remove(loose[0])
+    assert queue.samples_ahead(1, later) == 6
+    batch, _ = queue.next_batch()
+    assert batch and queue.samples_ahead(1, later) == 6 - len(batch)
+    # Under fifo everything queued at the level or above is ahead, whatever its deadline.
+    fifo = ModelQueue(BatchingConfig(max_batch_size=8), clock=clock)
+    for i in range(3):
+        put(fifo, clock, i, deadline=1.0)
+    assert fifo.samples_ahead(1, tight) == 3
+
+
+def test_deadline_admission_lets_a_tight_request_overtake_a_loose_backlog():
+    clock = FakeClock()
+    profile = profile_of({1: 0.01, 8: 0.05})
+    queue = deadline_queue(clock, profile)
+    for i in range(40):  # five full batches of loose requests: 250 ms of work
+        put(queue, clock, i, deadline=5.0)
+    door = Admission("m", profile, max_batch=8, instances=1, include_own=True)
+    tight = request(99.0, deadline=clock.now + 0.1)
+    tight.level, tight.arrival = 1, clock.now
+    door.check(batch_size=1, deadline=tight.deadline, now=clock.now,
+               samples_ahead=queue.samples_ahead(1, tight))
+    with pytest.raises(AdmissionRefused):  # counted behind the backlog, it would be refused
+        door.check(batch_size=1, deadline=tight.deadline, now=clock.now,
+                   samples_ahead=queue.samples_ahead(1))
 
 
 # -- through ServedModel, with a fake model --------------------------------------------------------
