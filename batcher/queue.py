@@ -22,7 +22,12 @@ for ``preferred``, and up to ``max_batch_size`` otherwise.
 An executor that still has a batch running asks with ``busy`` true: it then gets only a *full*
 batch (worth assembling early, so it is ready the moment the running one ends) and otherwise
 waits until its running batch finishes (``wake``) and takes everything queued by then. Forming
-a partial batch early would freeze it small while later arrivals wait a whole batch time.
+a partial batch early would freeze it small while later arrivals wait a whole batch time. Under
+the deadline policy a busy executor takes nothing, full or not: a batch taken early fixes who
+is in it a whole batch time before it runs, and a request with a tight deadline arriving
+meanwhile would wait behind two batches instead of overtaking into the next (measured through
+the server, deadlines of 100 and 300 ms mixed, bursty at 0.4 x capacity: 31 % of the 100 ms
+requests expired in the queue).
 
 The ``deadline`` policy (opt-in per model) keeps those rules and changes three things, using the
 model's latency profile (``batcher/profile.py``):
@@ -282,7 +287,8 @@ class ModelQueue:
                         continue
                     return self._take_one(head), "idle"
                 waiting = self._samples_by_shape[head.shape_key]
-                if waiting >= self._max_batch:
+                if waiting >= self._max_batch and not (self._deadline_policy and busy is not None
+                                                       and busy()):
                     reason = "full"
                 elif busy is not None and busy():
                     self._wait(None, eager=False)
