@@ -2,8 +2,9 @@
 
 Bursty on/off open-loop load around the server's capacity from the load-test CLI
 (``batchgate bench``, a process of its own: Poisson at ``--peak`` × the mean rate during
-bursts, at the rate that keeps the mean between them), every request with the same deadline
-(sent as its gRPC deadline and timeout parameter, counted from its *intended* send time),
+bursts, at the rate that keeps the mean between them), every request with a deadline
+(one of ``--deadline-ms``, equally often; sent as its gRPC deadline and timeout parameter,
+counted from its *intended* send time),
 against servers started one after the other on the same model:
 
 1. **fixed delay**: ``batch_policy: fifo`` at its best settings, chosen by a short sweep over
@@ -215,7 +216,8 @@ def run_load(args: argparse.Namespace, policy: Policy, load: float, capacity: fl
             "--rate", f"{arrival.rate_per_s:.3f}", "--arrival", "bursty",
             "--burst-on-s", f"{arrival.on_s:g}", "--burst-off-s", f"{arrival.off_s:g}",
             "--burst-off-rate", f"{arrival.off_rate_per_s:.3f}",
-            "--deadline-ms", f"{args.deadline_ms:g}", "--enforce-deadline", "both",
+            *(flag for ms in args.deadline_ms for flag in ("--deadline-ms", f"{ms:g}")),
+            "--enforce-deadline", "both",
             "--warmup-s", f"{args.warmup_s:g}", "--duration-s", f"{seconds:g}",
             "--seed", str(args.seed), "--drain-timeout-s", "30",
         ], f"http://127.0.0.1:{server.metrics_port}/metrics")
@@ -282,7 +284,7 @@ def verdict(results: list[Result]) -> dict[str, Any]:
 
 def render(report: dict[str, Any]) -> str:
     lines = [
-        (f"model {report['model']}, deadline {report['deadline_ms']} ms, capacity "
+        (f"model {report['model']}, deadlines {report['deadline_ms']} ms, capacity "
          f"{report['capacity_per_s']:.0f}/s, bursts {report['burst']}"),
         f"fixed delay at its best: {report['fixed_best']}",
         "",
@@ -325,8 +327,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="mlp")
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY)
-    parser.add_argument("--deadline-ms", type=float, default=50.0,
-                        help="every request's deadline, from its intended send time")
+    parser.add_argument("--deadline-ms", type=lambda t: _numbers(t, float), default=[50.0],
+                        help="each request's deadline, from its intended send time; a list "
+                             "(e.g. 100,300) gives each request one of them, equally often")
     parser.add_argument("--loads", type=lambda t: _numbers(t, float), default=[0.8, 1.0, 1.2],
                         help="mean offered loads, × the measured capacity")
     parser.add_argument("--seconds", type=float, default=20.0,

@@ -10,7 +10,7 @@ timers do. So the policies' decisions are compared on identical traces, and a ch
 policy shows up here first. It is a model of the server, not a measurement of it: no figure
 from here goes into the README's performance section.
 
-    python -m bench.deadline_sim [--loads 0.3,0.45,0.6,0.9] [--deadline-ms 150] [--json F]
+    python -m bench.deadline_sim [--loads 0.3,0.45,0.6,0.9] [--deadline-ms 150[,300]] [--json F]
 
 Like ``bench.inprocess`` it imports the batcher (and so torch); the rest of ``bench/`` does not.
 """
@@ -42,7 +42,7 @@ class Workload:
     fixed_s: float = 0.020
     per_sample_s: float = 0.0015
     max_batch: int = 32
-    deadline_s: float = 0.150
+    deadlines_s: tuple[float, ...] = (0.150,)  # each request gets one, equally often
     jitter: float = 0.1  # relative standard deviation of a batch's time
     on_s: float = 0.5
     off_s: float = 1.5
@@ -104,6 +104,7 @@ def simulate(workload: Workload, policy: str, admission: bool, load: float,
     arrival = burst_arrival(load * w.capacity, on_s=w.on_s, off_s=w.off_s, peak=w.peak)
     arrivals = schedule(arrival, np.random.default_rng(w.seed), start_s=0.0, duration_s=w.seconds)
     rng = np.random.default_rng(w.seed)
+    budgets = np.random.default_rng([w.seed, 1]).choice(w.deadlines_s, size=len(arrivals))
     now = [0.0]
     dropped: list[InferenceRequest] = []
     profile = LatencyProfile(w.max_batch)
@@ -128,7 +129,7 @@ def simulate(workload: Workload, policy: str, admission: bool, load: float,
         while next_arrival < len(arrivals) and arrivals[next_arrival] <= until:
             now[0] = at = float(arrivals[next_arrival])
             next_arrival += 1
-            request = InferenceRequest([x], deadline=at + w.deadline_s)
+            request = InferenceRequest([x], deadline=at + budgets[next_arrival - 1])
             request.level, request.arrival = 1, at
             if door is not None:
                 try:
@@ -189,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--loads", default="0.3,0.45,0.6,0.9",
                         help="mean offered loads, × the capacity at the largest batch")
-    parser.add_argument("--deadline-ms", type=float, default=150.0)
+    parser.add_argument("--deadline-ms", default="150",
+                        help="each request's deadline; a list (100,300) mixes them equally")
     parser.add_argument("--fixed-ms", type=float, default=20.0)
     parser.add_argument("--per-sample-ms", type=float, default=1.5)
     parser.add_argument("--peak", type=float, default=2.5)
@@ -202,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     workload = Workload(fixed_s=args.fixed_ms / 1e3, per_sample_s=args.per_sample_ms / 1e3,
-                        deadline_s=args.deadline_ms / 1e3, peak=args.peak, on_s=args.on_s,
+                        deadlines_s=tuple(float(ms) / 1e3 for ms in args.deadline_ms.split(",")),
+                        peak=args.peak, on_s=args.on_s,
                         off_s=args.off_s, seconds=args.seconds, seed=args.seed)
     delays = [int(d) for d in args.delays_us.split(",")]
     rows = []

@@ -172,6 +172,27 @@ def test_a_deadline_gives_goodput_and_slo_attainment(bench_server, tmp_path):
     assert entry["latency_ms"]["p50"] is None  # no OK answer to take a percentile of
 
 
+def test_a_mix_of_deadlines_holds_each_request_to_its_own(bench_server, tmp_path):
+    """The slow model answers after 50 ms: the 20 ms class all ends DEADLINE_EXCEEDED (its
+    gRPC deadline), the 5 s class all OK within its deadline, and the figures say so per class."""
+    report = bench(tmp_path, "-u", bench_server.address, "-m", "slow", "--rate", "40",
+                   "--arrival", "poisson", "--requests", "24", "--warmup-s", "0",
+                   "--deadline-ms", "20:1", "--deadline-ms", "5000:1", "--enforce-deadline", "grpc")
+
+    (entry,) = report["steps"]
+    counts_add_up(entry)
+    tight, loose = entry["by_deadline"]["20"], entry["by_deadline"]["5000"]
+    assert tight["sent"] > 0 and loose["sent"] > 0
+    assert tight["sent"] + loose["sent"] == entry["sent"] == 24
+    assert tight["errors"] == {"DEADLINE_EXCEEDED": tight["sent"]} and tight["slo_attainment"] == 0
+    assert loose["ok"] == loose["sent"] and loose["slo_attainment"] == 1.0
+    assert entry["slo_attainment"] == pytest.approx(loose["sent"] / 24)
+    assert report["settings"]["deadline_ms"] is None
+    assert report["settings"]["deadlines"] == [{"ms": 20.0, "weight": 1.0},
+                                               {"ms": 5000.0, "weight": 1.0}]
+    assert layout_problems(report) == []
+
+
 def test_json_layout_is_the_documented_one(bench_server, other_server, tmp_path):
     report = bench(tmp_path, "-u", bench_server.address, "--compare", other_server.address,
                    "-m", "mlp", "--priority", "0:1", "--priority", "1:1", "--rate", "50,100",

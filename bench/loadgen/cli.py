@@ -37,6 +37,7 @@ from bench.loadgen.driver import (
 from bench.loadgen.report import SCHEMA_VERSION, comparison, render, write_json
 from bench.loadgen.workload import (
     DataOptions,
+    DeadlineChoice,
     ModelChoice,
     ModelInputs,
     PriorityChoice,
@@ -123,9 +124,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure this many requests per step instead of a duration")
     load.add_argument("--slice-s", type=float, default=2.0,
                       help="--compare: length of each alternating slice (default: %(default)s)")
-    load.add_argument("--deadline-ms", type=float, default=None,
+    load.add_argument("--deadline-ms", action="append", default=[], metavar="MS[:WEIGHT]",
                       help="per-request deadline from the intended send time: goodput and SLO "
-                           "attainment count OK answers within it")
+                           "attainment count OK answers within it; repeatable: a mix by weight")
     load.add_argument("--enforce-deadline", choices=ENFORCE, default="none",
                       help="also send the deadline: as the gRPC deadline (grpc), as the "
                            "request's timeout parameter (parameter), or both (default: %(default)s)")
@@ -164,6 +165,7 @@ class Options:
     args: argparse.Namespace
     models: tuple[ModelChoice, ...]
     priorities: tuple[PriorityChoice, ...]
+    deadlines: tuple[DeadlineChoice, ...]
     levels: tuple[plan.LoadLevel, ...]
     data: DataOptions
     duration_s: float | None
@@ -184,6 +186,10 @@ def _options(args: argparse.Namespace) -> Options:
                        for item in args.priority)
     if any(p.level < 0 for p in priorities):
         raise ValueError("--priority levels must be >= 0")
+    deadlines = tuple(_weighted(item, "--deadline-ms", lambda n, w: DeadlineChoice(float(n), w))
+                      for item in args.deadline_ms)
+    if any(not d.ms > 0 for d in deadlines):
+        raise ValueError(f"--deadline-ms must be > 0, got {args.deadline_ms}")
     if args.concurrency and args.rate:
         raise ValueError("give --concurrency (closed loop) or --rate (open loop), not both")
     if args.rate:
@@ -209,9 +215,7 @@ def _options(args: argparse.Namespace) -> Options:
         (duration_s is None or duration_s > 0, f"--duration-s must be > 0, got {duration_s}"),
         (args.requests is None or args.requests >= 1, f"--requests must be >= 1, got {args.requests}"),
         (args.slice_s > 0, f"--slice-s must be > 0, got {args.slice_s}"),
-        (args.deadline_ms is None or args.deadline_ms > 0,
-         f"--deadline-ms must be > 0, got {args.deadline_ms}"),
-        (args.enforce_deadline == "none" or args.deadline_ms is not None,
+        (args.enforce_deadline == "none" or bool(deadlines),
          "--enforce-deadline needs --deadline-ms"),
         (args.max_outstanding is None or args.max_outstanding >= args.workers,
          "--max-outstanding must be at least --workers (each worker needs a slot)"),
@@ -231,7 +235,7 @@ def _options(args: argparse.Namespace) -> Options:
     data = DataOptions(batch=args.batch, shapes=dict(_shape(s) for s in args.shape),
                        npz=dict(_npz(item) for item in args.input_data),
                        int_range=(low, high), seed=args.seed)
-    return Options(args, models, priorities, levels, data, duration_s)
+    return Options(args, models, priorities, deadlines, levels, data, duration_s)
 
 
 def _weighted(item: str, flag: str, make):
@@ -292,7 +296,8 @@ def run(options: Options, console) -> RunResult:
     if args.compare:
         targets.append(Target("compare", args.compare, args.compare_metrics_url, {}))
     models = _describe(targets, options)
-    variants = build_variants(models, options.priorities, options.data, timeout_us=_timeout_us(args))
+    variants = build_variants(models, options.priorities, options.data, deadlines=options.deadlines,
+                              timeout_parameter=args.enforce_deadline in ("parameter", "both"))
     steps = plan.build_steps(plan.RunShape(
         options.levels, len(targets), args.warmup_s, options.duration_s, args.requests,
         args.slice_s, _variant_weights(variants, options), args.seed))
@@ -318,7 +323,8 @@ def _driver_config(options: Options, targets: Sequence[Target], variants) -> Dri
     return DriverConfig(
         urls=tuple(t.url for t in targets), payloads=tuple(v.payload for v in variants),
         call_timeout_s=args.call_timeout_s,
-        deadline_s=args.deadline_ms / 1e3 if args.enforce_deadline in ("grpc", "both") else None,
+        deadlines_s=(tuple(options.deadlines[v.deadline].ms / 1e3 for v in variants)
+                     if args.enforce_deadline in ("grpc", "both") else ()),
         max_outstanding=args.max_outstanding // args.workers if args.max_outstanding else None,
         drain_timeout_s=args.drain_timeout_s)
 
@@ -327,8 +333,10 @@ class _Figures:
     """The ``steps`` entries of the report, and the latencies the plots need."""
 
     def __init__(self, options: Options, models: Sequence[ModelInputs], variants) -> None:
-        deadline_ms = options.args.deadline_ms
-        self.deadline_s = deadline_ms / 1e3 if deadline_ms is not None else None
+        self.deadlines_ms = [d.ms for d in options.deadlines]
+        self.variant_deadline = np.array([v.deadline for v in variants])
+        self.deadline_s = (np.array([self.deadlines_ms[v.deadline] / 1e3 for v in variants])
+                           if options.deadlines else None)
         self.models = [m.name for m in models]
         self.levels = [p.level for p in options.priorities] or [0]
         self.samples = np.array([v.samples for v in variants])
@@ -342,7 +350,8 @@ class _Figures:
         summary = stats.summarize(
             outcome, deadline_s=self.deadline_s, samples=self.samples, models=self.models,
             variant_model=self.variant_model, priorities=self.levels,
-            variant_priority=self.variant_priority)
+            variant_priority=self.variant_priority, deadlines_ms=self.deadlines_ms,
+            variant_deadline=self.variant_deadline)
         self.entries.append({"step": index, "label": step.level.label,
                              "offered": step.level.offered, "target": target, **summary,
                              "server_metrics": server})
@@ -374,19 +383,20 @@ def _server_metadata(channel) -> dict:
     return {"name": reply.name, "version": reply.version}
 
 
-def _timeout_us(args: argparse.Namespace) -> int | None:
-    if args.enforce_deadline in ("parameter", "both"):
-        return int(args.deadline_ms * 1e3)
-    return None
-
-
 def _variant_weights(variants, options: Options) -> np.ndarray:
-    """Probability of each variant: model weight × priority weight, shared by its data variants."""
-    model_w = np.array([m.weight for m in options.models]) / sum(m.weight for m in options.models)
-    prio = options.priorities or (PriorityChoice(0),)
-    prio_w = np.array([p.weight for p in prio]) / sum(p.weight for p in prio)
-    per_model = np.bincount([v.model for v in variants], minlength=len(model_w)) / len(prio)
-    weights = np.array([model_w[v.model] * prio_w[v.priority] / per_model[v.model] for v in variants])
+    """Probability of each variant: model × priority × deadline weight, shared by its model's
+    data variants."""
+    def shares(choices) -> np.ndarray:
+        weights = np.array([c.weight for c in choices])
+        return weights / weights.sum()
+
+    model_w = shares(options.models)
+    prio_w = shares(options.priorities or (PriorityChoice(0),))
+    deadline_w = shares(options.deadlines or (DeadlineChoice(0.0),))
+    per_model = (np.bincount([v.model for v in variants], minlength=len(model_w))
+                 / (len(prio_w) * len(deadline_w)))
+    weights = np.array([model_w[v.model] * prio_w[v.priority] * deadline_w[v.deadline]
+                        / per_model[v.model] for v in variants])
     return weights / weights.sum()
 
 
@@ -477,7 +487,8 @@ def _report(options: Options, targets: Sequence[Target], models: Sequence[ModelI
             "duration_s": options.duration_s,
             "requests": args.requests,
             "slice_s": args.slice_s if len(targets) > 1 else None,
-            "deadline_ms": args.deadline_ms,
+            "deadline_ms": options.deadlines[0].ms if len(options.deadlines) == 1 else None,
+            "deadlines": [{"ms": d.ms, "weight": d.weight} for d in options.deadlines],
             "enforce_deadline": args.enforce_deadline,
             "max_outstanding": args.max_outstanding,
             "workers": args.workers,

@@ -51,7 +51,8 @@ class DriverConfig:
     urls: tuple[str, ...]
     payloads: tuple[bytes, ...]
     call_timeout_s: float = 60.0
-    deadline_s: float | None = None  # set as each call's gRPC deadline, from its intended time
+    # Per payload: its gRPC deadline, from its intended time (None: call_timeout_s). Empty: none.
+    deadlines_s: tuple[float | None, ...] = ()
     max_outstanding: int | None = None  # open loop: requests in flight per worker
     drain_timeout_s: float = 60.0
     connect_timeout_s: float = 30.0
@@ -142,7 +143,7 @@ class _StepRunner:
         call, payloads = self.calls[segment.target], self.config.payloads
         choices = segment.choices.tolist()
         cycle = len(choices)
-        timeout = self.config.deadline_s or self.config.call_timeout_s
+        timeouts = self._timeouts()
         progress = self.progress
         intended, done, codes, chosen = rec.intended, rec.done, rec.code, rec.choice
 
@@ -157,7 +158,7 @@ class _StepRunner:
                 position = (position + 1) % cycle
                 code = CANCELLED  # what a cancelled call (the drain's time limit) counts as
                 try:
-                    await call(payloads[i], timeout=timeout)
+                    await call(payloads[i], timeout=timeouts[i])
                     code = 0
                 except grpc.aio.AioRpcError as exc:
                     code = exc.code().value[0]
@@ -177,6 +178,11 @@ class _StepRunner:
             _done, pending = await asyncio.wait(senders, timeout=limit)
             await _cancel(pending)
         rec.end = end if segment.duration_s is not None else max(rec.intended, default=rec.start)
+
+    def _timeouts(self) -> list[float]:
+        """Each payload's call timeout: its deadline, or ``call_timeout_s`` without one."""
+        deadlines = self.config.deadlines_s or (None,) * len(self.config.payloads)
+        return [d if d is not None else self.config.call_timeout_s for d in deadlines]
 
     async def _open(self, segment: Segment, rec: _Recorder, origin: float) -> None:
         """Send ``segment``'s arrivals on schedule, ``origin`` being the step's start (later
@@ -202,7 +208,8 @@ class _StepRunner:
         sent = time.monotonic()
         code = CANCELLED
         try:
-            deadline_s = self.config.deadline_s
+            deadlines = self.config.deadlines_s
+            deadline_s = deadlines[i] if deadlines else None
             timeout = self.config.call_timeout_s
             if deadline_s is not None:
                 timeout = deadline_s - (sent - intended)

@@ -1,6 +1,7 @@
 """The run's report: a JSON document of a stable, documented layout, and the tables people read.
 
-``LAYOUT`` is the layout of ``schema_version`` 2 (2 added ``burst_off_rate_per_s``): every key the JSON has, nested as it is
+``LAYOUT`` is the layout of ``schema_version`` 2 (2 added ``burst_off_rate_per_s``, the
+deadline mix ``deadlines`` and ``by_deadline``): every key the JSON has, nested as it is
 (a key ending in ``[]`` is a list of such objects; ``{"*": ...}`` a mapping whose keys are
 data, such as model names). bench/README.md documents each key, and a test holds the output, the layout
 and the README together. Add keys only with a new ``schema_version``.
@@ -32,7 +33,8 @@ LAYOUT: dict[str, Any] = {
         "mode": None, "concurrency": None, "rate_per_s": None, "arrival": None,
         "burst_on_s": None, "burst_off_s": None, "burst_off_rate_per_s": None,
         "warmup_s": None, "duration_s": None,
-        "requests": None, "slice_s": None, "deadline_ms": None, "enforce_deadline": None,
+        "requests": None, "slice_s": None, "deadline_ms": None, "deadlines[]": {"ms": None, "weight": None},
+        "enforce_deadline": None,
         "max_outstanding": None, "workers": None, "seed": None, "batch": None,
         "models[]": {"name": None, "weight": None, "max_batch_size": None,
                      "inputs[]": {"name": None, "datatype": None, "shape": None}},
@@ -49,6 +51,7 @@ LAYOUT: dict[str, Any] = {
         "send_lag_ms": {"p50": None, "p99": None, "max": None},
         "by_model": {"*": _SUBSET},
         "by_priority": {"*": _SUBSET},
+        "by_deadline": {"*": {**_SUBSET, "goodput_per_s": None, "slo_attainment": None}},
         "client_cpu_cores": None,
         "server_metrics": {
             "requests": {"*": None}, "batches": None, "mean_batch_size": None,
@@ -135,7 +138,7 @@ def render(report: dict, console: Console) -> None:
     compared = len(report["targets"]) > 1
     console.print(_main_table(steps, compared, report["settings"]))
     models = [m["name"] for m in report["settings"]["models"]]
-    if len(models) > 1 or any(s["by_priority"] for s in steps):
+    if len(models) > 1 or any(s["by_priority"] or s["by_deadline"] for s in steps):
         console.print(_mix_table(steps, compared))
     if any(s["server_metrics"] for s in steps):
         console.print(_server_table(steps, compared))
@@ -144,10 +147,12 @@ def render(report: dict, console: Console) -> None:
 
 
 def _main_table(steps: Sequence[dict], compared: bool, settings: dict) -> Table:
-    deadline = settings["deadline_ms"]
+    deadlines = settings["deadlines"]
+    deadline = deadlines or None
     title = "batchgate bench: latency from the intended send time"
-    if deadline is not None:
-        title += f"; goodput and SLO within {deadline:g} ms"
+    if deadlines:
+        title += "; goodput and SLO within " + (
+            f"{deadlines[0]['ms']:g} ms" if len(deadlines) == 1 else "each request's deadline")
     table = Table(title=title)
     columns = ["load", *(["target"] if compared else []), "sent", "answers/s"]
     if deadline is not None:
@@ -173,17 +178,19 @@ def _main_table(steps: Sequence[dict], compared: bool, settings: dict) -> Table:
 
 
 def _mix_table(steps: Sequence[dict], compared: bool) -> Table:
-    table = Table(title="by model and priority")
-    for name in ("load", *(["target"] if compared else []), "model / priority", "sent", "ok",
-                 "p50 ms", "p99 ms", "errors"):
+    table = Table(title="by model, priority and deadline")
+    for name in ("load", *(["target"] if compared else []), "model / priority / deadline",
+                 "sent", "ok", "SLO", "p50 ms", "p99 ms", "errors"):
         table.add_column(name)
     for s in steps:
         groups = [(f"model {k}", v) for k, v in s["by_model"].items()]
         groups += [(f"priority {k}", v) for k, v in s["by_priority"].items()]
+        groups += [(f"deadline {k} ms", v) for k, v in s["by_deadline"].items()]
         for name, g in groups:
             table.add_row(s["label"], *([s["target"]] if compared else []), name,
-                          f"{g['sent']:,}", f"{g['ok']:,}", _num(g["p50_ms"], ".2f"),
-                          _num(g["p99_ms"], ".2f"), _errors(g["errors"]))
+                          f"{g['sent']:,}", f"{g['ok']:,}", _pct(g.get("slo_attainment")),
+                          _num(g["p50_ms"], ".2f"), _num(g["p99_ms"], ".2f"),
+                          _errors(g["errors"]))
     return table
 
 

@@ -75,15 +75,18 @@ def merge(records: Sequence[StepRecords], target: int) -> Outcome:
     return Outcome(**arrays, window_s=window_s, measured_s=measured_s, cpu_cores=cpu_cores)
 
 
-def summarize(outcome: Outcome, *, deadline_s: float | None, samples: np.ndarray,
+def summarize(outcome: Outcome, *, deadline_s: np.ndarray | None, samples: np.ndarray,
               models: Sequence[str], variant_model: np.ndarray,
-              priorities: Sequence[int], variant_priority: np.ndarray) -> dict:
+              priorities: Sequence[int], variant_priority: np.ndarray,
+              deadlines_ms: Sequence[float] = (), variant_deadline: np.ndarray | None = None
+              ) -> dict:
     """The figures of one step and target (the ``steps[]`` entries of the JSON, less the
-    step's own fields). ``samples``, ``variant_model`` and ``variant_priority`` are per variant."""
+    step's own fields). ``samples``, ``variant_model``, ``variant_priority``, ``deadline_s``
+    (seconds, or None for no deadline at all) and ``variant_deadline`` are per variant."""
     span = outcome.measured_s
     ok = outcome.ok
     latency = outcome.latency_s
-    within = ok & (latency <= deadline_s) if deadline_s is not None else None
+    within = ok & (latency <= deadline_s[outcome.choice]) if deadline_s is not None else None
     sent = int(outcome.code.size)
     summary = {
         **_counts(outcome.code),
@@ -92,7 +95,7 @@ def summarize(outcome: Outcome, *, deadline_s: float | None, samples: np.ndarray
         "throughput_per_s": _rate(int(ok.sum()), span),
         "samples_per_s": _rate(int(samples[outcome.choice[ok]].sum()), span),
         "goodput_per_s": None if within is None else _rate(int(within.sum()), span),
-        "slo_attainment": None if within is None or not sent else float(within.sum()) / sent,
+        "slo_attainment": _share(within, sent),
         "latency_ms": latency_ms(latency[ok]),
         "send_lag_ms": _lag_ms(outcome.sent - outcome.intended),
         "by_model": {
@@ -103,9 +106,24 @@ def summarize(outcome: Outcome, *, deadline_s: float | None, samples: np.ndarray
             str(level): _subset(outcome, variant_priority[outcome.choice] == p)
             for p, level in enumerate(priorities)
         } if len(priorities) > 1 or priorities[0] else {},
+        "by_deadline": {
+            f"{ms:g}": _deadline_subset(outcome, variant_deadline[outcome.choice] == d, within, span)
+            for d, ms in enumerate(deadlines_ms)
+        } if len(deadlines_ms) > 1 and variant_deadline is not None and within is not None else {},
         "client_cpu_cores": outcome.cpu_cores,
     }
     return summary
+
+
+def _share(within: np.ndarray | None, sent: int) -> float | None:
+    return None if within is None or not sent else float(within.sum()) / sent
+
+
+def _deadline_subset(outcome: Outcome, mask: np.ndarray, within: np.ndarray, span: float) -> dict:
+    """A deadline class's counts and latencies, with its own goodput and SLO attainment."""
+    hits = within[mask]
+    return {**_subset(outcome, mask), "goodput_per_s": _rate(int(hits.sum()), span),
+            "slo_attainment": _share(hits, int(mask.sum()))}
 
 
 def _counts(code: np.ndarray) -> dict:

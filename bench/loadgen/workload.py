@@ -62,6 +62,14 @@ class PriorityChoice:
 
 
 @dataclasses.dataclass(frozen=True)
+class DeadlineChoice:
+    """``--deadline-ms MS[:WEIGHT]``: a request's deadline, from its intended send time."""
+
+    ms: float
+    weight: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
 class InputSpec:
     name: str
     datatype: str
@@ -86,12 +94,14 @@ class ModelInputs:
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One pre-serialized request; ``model`` and ``priority`` index the run's mixes."""
+    """One pre-serialized request; ``model``, ``priority`` and ``deadline`` index the run's
+    mixes (``deadline`` 0 when there is no deadline)."""
 
     payload: bytes
     model: int
     priority: int
     samples: int
+    deadline: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,11 +187,14 @@ def _npz_arrays(model: str, options: DataOptions) -> dict[str, np.ndarray] | Non
 
 
 def build_variants(models: Sequence[ModelInputs], priorities: Sequence[PriorityChoice],
-                   options: DataOptions, *, timeout_us: int | None = None) -> list[Variant]:
-    """Every (model, priority, data variant) request, serialized; ``timeout_us`` sets the
-    request's ``timeout`` parameter (µs, as Triton reads it)."""
+                   options: DataOptions, *, deadlines: Sequence[DeadlineChoice] = (),
+                   timeout_parameter: bool = False) -> list[Variant]:
+    """Every (model, data variant, priority, deadline) request, serialized;
+    ``timeout_parameter`` sets each request's ``timeout`` parameter to its deadline (µs, as
+    Triton reads it)."""
     rng = np.random.default_rng(options.seed)
     levels = priorities or [PriorityChoice(0)]
+    timeouts = [int(d.ms * 1e3) if timeout_parameter else None for d in deadlines] or [None]
     variants = []
     for m, model in enumerate(models):
         arrays = _npz_arrays(model.name, options)
@@ -189,8 +202,9 @@ def build_variants(models: Sequence[ModelInputs], priorities: Sequence[PriorityC
         for _ in range(count):
             raw = [_raw_input(spec, arrays, rng, options.int_range) for spec in model.inputs]
             for p, level in enumerate(levels):
-                request = _request(model, raw, level.level, timeout_us)
-                variants.append(Variant(request.SerializeToString(), m, p, model.samples))
+                for d, timeout_us in enumerate(timeouts):
+                    request = _request(model, raw, level.level, timeout_us)
+                    variants.append(Variant(request.SerializeToString(), m, p, model.samples, d))
     return variants
 
 
