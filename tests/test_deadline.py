@@ -632,3 +632,31 @@ async def test_served_models_with_a_weight_take_turns_and_are_metered(served, re
     # Charged when the turn ends, just after the answers went out.
     await wait_until(lambda: (registry.get_sample_value(
         "batchgate_device_share_seconds_total", {"model": "fake", "device": "cpu"}) or 0) > 0)
+
+
+class _WouldBlock(Exception):
+    pass
+
+
+def _never_block(timeout_s, *, eager):
+    raise _WouldBlock(timeout_s)
+
+
+@pytest.mark.parametrize("policy", ["fifo", "deadline"])
+def test_a_busy_executor_takes_a_full_batch_early_only_under_fifo(policy):
+    # Under the deadline policy a batch taken while the previous one runs would shut out a
+    # tight request arriving in the meantime, so the busy executor waits for its batch to end.
+    clock = FakeClock()
+    queue = ModelQueue(BatchingConfig(max_batch_size=4, policy=policy), clock=clock,
+                       profile=profile_of({1: 0.01, 4: 0.02}, max_batch=4))
+    queue._wait = _never_block  # where it would block on its condition, raise instead
+    for i in range(4):
+        put(queue, clock, i, deadline=1.0)
+    if policy == "fifo":
+        batch, reason = queue.next_batch(busy=lambda: True)
+        assert (len(batch), reason) == (4, "full")
+    else:
+        with pytest.raises(_WouldBlock):
+            queue.next_batch(busy=lambda: True)
+        batch, reason = queue.next_batch(busy=lambda: False)  # its running batch ended
+        assert (len(batch), reason) == (4, "full")
