@@ -8,7 +8,8 @@ counted from its *intended* send time),
 against servers started one after the other on the same model:
 
 1. **fixed delay**: ``batch_policy: fifo`` at its best settings, chosen by a short sweep over
-   ``max_queue_delay_microseconds`` and admission control on or off at ``--sweep-load``;
+   ``max_queue_delay_microseconds`` and admission control on or off, at each load (or once,
+   at ``--sweep-load``);
 2. **deadline**: ``batch_policy: deadline`` (earliest deadline first, batches sized from the
    latency profile, infeasible requests dropped, admission control).
 
@@ -230,14 +231,14 @@ def run_load(args: argparse.Namespace, policy: Policy, load: float, capacity: fl
     return result
 
 
-def best_fixed(args: argparse.Namespace, capacity: float) -> tuple[Policy, list[Result]]:
-    """The fixed-delay settings with the best attainment (then goodput) at ``--sweep-load``."""
+def best_fixed(args: argparse.Namespace, capacity: float, load: float
+               ) -> tuple[Policy, list[Result]]:
+    """The fixed-delay settings with the best attainment (then goodput) at ``load``."""
     trials = []
     for delay in args.sweep_delays_us:
         for admission in ("false", "true"):
             policy = Policy("fixed delay", delay, {"batch_policy": "fifo", "admission": admission})
-            trials.append((policy, run_load(args, policy, args.sweep_load, capacity,
-                                            args.sweep_seconds)))
+            trials.append((policy, run_load(args, policy, load, capacity, args.sweep_seconds)))
     best = max(trials, key=lambda t: (t[1].attainment, t[1].goodput))
     return best[0], [result for _, result in trials]
 
@@ -251,17 +252,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"127.0.0.1:{server.grpc_port}", args.model,
                 f"http://127.0.0.1:{server.metrics_port}/metrics", args.capacity_seconds)
     _say(f"capacity: {capacity:.0f} requests/s (closed loop, 64 clients)")
-    fixed, sweep = best_fixed(args, capacity)
-    _say(f"best fixed-delay settings: {fixed.label()}")
     deadline = Policy("deadline", args.deadline_delay_us, {"batch_policy": "deadline"})
-    results = []
+    results, sweep, best = [], [], []
+    fixed = None
+    if args.sweep_load is not None:
+        fixed, sweep = best_fixed(args, capacity, args.sweep_load)
     for load in args.loads:
+        if args.sweep_load is None:  # the fixed delay at its best for this very load
+            fixed, trials = best_fixed(args, capacity, load)
+            sweep += trials
+        _say(f"best fixed-delay settings at {load:g}: {fixed.label()}")
+        best.append(fixed.label())
         results.append(run_load(args, fixed, load, capacity, args.seconds))
         results.append(run_load(args, deadline, load, capacity, args.seconds))
     return {
         "machine": machine(), "model": args.model, "deadline_ms": args.deadline_ms,
         "burst": {"on_s": args.on_s, "off_s": args.off_s, "peak": args.peak},
-        "capacity_per_s": capacity, "fixed_best": fixed.label(),
+        "capacity_per_s": capacity, "fixed_best": sorted(set(best)),
         "sweep": [r.row() for r in sweep], "results": [r.row() for r in results],
         "verdict": verdict(results),
     }
@@ -286,7 +293,7 @@ def render(report: dict[str, Any]) -> str:
     lines = [
         (f"model {report['model']}, deadlines {report['deadline_ms']} ms, capacity "
          f"{report['capacity_per_s']:.0f}/s, bursts {report['burst']}"),
-        f"fixed delay at its best: {report['fixed_best']}",
+        f"fixed delay at its best: {', '.join(report['fixed_best'])}",
         "",
         ("| policy | load × capacity | rate/s | sent | attainment | goodput/s | OK p50 ms | "
          "OK p99 ms | answers |"),
@@ -343,7 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-delays-us", type=lambda t: _numbers(t, int),
                         default=[0, 1000, 5000, 20000],
                         help="max_queue_delay_microseconds values tried for the fixed delay")
-    parser.add_argument("--sweep-load", type=float, default=1.0)
+    parser.add_argument("--sweep-load", type=float, default=None,
+                        help="choose the fixed delay's best settings once, at this load "
+                             "(default: at every load of --loads, for that load)")
     parser.add_argument("--sweep-seconds", type=float, default=8.0)
     parser.add_argument("--deadline-delay-us", type=int, default=0,
                         help="max_queue_delay_microseconds of the deadline policy (it waits "
