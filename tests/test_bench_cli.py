@@ -324,6 +324,8 @@ def test_serve_help_still_lists_serve_and_bench():
     (["--compare", "x:1", "--requests", "5"], "--duration-s"),
     (["--concurrency", "4", "--max-outstanding", "2"], "open loop"),
     (["--model", "mlp:-1"], "weight > 0"),
+    (["--deadline-ms", "0"], "must be > 0"),
+    (["--deadline-ms", "50", "--deadline-ms", "50:2"], "must differ"),
 ])
 def test_bad_command_lines_are_refused(args, message, capsys):
     with pytest.raises(SystemExit) as stop:

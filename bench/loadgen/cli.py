@@ -190,6 +190,8 @@ def _options(args: argparse.Namespace) -> Options:
                       for item in args.deadline_ms)
     if any(not d.ms > 0 for d in deadlines):
         raise ValueError(f"--deadline-ms must be > 0, got {args.deadline_ms}")
+    if len({d.ms for d in deadlines}) < len(deadlines):
+        raise ValueError(f"--deadline-ms values must differ (give one a weight), got {args.deadline_ms}")
     if args.concurrency and args.rate:
         raise ValueError("give --concurrency (closed loop) or --rate (open loop), not both")
     if args.rate:
