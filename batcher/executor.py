@@ -110,7 +110,7 @@ def default_plan(spec: ModelSpec) -> ExecutorPlan:
 
 class Batch:
     __slots__ = ("id", "requests", "reason", "samples", "bucket", "slot", "tensors", "ready",
-                 "done", "staged", "graph", "taken_at", "input_ns")
+                 "done", "staged", "graph", "taken_at", "started_at", "input_ns")
 
     def __init__(self, batch_id: int, requests: list[InferenceRequest], reason: str) -> None:
         self.id = batch_id
@@ -125,6 +125,7 @@ class Batch:
         self.staged: list[Staged] = []
         self.graph = False  # runs as a captured CUDA graph
         self.taken_at = time.monotonic()
+        self.started_at: float | None = None  # when its compute began (monotonic)
         self.input_ns = 0
 
 
@@ -166,7 +167,7 @@ class Executor:
         deliver: Callable[[Outcome], None],
         on_batch: Callable[[Batch, int, int], None],
         batch_ids: Callable[[], int],
-        on_inflight: Callable[[int], None] | None = None,
+        on_inflight: Callable[[Batch, int], None] | None = None,
         on_dead: Callable[[str], None] | None = None,
         plan: ExecutorPlan | None = None,
         turns: DeviceTurns | None = None,
@@ -414,7 +415,7 @@ class Executor:
         batch = Batch(self._batch_ids(), requests, reason)
         batch.slot = slot
         if self._on_inflight is not None:
-            self._on_inflight(1)
+            self._on_inflight(batch, 1)
         try:
             started = time.perf_counter_ns()
             self._assemble(batch)
@@ -566,6 +567,7 @@ class Executor:
         spec = self._spec
         if self._turns is not None:
             self._turns.begin(batch.id)  # ended in _finish, when the batch has completed
+        batch.started_at = time.monotonic()
         started = time.perf_counter_ns()
         finisher = self._cuda and self._pipelined
         try:
@@ -731,7 +733,7 @@ class Executor:
         else:
             self._recycle(batch)
         if self._on_inflight is not None:
-            self._on_inflight(-1)
+            self._on_inflight(batch, -1)
         if self._turns is not None:  # after the count: the share asks whether more work waits
             self._turns.end(batch.id)
         if self._plan.after_batch is not None:

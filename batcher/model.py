@@ -125,10 +125,12 @@ class ServedModel:
                                      spec.batching.max_batch_size)
         batching = spec.batching
         # Batch times per batch size: seeded at warm-up, updated by every batch. A model that
-        # pads to buckets takes a bucket's time for any batch in it.
+        # pads to buckets takes a bucket's time for any batch in it; one that does not takes
+        # its own size's, interpolated between the sizes measured.
         self._profile_given = profile is not None
         self.profile = profile if profile is not None else LatencyProfile(
-            batching.max_batch_size, buckets=self._buckets.buckets or None)
+            batching.max_batch_size, buckets=self._buckets.buckets or None,
+            padded=bool(self._buckets.buckets))
         self._slo_s = batching.slo_s
         self._queue = ModelQueue(
             batching,
@@ -148,6 +150,7 @@ class ServedModel:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._accepting = False
         self._inflight = 0
+        self._inflight_batches: dict[int, Batch] = {}  # batch id -> batch, taken and not finished
         self._inflight_lock = threading.Lock()
 
     @property
@@ -460,11 +463,12 @@ class ServedModel:
 
     def _admit(self, request: InferenceRequest) -> None:
         """Admission control (``batcher/admission.py``): raise, counted, if it cannot be in time."""
+        now = time.monotonic()
         try:
             self._admission.check(batch_size=request.batch_size, deadline=request.deadline,
-                                  now=time.monotonic(),
+                                  now=now,
                                   samples_ahead=self._queue.samples_ahead(request.level, request),
-                                  batches_in_flight=self._inflight)
+                                  in_flight_s=self._inflight_work_s(now))
         except AdmissionRefused:
             self._count_failure("rejected", [request])
             raise
@@ -606,11 +610,27 @@ class ServedModel:
             self._removed(request)
         self._fail(requests, error, "infeasible")
 
-    def _on_inflight(self, delta: int) -> None:
+    def _on_inflight(self, batch: Batch, delta: int) -> None:
         with self._inflight_lock:
+            if delta > 0:
+                self._inflight_batches[batch.id] = batch
+            else:
+                self._inflight_batches.pop(batch.id, None)
             self._inflight += delta
         if self._metrics is not None:
             self._metrics.inflight_batches.inc(delta)
+
+    def _inflight_work_s(self, now: float) -> float:
+        """Seconds of work left in the batches taken and not finished: each one's mean time
+        for its size, less what a running one has run (admission control's view of them)."""
+        left = 0.0
+        with self._inflight_lock:
+            batches = list(self._inflight_batches.values())
+        for batch in batches:
+            mean_s = self.profile.mean(batch.samples) or 0.0
+            started = batch.started_at
+            left += mean_s if started is None else max(0.0, mean_s - (now - started))
+        return left
 
     def _backlog(self) -> bool:
         """Work this model has right now: queued requests, or batches formed and not finished."""

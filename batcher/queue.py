@@ -35,11 +35,12 @@ model's latency profile (``batcher/profile.py``):
 - order: earliest deadline first within a priority level (a heap per level). A request's
   scheduling deadline is the earlier of its own deadline and its arrival plus the model's
   ``slo_ms``; requests with neither come last, in arrival order;
-- size: for each batch-size bucket, the batch is the earliest-deadline requests that its p99
-  completion time meets, and the size chosen is the one after which the most requests meet
-  their deadlines, counting those a full next batch would serve (``_best_batch``): the largest
-  batch that meets its earliest deadline, unless serving a tight head would cost more
-  requests behind it than it saves;
+- size: for each batch size the profile knows (its buckets or size classes), the batch is the
+  earliest-deadline requests that its p99 completion time meets, and the size chosen is the
+  one after which the most requests meet their deadlines, counting those that back-to-back
+  full batches after it would serve (``_best_batch``): the largest batch that meets its
+  earliest deadline, unless serving a tight head would cost more requests behind it than it
+  saves;
 - drops: a request whose hard deadline (its own, not the SLO) even the profile's optimistic
   time for it alone cannot meet is taken out before it uses the device, and handed to
   ``on_infeasible``.
@@ -459,38 +460,120 @@ class ModelQueue:
 
     def _best_batch(self, candidates: list[tuple[float, InferenceRequest]], limit: int,
                     now: float) -> list[InferenceRequest]:
-        """Of the batches one per size bucket up to ``limit``, the one after which the most
-        requests meet their deadline: those in it plus those a full next batch would serve.
+        """Of the batches one per profile size up to ``limit``, the one after which the most
+        requests meet their deadline: those in it plus those that back-to-back full batches
+        after it would serve.
 
         The batch of size m holds the earliest-deadline candidates that its p99 completion
         time meets; what room is left takes those it would make late but that a quick run
         (the profile's optimistic time) still serves, and those that only missed their SLO.
         A request certain to be late stays queued (a smaller batch may yet serve it, or it is
-        dropped as infeasible): no device time for nothing. Without the look at the next batch, a tight head would keep
-        every batch small under load and throughput would collapse exactly when it is needed;
-        with it, a small batch wins only when it serves the head without losing more behind.
-        Ties go to the batch that takes more samples now.
+        dropped as infeasible): no device time for nothing.
+
+        Without the look at the batches after it, a tight head would keep every batch small
+        under load and throughput would collapse exactly when it is needed; with it, a small
+        batch wins only when it serves the head without losing more behind. The look goes
+        past the next batch: judged over two batches, a full batch of loose requests (which
+        would make it later anyway) beat a smaller one that also served a tight head, which
+        was then lost. Simulated (``bench/deadline_sim.py``, seeds 1-3): with 100/300 ms
+        mixed at 0.4 x capacity, 97.4 % on time judged over two batches, 98.3 % over all the
+        candidates; 50/200/800 ms at 0.3 x, 89.8 % and 90.8 %; one deadline of 150 ms at 0.45
+        and 0.6 x, within 0.2 points. Ties go to the batch that takes more samples now.
         """
         if not candidates:
             return []
+        keys = [key for key, _ in candidates]
+        if all(a <= b for a, b in itertools.pairwise(keys)):
+            size = self._best_size_sorted(candidates, keys, limit, now)
+            return _compose(candidates, size, now + self._p99(size),
+                            now + self._optimistic(size))[0]
+        return self._best_batch_composed(candidates, limit, now)
+
+    def _sizes(self, candidates: list[tuple[float, InferenceRequest]], limit: int) -> list[int]:
+        """The batch sizes to weigh: the profile's up to ``limit``, but none beyond the first
+        that holds every candidate (it would only finish later)."""
         total = sum(r.batch_size for _, r in candidates)
         buckets = sorted({min(b, limit) for b in self._profile_buckets()} | {limit})
-        # A bucket beyond the one that holds every candidate would only finish later.
         whole = min(total, limit)
-        sizes = [b for b in buckets if b < whole] + [next(b for b in buckets if b >= whole)]
+        return [b for b in buckets if b < whole] + [next(b for b in buckets if b >= whole)]
+
+    def _best_batch_composed(self, candidates: list[tuple[float, InferenceRequest]],
+                             limit: int, now: float) -> list[InferenceRequest]:
+        """``_best_batch`` for candidates in any order: every batch composed and weighed."""
         best: tuple[tuple[int, int], list[InferenceRequest]] | None = None
-        for size in sizes:
+        for size in self._sizes(candidates, limit):
             finish = now + self._p99(size)
             batch, on_time = _compose(candidates, size, finish, now + self._optimistic(size))
             taken = {id(r) for r in batch}
             rest = [(key, r) for key, r in candidates if id(r) not in taken]
-            rest_samples = min(limit, sum(r.batch_size for _, r in rest))
-            _, later = (_compose(rest, limit, finish + self._p99(rest_samples), math.inf)
-                        if rest else ([], 0))
-            rank = (on_time + later, sum(r.batch_size for r in batch))
+            rank = (on_time + self._served_after(rest, limit, finish),
+                    sum(r.batch_size for r in batch))
             if best is None or rank > best[0]:
                 best = (rank, batch)
         return best[1]
+
+    def _best_size_sorted(self, candidates: list[tuple[float, InferenceRequest]],
+                          keys: list[float], limit: int, now: float) -> int:
+        """``_best_batch``'s choice when the candidates' deadlines are in order (one priority
+        level, the common case), found by bisecting instead of composing every batch: those
+        a batch of m makes late are a prefix, it serves the next ones that fit, and so on for
+        the batches after it. Only the late prefix is walked (for the spare room), and it is
+        short: its requests are about to be dropped."""
+        count = len(keys)
+        cum = list(itertools.accumulate((r.batch_size for _, r in candidates), initial=0))
+        best: tuple[tuple[int, int], int] | None = None
+        for size in self._sizes(candidates, limit):
+            finish = now + self._p99(size)
+            late = bisect.bisect_left(keys, finish)
+            end = late if late == count else max(
+                late + 1, bisect.bisect_right(cum, cum[late] + size, late) - 1)
+            taken = cum[end] - cum[late]
+            hopeful = now + self._optimistic(size)
+            for _, request in candidates[:late]:  # spare room: as ``_compose`` fills it
+                if request.batch_size <= size - taken and (
+                        request.deadline is None or request.deadline >= hopeful):
+                    taken += request.batch_size
+            rank = (end - late + self._served_after_sorted(keys, cum, end, limit, finish), taken)
+            if best is None or rank > best[0]:
+                best = (rank, size)
+        return best[1]
+
+    def _served_after(self, rest: list[tuple[float, InferenceRequest]], limit: int,
+                      start: float) -> int:
+        """How many of ``rest`` (in deadline order) meet their deadlines in back-to-back full
+        batches from ``start``, each finishing at its p99 time. Those already late take no
+        part: they are dropped before they run."""
+        on_time = 0
+        while rest:
+            rest = [(key, r) for key, r in rest if key >= start]
+            size = min(limit, sum(r.batch_size for _, r in rest))
+            if not size:
+                break
+            start += self._p99(size)
+            batch, served = _compose(rest, size, start, math.inf)
+            if not batch:
+                break
+            on_time += served
+            taken = {id(r) for r in batch}
+            rest = [(key, r) for key, r in rest if id(r) not in taken]
+        return on_time
+
+    def _served_after_sorted(self, keys: list[float], cum: list[int], first: int, limit: int,
+                             start: float) -> int:
+        """``_served_after`` for the candidates from ``first`` on, when ``keys`` (their
+        deadlines) are in order and ``cum`` holds the running sum of their samples."""
+        on_time = 0
+        count = len(keys)
+        while first < count:
+            size = min(limit, cum[count] - cum[first])
+            start += self._p99(size)
+            first = max(first, bisect.bisect_left(keys, start, first))
+            if first >= count:
+                break
+            end = max(first + 1, bisect.bisect_right(cum, cum[first] + size, first) - 1)
+            on_time += end - first
+            first = end
+        return on_time
 
     def _p99(self, samples: int) -> float:
         """The profile's p99 seconds for ``samples`` (0 when unknown: decide as if free)."""

@@ -3,10 +3,10 @@
 ``bench/deadline.py`` measures the policies through a real server, where a shared machine and a
 Python load driver add their own noise. This runs the real ``ModelQueue`` (and ``Admission``)
 on a fake clock instead: one executor whose batch of n takes ``fixed + per_sample × n`` ms
-(times a seeded normal jitter), the bursty on/off arrivals ``batchgate bench`` sends
-(``bench.deadline.burst_arrival``),
-every request with the same deadline, queued requests expiring at their deadline as the server's
-timers do. So the policies' decisions are compared on identical traces, and a change to the
+(times a seeded normal jitter; it runs a batch at its own size, as a CPU model without buckets
+does, and its warm-up timed a batch of 1 and a full one), the bursty on/off arrivals
+``batchgate bench`` sends (``bench.deadline.burst_arrival``), each request with one of the
+deadlines, queued requests expiring at their deadline as the server's timers do. So the policies' decisions are compared on identical traces, and a change to the
 policy shows up here first. It is a model of the server, not a measurement of it: no figure
 from here goes into the README's performance section.
 
@@ -107,8 +107,10 @@ def simulate(workload: Workload, policy: str, admission: bool, load: float,
     budgets = np.random.default_rng([w.seed, 1]).choice(w.deadlines_s, size=len(arrivals))
     now = [0.0]
     dropped: list[InferenceRequest] = []
-    profile = LatencyProfile(w.max_batch)
-    for size in profile.buckets:  # what a warm-up would have measured
+    # The simulated model runs a batch at its own size, as a CPU model without buckets does;
+    # its warm-up times a batch of 1 and a full one (batcher.model.default_warmup).
+    profile = LatencyProfile(w.max_batch, padded=False)
+    for size in (1, w.max_batch):
         profile.record(size, w.batch_s(size))
     queue = ModelQueue(BatchingConfig(max_batch_size=w.max_batch, policy=policy,
                                       max_queue_delay_us=delay_us),
@@ -122,10 +124,17 @@ def simulate(workload: Workload, policy: str, admission: bool, load: float,
     x = np.zeros((1, 1), np.float32)
     waiting: list[InferenceRequest] = []
     next_arrival = 0
-    running_until = 0.0  # the executor's batch, counted by admission as the server does
+    running = (0.0, 0.0, 0)  # the executor's batch: start, end, samples
+
+    def in_flight_s(at: float) -> float:
+        """Admission's view of the running batch, as the server's: its mean time less its run."""
+        start, end, samples = running
+        if at >= end:
+            return 0.0
+        return max(0.0, (profile.mean(samples) or 0.0) - (at - start))
 
     def arrive(until: float) -> None:
-        nonlocal next_arrival, running_until
+        nonlocal next_arrival
         while next_arrival < len(arrivals) and arrivals[next_arrival] <= until:
             now[0] = at = float(arrivals[next_arrival])
             next_arrival += 1
@@ -135,7 +144,7 @@ def simulate(workload: Workload, policy: str, admission: bool, load: float,
                 try:
                     door.check(batch_size=1, deadline=request.deadline, now=at,
                                samples_ahead=queue.samples_ahead(1, request),
-                               batches_in_flight=int(at < running_until))
+                               in_flight_s=in_flight_s(at))
                 except (AdmissionRefused, DeadlineInfeasible):
                     out.refused += 1
                     continue
@@ -164,8 +173,8 @@ def simulate(workload: Workload, policy: str, admission: bool, load: float,
         samples = sum(r.batch_size for r in batch)
         took = max(w.batch_s(samples) * (1 + w.jitter * rng.standard_normal()), 1e-4)
         profile.record(samples, took)
-        running_until = clock + took
-        arrive(running_until)
+        running = (clock, clock + took, samples)
+        arrive(clock + took)
         clock += took
         out.batches += 1
         out.samples += samples
