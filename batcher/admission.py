@@ -89,6 +89,8 @@ class Admission:
         if estimate is None:
             return
         wait_s, done_s = estimate
+        # The answer still has to reach the client after its batch (``LatencyProfile.margin``).
+        left_s -= self._profile.margin()
         if self._include_own:
             own_s = self._profile.optimistic(batch_size) or 0.0
             if own_s > left_s:

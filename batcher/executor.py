@@ -110,7 +110,7 @@ def default_plan(spec: ModelSpec) -> ExecutorPlan:
 
 class Batch:
     __slots__ = ("id", "requests", "reason", "samples", "bucket", "slot", "tensors", "ready",
-                 "done", "staged", "graph", "taken_at", "started_at", "input_ns")
+                 "done", "staged", "graph", "taken_at", "started_at", "finished_at", "input_ns")
 
     def __init__(self, batch_id: int, requests: list[InferenceRequest], reason: str) -> None:
         self.id = batch_id
@@ -126,6 +126,7 @@ class Batch:
         self.graph = False  # runs as a captured CUDA graph
         self.taken_at = time.monotonic()
         self.started_at: float | None = None  # when its compute began (monotonic)
+        self.finished_at: float | None = None  # when its answers were handed on (monotonic)
         self.input_ns = 0
 
 
@@ -738,6 +739,7 @@ class Executor:
             self._turns.end(batch.id)
         if self._plan.after_batch is not None:
             self._plan.after_batch()
+        batch.finished_at = time.monotonic()
         self._deliver(Outcome(batch, results, error, inputs_in_use=inputs_in_use))
 
     def _recycle(self, batch: Batch) -> None:

@@ -130,7 +130,8 @@ class ServedModel:
         self._profile_given = profile is not None
         self.profile = profile if profile is not None else LatencyProfile(
             batching.max_batch_size, buckets=self._buckets.buckets or None,
-            padded=bool(self._buckets.buckets))
+            padded=bool(self._buckets.buckets),
+            response_margin_s=batching.response_margin_ms / 1e3)
         self._slo_s = batching.slo_s
         self._queue = ModelQueue(
             batching,
@@ -528,6 +529,8 @@ class ServedModel:
                 _reject(request.future, outcome.error)
             return
         now = time.monotonic()
+        if outcome.batch.finished_at is not None:
+            self.profile.record_delivery(now - outcome.batch.finished_at)
         success_ns = answered = 0
         met = missed = 0
         slack = self._metrics.deadline_slack_seconds if self._metrics is not None else None

@@ -88,9 +88,14 @@ class LatencyProfile:
     """
 
     def __init__(self, max_batch: int, *, buckets: Sequence[int] | None = None,
-                 padded: bool = True, alpha: float = DEFAULT_ALPHA) -> None:
+                 padded: bool = True, alpha: float = DEFAULT_ALPHA,
+                 response_margin_s: float = 0.0) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must lie in (0, 1], got {alpha}")
+        if not response_margin_s >= 0.0:
+            raise ValueError(f"response_margin_s must be >= 0, got {response_margin_s}")
+        self.response_margin_s = response_margin_s
+        self._delivery: _Bucket | None = None
         if buckets is None:
             max_batch = max(max_batch, 1)
             buckets = default_buckets(max_batch) if padded else size_classes(max_batch)
@@ -122,6 +127,28 @@ class LatencyProfile:
             state.deviation += self._alpha * (abs(error) - state.deviation)
             state.size += self._alpha * (size - state.size)
             state.count += 1
+
+    def record_delivery(self, seconds: float) -> None:
+        """A batch's answers reached the caller ``seconds`` after its compute ended."""
+        if seconds < 0:
+            return
+        with self._lock:
+            state = self._delivery
+            if state is None:
+                self._delivery = _Bucket(1, seconds)
+                return
+            error = seconds - state.mean
+            state.mean += self._alpha * error
+            state.deviation += self._alpha * (abs(error) - state.deviation)
+
+    def margin(self) -> float:
+        """Seconds to keep free before a deadline after a batch's predicted end: the p99 of
+        the measured delivery inside the server plus ``response_margin_s`` for the rest of
+        the way to the client."""
+        state = self._delivery
+        if state is None:
+            return self.response_margin_s
+        return self.response_margin_s + state.mean + P99_DEVIATIONS * state.deviation
 
     def mean(self, batch_size: int) -> float | None:
         """Expected seconds for a batch of ``batch_size`` (None: nothing measured yet)."""

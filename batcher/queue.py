@@ -402,7 +402,7 @@ class ModelQueue:
         if request.deadline is None or self._profile is None:
             return False
         alone_s = self._profile.optimistic(request.batch_size)
-        return alone_s is not None and now + alone_s > request.deadline
+        return alone_s is not None and now + alone_s + self._margin() > request.deadline
 
     def _feasible_head(self, now: float) -> InferenceRequest | None:
         """The head, after dropping heads that cannot meet their deadline."""
@@ -420,7 +420,7 @@ class ModelQueue:
         batch_s = self._profile.p99(self._min_batch) if self._profile is not None else None
         if batch_s is None or math.isinf(deadline):
             return math.inf
-        return deadline - batch_s
+        return deadline - batch_s - self._margin()
 
     def _gather_by_deadline(self, head: InferenceRequest, limit: int, now: float
                             ) -> list[InferenceRequest]:
@@ -444,6 +444,7 @@ class ModelQueue:
         ones met on the way, taken out of the queue."""
         candidates: list[tuple[float, InferenceRequest]] = []
         dropped: list[InferenceRequest] = []
+        margin = self._margin()
         for level in self._levels:
             for request in level:
                 if request.state != QUEUED or request.shape_key != shape_key:
@@ -452,7 +453,7 @@ class ModelQueue:
                     self._forget(request, REMOVED)
                     dropped.append(request)
                     continue
-                candidates.append((scheduling_deadline(request, self._slo_s), request))
+                candidates.append((scheduling_deadline(request, self._slo_s) - margin, request))
                 samples -= request.batch_size
                 if samples <= 0:
                     return candidates, dropped
@@ -483,10 +484,11 @@ class ModelQueue:
         if not candidates:
             return []
         keys = [key for key, _ in candidates]
+        margin = self._margin()
         if all(a <= b for a, b in itertools.pairwise(keys)):
             size = self._best_size_sorted(candidates, keys, limit, now)
             return _compose(candidates, size, now + self._p99(size),
-                            now + self._optimistic(size))[0]
+                            now + self._optimistic(size) + margin)[0]
         return self._best_batch_composed(candidates, limit, now)
 
     def _sizes(self, candidates: list[tuple[float, InferenceRequest]], limit: int) -> list[int]:
@@ -500,10 +502,12 @@ class ModelQueue:
     def _best_batch_composed(self, candidates: list[tuple[float, InferenceRequest]],
                              limit: int, now: float) -> list[InferenceRequest]:
         """``_best_batch`` for candidates in any order: every batch composed and weighed."""
+        margin = self._margin()
         best: tuple[tuple[int, int], list[InferenceRequest]] | None = None
         for size in self._sizes(candidates, limit):
             finish = now + self._p99(size)
-            batch, on_time = _compose(candidates, size, finish, now + self._optimistic(size))
+            batch, on_time = _compose(candidates, size, finish,
+                                      now + self._optimistic(size) + margin)
             taken = {id(r) for r in batch}
             rest = [(key, r) for key, r in candidates if id(r) not in taken]
             rank = (on_time + self._served_after(rest, limit, finish),
@@ -521,6 +525,7 @@ class ModelQueue:
         short: its requests are about to be dropped."""
         count = len(keys)
         cum = list(itertools.accumulate((r.batch_size for _, r in candidates), initial=0))
+        margin = self._margin()
         best: tuple[tuple[int, int], int] | None = None
         for size in self._sizes(candidates, limit):
             finish = now + self._p99(size)
@@ -528,7 +533,7 @@ class ModelQueue:
             end = late if late == count else max(
                 late + 1, bisect.bisect_right(cum, cum[late] + size, late) - 1)
             taken = cum[end] - cum[late]
-            hopeful = now + self._optimistic(size)
+            hopeful = now + self._optimistic(size) + margin
             for _, request in candidates[:late]:  # spare room: as ``_compose`` fills it
                 if request.batch_size <= size - taken and (
                         request.deadline is None or request.deadline >= hopeful):
@@ -574,6 +579,10 @@ class ModelQueue:
             on_time += end - first
             first = end
         return on_time
+
+    def _margin(self) -> float:
+        """Seconds kept free before every deadline for the answer to reach its client."""
+        return self._profile.margin() if self._profile is not None else 0.0
 
     def _p99(self, samples: int) -> float:
         """The profile's p99 seconds for ``samples`` (0 when unknown: decide as if free)."""

@@ -118,6 +118,9 @@ class BatchingConfig:
     # The model's latency objective: the SLO attainment metric's target for requests without an
     # earlier deadline, and under the deadline policy their scheduling deadline. 0 = none.
     slo_ms: float = 0.0
+    # Kept free before every deadline (deadline policy, admission control) for an answer to go
+    # from the server to its client, beyond the delivery the server measures inside itself.
+    response_margin_ms: float = 1.0
     # Refuse at once a request whose deadline the estimated queue wait already exceeds.
     admission: bool = True
     # > 0: batches run on the device in turns shared by weight with the other models that set
@@ -155,6 +158,8 @@ class BatchingConfig:
             raise ValueError(f"policy must be one of {BATCH_POLICIES}, got {self.policy!r}")
         if not self.slo_ms >= 0:
             raise ValueError(f"slo_ms must be >= 0, got {self.slo_ms}")
+        if not self.response_margin_ms >= 0:
+            raise ValueError(f"response_margin_ms must be >= 0, got {self.response_margin_ms}")
         if not self.device_share_weight >= 0:
             raise ValueError(f"device_share_weight must be >= 0, got {self.device_share_weight}")
 

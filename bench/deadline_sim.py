@@ -44,6 +44,8 @@ class Workload:
     max_batch: int = 32
     deadlines_s: tuple[float, ...] = (0.150,)  # each request gets one, equally often
     jitter: float = 0.1  # relative standard deviation of a batch's time
+    response_s: float = 0.0  # from a batch's end until its answers reach the clients
+    margin_s: float = 0.0  # the profile's response margin (what the server keeps free for it)
     on_s: float = 0.5
     off_s: float = 1.5
     peak: float = 2.5
@@ -109,7 +111,7 @@ def simulate(workload: Workload, policy: str, admission: bool, load: float,
     dropped: list[InferenceRequest] = []
     # The simulated model runs a batch at its own size, as a CPU model without buckets does;
     # its warm-up times a batch of 1 and a full one (batcher.model.default_warmup).
-    profile = LatencyProfile(w.max_batch, padded=False)
+    profile = LatencyProfile(w.max_batch, padded=False, response_margin_s=w.margin_s)
     for size in (1, w.max_batch):
         profile.record(size, w.batch_s(size))
     queue = ModelQueue(BatchingConfig(max_batch_size=w.max_batch, policy=policy,
@@ -179,7 +181,7 @@ def simulate(workload: Workload, policy: str, admission: bool, load: float,
         out.batches += 1
         out.samples += samples
         for request in batch:
-            if clock <= request.deadline:
+            if clock + w.response_s <= request.deadline:
                 out.on_time += 1
             else:
                 out.late += 1

@@ -89,6 +89,10 @@ PARAMETERS: Mapping[str, str] = {
         "the model's latency objective in ms: target of the SLO attainment metric and, under "
         "the deadline policy, the scheduling deadline of requests without an earlier one (0: none)"
     ),
+    "response_margin_ms": (
+        "ms kept free before every deadline (deadline policy, admission control) for an answer "
+        "to reach its client, on top of the delivery measured inside the server (default 1)"
+    ),
     "admission": (
         "true | false: refuse at once (RESOURCE_EXHAUSTED) a request whose estimated queue wait "
         "exceeds its deadline (default true)"
@@ -347,6 +351,7 @@ def effective_config(
         "execution_timeout_ms": str(spec.execution_timeout_ms),
         "batch_policy": spec.batching.policy,
         "slo_ms": f"{spec.batching.slo_ms:g}",
+        "response_margin_ms": f"{spec.batching.response_margin_ms:g}",
         "admission": "true" if spec.batching.admission else "false",
         "device_share_weight": f"{spec.batching.device_share_weight:g}",
         "INTRA_OP_THREAD_COUNT": str(spec.intra_op_threads),
@@ -431,6 +436,7 @@ def _batching_config(
     scheduling = {
         "policy": _choice(name, params, "batch_policy", BATCH_POLICIES, "fifo"),
         "slo_ms": _float_param(name, params, "slo_ms", 0.0),
+        "response_margin_ms": _float_param(name, params, "response_margin_ms", 1.0),
         "admission": _bool_param(name, params, "admission", True),
         "device_share_weight": _float_param(name, params, "device_share_weight", 0.0),
     }

@@ -171,6 +171,17 @@ def test_an_unpadded_profile_lets_the_batch_fall_between_powers_of_two():
     assert len(q.next_batch()[0]) == 21
 
 
+def test_margin_is_the_response_margin_plus_the_measured_delivery_p99():
+    profile = LatencyProfile(8, response_margin_s=0.002)
+    assert profile.margin() == pytest.approx(0.002)  # nothing delivered yet
+    profile.record_delivery(0.001)
+    assert profile.margin() == pytest.approx(0.003)
+    profile.record_delivery(0.002)  # mean 0.0011, deviation 0.0001
+    assert profile.margin() == pytest.approx(0.002 + 0.0011 + 3 * 0.0001)
+    with pytest.raises(ValueError, match="response_margin_s"):
+        LatencyProfile(8, response_margin_s=-1.0)
+
+
 # -- EDF order ---------------------------------------------------------------------------------
 
 def test_earliest_deadline_first_within_a_level_levels_first():
@@ -256,6 +267,22 @@ def test_the_batch_is_the_largest_whose_p99_meets_its_earliest_deadline():
     # 4 samples take 2 s (done at NOW + 2 <= NOW + 3); 5..8 fall in bucket 8: 4 s, too late.
     assert (len(batch), reason) == (4, "full")
     assert len(q.next_batch()[0]) == 4
+
+
+def test_the_margin_comes_off_every_deadline_when_sizing_and_dropping():
+    clock = FakeClock()
+    profile = profile_of({1: 1.0, 2: 1.5, 4: 2.0, 8: 4.0})
+    profile.response_margin_s = 1.5
+    dropped: list = []
+    q = deadline_queue(clock, profile, dropped)
+    for i in range(8):
+        put(q, clock, float(i), deadline=3.0)
+    # 4 samples would end at 2 s, but their answers need 1.5 s more: only 2 (1.5 s) fit.
+    assert len(q.next_batch()[0]) == 2
+    clock.advance(1.0)  # 2 s left for the rest: even alone (1 s) + 1.5 s is too late
+    put(q, clock, 99.0)  # no deadline
+    assert values(q.next_batch()[0]) == [99.0]
+    assert len(dropped) == 6 and q.depth == 0
 
 
 def test_a_tight_deadline_keeps_the_batch_small():
@@ -380,6 +407,21 @@ def test_admission_estimates_the_wait_from_queue_depth_profile_and_instances():
     admission.check(batch_size=1, deadline=NOW + 0.201, now=NOW, samples_ahead=8,
                     in_flight_s=0.1)
     admission.check(batch_size=1, deadline=None, now=NOW, samples_ahead=1000)
+
+
+def test_admission_keeps_the_margin_free_before_the_deadline():
+    profile = profile_of({1: 0.01, 4: 0.1}, max_batch=4)
+    fifo = Admission("m", profile, max_batch=4, instances=1, include_own=False)
+    deadline = Admission("m", profile, max_batch=4, instances=1, include_own=True)
+    fifo.check(batch_size=1, deadline=NOW + 0.1, now=NOW, samples_ahead=0, in_flight_s=0.05)
+    deadline.check(batch_size=1, deadline=NOW + 0.015, now=NOW, samples_ahead=0)
+    profile.response_margin_s = 0.05
+    # Done in 60 ms, answered 50 ms later: after the 100 ms deadline.
+    with pytest.raises(AdmissionRefused):
+        fifo.check(batch_size=1, deadline=NOW + 0.1, now=NOW, samples_ahead=0, in_flight_s=0.05)
+    # Even alone (10 ms) and answered 50 ms later, after 15 ms.
+    with pytest.raises(DeadlineInfeasible):
+        deadline.check(batch_size=1, deadline=NOW + 0.015, now=NOW, samples_ahead=0)
 
 
 def test_admission_admits_everything_before_anything_is_measured():
@@ -524,6 +566,13 @@ async def test_admission_counts_a_batch_in_flight_by_its_size_less_what_it_has_r
     fake.gate.set()
     await asyncio.gather(blocker, queued)
     assert not model._inflight_batches
+
+
+async def test_a_model_measures_the_delivery_of_its_answers_into_the_margin(served):
+    model = served(make_spec(max_batch_size=4, response_margin_ms=2.0), RecordingModel())
+    assert model.profile.margin() == pytest.approx(0.002)  # configured, nothing measured
+    await model.infer(request(1.0))
+    assert model.profile.margin() > 0.002  # plus the hop from the batch thread to the loop
 
 
 def test_fifo_admission_lets_in_a_request_too_short_for_its_own_batch():

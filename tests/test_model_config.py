@@ -283,6 +283,7 @@ def test_other_backends_are_refused(tmp_path):
         ("batch_policy", "lifo"),
         ("slo_ms", "-5"),
         ("slo_ms", "nan"),
+        ("response_margin_ms", "-1"),
         ("admission", "sometimes"),
         ("device_share_weight", "heavy"),
     ],
@@ -298,7 +299,7 @@ def test_documented_parameters_take_effect(tmp_path):
     assert set(PARAMETERS) == {"precision", "min_batch_size", "max_inflight_batches", "warmup",
                                "execution_timeout_ms", "buckets", "cuda_graphs",
                                "input_staging", "batch_policy", "slo_ms", "admission",
-                               "device_share_weight"}
+                               "device_share_weight", "response_margin_ms"}
     assert all(description.strip() for description in PARAMETERS.values())
     default = spec_of(tmp_path, BASE)
     spec = spec_of(
@@ -316,6 +317,7 @@ def test_documented_parameters_take_effect(tmp_path):
             input_staging="queue",
             batch_policy="Deadline",
             slo_ms="12.5",
+            response_margin_ms="3",
             admission="false",
             device_share_weight="3",
         ),
@@ -329,6 +331,7 @@ def test_documented_parameters_take_effect(tmp_path):
     assert (default.inter_op_threads, spec.inter_op_threads) == (0, 1)
     assert (default.batching.policy, spec.batching.policy) == ("fifo", "deadline")
     assert (default.batching.slo_ms, spec.batching.slo_ms) == (0.0, 12.5)
+    assert (default.batching.response_margin_ms, spec.batching.response_margin_ms) == (1.0, 3.0)
     assert (default.batching.admission, spec.batching.admission) == (True, False)
     assert (default.batching.device_share_weight, spec.batching.device_share_weight) == (0.0, 3.0)
     assert (default.buckets, spec.buckets) == ((), (2, 4, 8))  # max_batch_size is added
@@ -425,6 +428,7 @@ def test_effective_config_fills_defaults_and_resolved_parameters(tmp_path):
         "execution_timeout_ms": "0",
         "batch_policy": "fifo",
         "slo_ms": "0",
+        "response_margin_ms": "1",
         "admission": "true",
         "device_share_weight": "0",
         "INTRA_OP_THREAD_COUNT": "0",
