@@ -231,13 +231,22 @@ def run_load(args: argparse.Namespace, policy: Policy, load: float, capacity: fl
     return result
 
 
+def _settings(args: argparse.Namespace, **parameters: str) -> dict[str, str]:
+    """A policy's model parameters, with ``--response-margin-ms`` when it is given (both
+    policies use it: the deadline policy to size batches, admission control everywhere)."""
+    if args.response_margin_ms is not None:
+        parameters["response_margin_ms"] = f"{args.response_margin_ms:g}"
+    return parameters
+
+
 def best_fixed(args: argparse.Namespace, capacity: float, load: float
                ) -> tuple[Policy, list[Result]]:
     """The fixed-delay settings with the best attainment (then goodput) at ``load``."""
     trials = []
     for delay in args.sweep_delays_us:
         for admission in ("false", "true"):
-            policy = Policy("fixed delay", delay, {"batch_policy": "fifo", "admission": admission})
+            policy = Policy("fixed delay", delay,
+                            _settings(args, batch_policy="fifo", admission=admission))
             trials.append((policy, run_load(args, policy, load, capacity, args.sweep_seconds)))
     best = max(trials, key=lambda t: (t[1].attainment, t[1].goodput))
     return best[0], [result for _, result in trials]
@@ -252,7 +261,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"127.0.0.1:{server.grpc_port}", args.model,
                 f"http://127.0.0.1:{server.metrics_port}/metrics", args.capacity_seconds)
     _say(f"capacity: {capacity:.0f} requests/s (closed loop, 64 clients)")
-    deadline = Policy("deadline", args.deadline_delay_us, {"batch_policy": "deadline"})
+    deadline = Policy("deadline", args.deadline_delay_us, _settings(args, batch_policy="deadline"))
     results, sweep, best = [], [], []
     fixed = None
     if args.sweep_load is not None:
@@ -360,6 +369,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacity", type=float, default=0.0,
                         help="requests/s to take as capacity instead of measuring it")
     parser.add_argument("--capacity-seconds", type=float, default=5.0)
+    parser.add_argument("--response-margin-ms", type=float, default=None,
+                        help="the models' response_margin_ms, both policies (default: the "
+                             "server's, 1 ms): time kept for an answer to reach the load "
+                             "generator")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-arg", action="append", default=[],
                         help="a flag for the server (repeatable), e.g. --server-arg=--frontends=2")

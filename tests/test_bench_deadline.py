@@ -36,7 +36,8 @@ def test_a_short_run_measures_both_policies_through_batchgate_bench(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "bench.deadline", "--synthetic-ms", "5,0.5", "--deadline-ms", "100",
          "--capacity", "400", "--loads", "0.5", "--seconds", "2", "--warmup-s", "0.5",
-         "--sweep-delays-us", "0", "--sweep-seconds", "1", "--json", str(report_path)],
+         "--sweep-delays-us", "0", "--sweep-seconds", "1", "--response-margin-ms", "3",
+         "--json", str(report_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -45,6 +46,8 @@ def test_a_short_run_measures_both_policies_through_batchgate_bench(tmp_path):
     assert len(report["sweep"]) == 2  # delay 0 with admission off and on
     fixed, deadline = report["results"]
     assert fixed["policy"].startswith("fixed delay") and deadline["policy"].startswith("deadline")
+    # Both servers were configured with the margin (the label lists the model parameters).
+    assert all("response_margin_ms=3" in row["policy"] for row in (fixed, deadline))
     for row in (fixed, deadline):
         step = row["bench_step"]
         # The same seeded schedule for both: 200/s on average over 2 s.
