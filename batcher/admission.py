@@ -26,12 +26,14 @@ deadline instead, a 5x overload admitted requests that all expired in their batc
 on an empty queue is let in (the profile may be stale; it will expire if it is not).
 
 Batches already taken from the queue (assembling, waiting for the device, or running) are ahead
-of every queued request; the caller passes the work they have left (``in_flight_s``): each one's
-mean time for its own size, less what a running one has already run. Counting each as a whole
-full batch instead refused requests that would have made it whenever batches were small: with
-deadlines of 100 and 300 ms mixed at 0.3 x capacity, through the server, the fixed delay with
-admission refused 14 % of requests where, with admission off, only 1 % expired. Behind a queue
-the request's own batch is counted full, since later arrivals fill it.
+of every queued request; the caller passes the work they have left (``in_flight_s``, see
+``ServedModel._inflight_work_s``): under the deadline policy each one's mean time for its own
+size, less what a running one has already run; under fifo a whole full batch each. Counted as
+whole full batches under the deadline policy, they refused requests that would have made it
+whenever batches were small; under fifo the exact figure let in, under bursts, requests that
+then expired (both measured through the server). Behind a queue the request's own batch is
+counted full, since later arrivals fill it. The completion is held to the deadline less the
+profile's response margin (``LatencyProfile.margin``): the answer still has to reach its client.
 
 Under ``deadline`` a request that cannot finish in time even on an empty queue is also refused
 as *infeasible*: DEADLINE_EXCEEDED, not RESOURCE_EXHAUSTED, since retrying elsewhere will not

@@ -133,6 +133,7 @@ class ServedModel:
             padded=bool(self._buckets.buckets),
             response_margin_s=batching.response_margin_ms / 1e3)
         self._slo_s = batching.slo_s
+        self._deadline_policy = batching.policy == "deadline"
         self._queue = ModelQueue(
             batching,
             on_depth_change=self._metrics.queue_depth.set if self._metrics else None,
@@ -624,11 +625,22 @@ class ServedModel:
             self._metrics.inflight_batches.inc(delta)
 
     def _inflight_work_s(self, now: float) -> float:
-        """Seconds of work left in the batches taken and not finished: each one's mean time
-        for its size, less what a running one has run (admission control's view of them)."""
-        left = 0.0
+        """Admission control's view of the batches taken and not finished, in seconds of work.
+
+        Under the deadline policy: each one's mean time for its own size, less what a running
+        one has run. Under fifo: a whole full batch each. The exact figure underestimates the
+        fifo wait under bursts, where later arrivals fill the request's own batch and a full
+        batch is taken early (measured through the server, one 150 ms deadline, bursts at
+        1.5 x capacity: the exact view let in requests that finished a median 6 ms and a p90
+        34 ms after its estimate, and the fixed delay with admission fell from 79 % to 54 %);
+        whole batches refuse some requests that would have made it at light load instead.
+        """
         with self._inflight_lock:
             batches = list(self._inflight_batches.values())
+        if not self._deadline_policy:
+            full = self._spec.batching.effective_max_batch
+            return len(batches) * (self.profile.mean(full) or 0.0)
+        left = 0.0
         for batch in batches:
             mean_s = self.profile.mean(batch.samples) or 0.0
             started = batch.started_at

@@ -120,7 +120,7 @@ class BatchingConfig:
     slo_ms: float = 0.0
     # Kept free before every deadline (deadline policy, admission control) for an answer to go
     # from the server to its client, beyond the delivery the server measures inside itself.
-    response_margin_ms: float = 1.0
+    response_margin_ms: float = 5.0
     # Refuse at once a request whose deadline the estimated queue wait already exceeds.
     admission: bool = True
     # > 0: batches run on the device in turns shared by weight with the other models that set

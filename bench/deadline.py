@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacity-seconds", type=float, default=5.0)
     parser.add_argument("--response-margin-ms", type=float, default=None,
                         help="the models' response_margin_ms, both policies (default: the "
-                             "server's, 1 ms): time kept for an answer to reach the load "
+                             "server's, 5 ms): time kept for an answer to reach the load "
                              "generator")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-arg", action="append", default=[],

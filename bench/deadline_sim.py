@@ -211,6 +211,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="each request's deadline; a list (100,300) mixes them equally")
     parser.add_argument("--fixed-ms", type=float, default=20.0)
     parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--jitter", type=float, default=0.1,
+                        help="relative standard deviation of a batch's time")
+    parser.add_argument("--response-ms", type=float, default=0.0,
+                        help="from a batch's end until its answers reach the clients")
+    parser.add_argument("--margin-ms", type=float, default=0.0,
+                        help="the models' response_margin_ms")
     parser.add_argument("--per-sample-ms", type=float, default=1.5)
     parser.add_argument("--peak", type=float, default=2.5)
     parser.add_argument("--on-s", type=float, default=0.5)
@@ -225,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                         deadlines_s=tuple(float(ms) / 1e3 for ms in args.deadline_ms.split(",")),
                         peak=args.peak, on_s=args.on_s,
                         off_s=args.off_s, seconds=args.seconds, seed=args.seed,
-                        max_batch=args.max_batch)
+                        max_batch=args.max_batch, jitter=args.jitter,
+                        response_s=args.response_ms / 1e3, margin_s=args.margin_ms / 1e3)
     delays = [int(d) for d in args.delays_us.split(",")]
     rows = []
     for load in (float(x) for x in args.loads.split(",")):

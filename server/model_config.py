@@ -91,7 +91,7 @@ PARAMETERS: Mapping[str, str] = {
     ),
     "response_margin_ms": (
         "ms kept free before every deadline (deadline policy, admission control) for an answer "
-        "to reach its client, on top of the delivery measured inside the server (default 1)"
+        "to reach its client, on top of the delivery measured inside the server (default 5)"
     ),
     "admission": (
         "true | false: refuse at once (RESOURCE_EXHAUSTED) a request whose estimated queue wait "
@@ -436,7 +436,7 @@ def _batching_config(
     scheduling = {
         "policy": _choice(name, params, "batch_policy", BATCH_POLICIES, "fifo"),
         "slo_ms": _float_param(name, params, "slo_ms", 0.0),
-        "response_margin_ms": _float_param(name, params, "response_margin_ms", 1.0),
+        "response_margin_ms": _float_param(name, params, "response_margin_ms", 5.0),
         "admission": _bool_param(name, params, "admission", True),
         "device_share_weight": _float_param(name, params, "device_share_weight", 0.0),
     }

@@ -550,21 +550,31 @@ async def test_admission_refuses_with_resource_exhausted_and_counts_rejected(ser
 @pytest.mark.parametrize("policy", ["fifo", "deadline"])
 async def test_admission_counts_a_batch_in_flight_by_its_size_less_what_it_has_run(
         served, registry, policy):
+    """Under the deadline policy; fifo counts a whole full batch (see ``_inflight_work_s``)."""
     fake = RecordingModel()
-    model = served(make_spec(max_batch_size=4, max_inflight_batches=1, policy=policy), fake,
+    model = served(make_spec(max_batch_size=4, max_inflight_batches=1, policy=policy,
+                             response_margin_ms=0.0), fake,
                    profile_of({1: 0.5, 4: 10.0}, max_batch=4))
     blocker = await hold_executor(model, fake)  # running: a batch of 1, 0.5 s expected
     (running,) = model._inflight_batches.values()
-    assert model._inflight_work_s(running.started_at) == pytest.approx(0.5)
-    assert model._inflight_work_s(running.started_at + 0.2) == pytest.approx(0.3)
-    assert model._inflight_work_s(running.started_at + 5.0) == 0.0
-    # Counted as a full batch (10 s) the running one would refuse a request with 5 s left;
-    # by its own size it leaves at most 0.5 s, and the request's own batch takes 0.5 s.
+    if policy == "fifo":
+        assert model._inflight_work_s(running.started_at + 0.2) == pytest.approx(10.0)
+    else:
+        assert model._inflight_work_s(running.started_at) == pytest.approx(0.5)
+        assert model._inflight_work_s(running.started_at + 0.2) == pytest.approx(0.3)
+        assert model._inflight_work_s(running.started_at + 5.0) == 0.0
+    # Counted as a full batch (10 s) the running one refuses a request with 5 s left; by its
+    # own size it leaves at most 0.5 s, and the request's own batch takes 0.5 s.
     queued = asyncio.ensure_future(model.infer(request(1.0, timeout_us=5_000_000)))
     await wait_until(lambda: model.queue_depth == 1 or queued.done())
-    assert not queued.done() and failures(registry, "rejected") == 0
+    assert failures(registry, "rejected") == (1 if policy == "fifo" else 0)
     fake.gate.set()
-    await asyncio.gather(blocker, queued)
+    await blocker
+    if policy == "fifo":
+        with pytest.raises(AdmissionRefused):
+            await queued
+    else:
+        await queued
     assert not model._inflight_batches
 
 

@@ -331,7 +331,7 @@ def test_documented_parameters_take_effect(tmp_path):
     assert (default.inter_op_threads, spec.inter_op_threads) == (0, 1)
     assert (default.batching.policy, spec.batching.policy) == ("fifo", "deadline")
     assert (default.batching.slo_ms, spec.batching.slo_ms) == (0.0, 12.5)
-    assert (default.batching.response_margin_ms, spec.batching.response_margin_ms) == (1.0, 3.0)
+    assert (default.batching.response_margin_ms, spec.batching.response_margin_ms) == (5.0, 3.0)
     assert (default.batching.admission, spec.batching.admission) == (True, False)
     assert (default.batching.device_share_weight, spec.batching.device_share_weight) == (0.0, 3.0)
     assert (default.buckets, spec.buckets) == ((), (2, 4, 8))  # max_batch_size is added
@@ -428,7 +428,7 @@ def test_effective_config_fills_defaults_and_resolved_parameters(tmp_path):
         "execution_timeout_ms": "0",
         "batch_policy": "fifo",
         "slo_ms": "0",
-        "response_margin_ms": "1",
+        "response_margin_ms": "5",
         "admission": "true",
         "device_share_weight": "0",
         "INTRA_OP_THREAD_COUNT": "0",
