@@ -132,10 +132,13 @@ def simulate(workload: Workload, policy: str, admission: bool, load: float,
     running = (0.0, 0.0, 0)  # the executor's batch: start, end, samples
 
     def in_flight_s(at: float) -> float:
-        """Admission's view of the running batch, as the server's: its mean time less its run."""
+        """Admission's view of the running batch, as the server's (``_inflight_work_s``): under
+        the deadline policy its mean time less its run, under fifo a whole full batch."""
         start, end, samples = running
         if at >= end:
             return 0.0
+        if policy != "deadline":
+            return profile.mean(w.max_batch) or 0.0
         return max(0.0, (profile.mean(samples) or 0.0) - (at - start))
 
     def arrive(until: float) -> None:
