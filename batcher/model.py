@@ -151,7 +151,6 @@ class ServedModel:
         self.load_report: dict[str, str] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._accepting = False
-        self._inflight = 0
         self._inflight_batches: dict[int, Batch] = {}  # batch id -> batch, taken and not finished
         self._inflight_lock = threading.Lock()
 
@@ -620,7 +619,6 @@ class ServedModel:
                 self._inflight_batches[batch.id] = batch
             else:
                 self._inflight_batches.pop(batch.id, None)
-            self._inflight += delta
         if self._metrics is not None:
             self._metrics.inflight_batches.inc(delta)
 
@@ -649,7 +647,7 @@ class ServedModel:
 
     def _backlog(self) -> bool:
         """Work this model has right now: queued requests, or batches formed and not finished."""
-        return self._queue.depth > 0 or self._inflight > 0
+        return self._queue.depth > 0 or bool(self._inflight_batches)
 
     def _record_batch(self, batch: Batch, infer_ns: int, output_ns: int) -> None:
         queue_ns = 0
