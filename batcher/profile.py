@@ -176,14 +176,14 @@ class LatencyProfile:
             }
 
     def _estimate(self, batch_size: int, deviations: float) -> float | None:
-        size = max(1, min(batch_size, self.buckets[-1]))
-        estimate = self._cache.get(size)
+        estimate = self._cache.get(batch_size)
         if estimate is None:
+            size = max(1, min(batch_size, self.buckets[-1]))
             with self._lock:
                 if not self._measured:
                     return None
                 estimate = (self._padded(size) if self.padded else self._interpolated(size))
-                self._cache[size] = estimate
+                self._cache[batch_size] = estimate
         return estimate[0] + deviations * estimate[1]
 
     def _padded(self, size: int) -> tuple[float, float]:

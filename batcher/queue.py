@@ -32,7 +32,7 @@ requests expired in the queue).
 The ``deadline`` policy (opt-in per model) keeps those rules and changes three things, using the
 model's latency profile (``batcher/profile.py``):
 
-- order: earliest deadline first within a priority level (a heap per level). A request's
+- order: earliest deadline first within a priority level (a sorted list per level). A request's
   scheduling deadline is the earlier of its own deadline and its arrival plus the model's
   ``slo_ms``; requests with neither come last, in arrival order;
 - size: for each batch size the profile knows (its buckets or size classes), the batch is the
@@ -54,9 +54,9 @@ from __future__ import annotations
 
 import bisect
 import collections
-import heapq
 import itertools
 import math
+import operator
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -76,22 +76,24 @@ def scheduling_deadline(request: InferenceRequest, slo_s: float | None) -> float
 
 
 class _DeadlineLevel:
-    """One priority level under the deadline policy: a heap, earliest deadline first.
+    """One priority level under the deadline policy: its live requests, earliest deadline first.
 
     It offers what ``ModelQueue`` uses of a deque (``append``, ``[0]``, ``popleft``, iteration
-    in order, ``clear``), so the FIFO code paths serve both. Removed requests stay in the heap,
-    marked, like in a deque; ``compact`` drops them when they outnumber the live ones.
-
-    Beside the heap, the live requests' deadlines are kept sorted (``_live_keys``), so that
-    admission control can ask how many queued requests run before a new one (``due_before``)
-    with a bisect instead of a scan: under EDF that is not the whole level.
+    in order, ``clear``, ``compact``), so the FIFO code paths serve both. It is one list kept
+    sorted by (scheduling deadline, arrival sequence), holding only live requests: a request
+    taken or removed leaves it at once (``discard``), so there is nothing dead to skip or
+    compact. Reading it in order costs nothing beyond the entries read (a heap had to be
+    sorted whole for every batch: at 0.9 x capacity with 256-sample batches that sort was most
+    of a decision's time), and admission control can ask how many queued requests run before
+    a new one (``due_before``) with a bisect: under EDF that is not the whole level. Inserting
+    and removing move the list's tail (a memmove), cheap at queue lengths a server keeps.
     """
 
-    __slots__ = ("_heap", "_live_keys", "_seq", "_slo_s")
+    __slots__ = ("_live", "_seq", "_seqs", "_slo_s")
 
     def __init__(self, slo_s: float | None) -> None:
-        self._heap: list[tuple[float, int, InferenceRequest]] = []
-        self._live_keys: list[tuple[float, int]] = []  # (scheduling deadline, id(request))
+        self._live: list[tuple[float, int, InferenceRequest]] = []  # (deadline, seq, request)
+        self._seqs: dict[int, int] = {}  # id(request) -> its arrival sequence
         self._seq = itertools.count()
         self._slo_s = slo_s
 
@@ -99,44 +101,47 @@ class _DeadlineLevel:
         return scheduling_deadline(request, self._slo_s)
 
     def append(self, request: InferenceRequest) -> None:
-        key = self.key(request)
-        heapq.heappush(self._heap, (key, next(self._seq), request))
-        bisect.insort(self._live_keys, (key, id(request)))
+        seq = next(self._seq)
+        self._seqs[id(request)] = seq
+        # (deadline, sequence) pairs are unique: requests themselves are never compared.
+        bisect.insort(self._live, (self.key(request), seq, request))
 
     def discard(self, request: InferenceRequest) -> None:
         """``request`` left the queue (taken or removed): it no longer runs before anyone."""
-        entry = (self.key(request), id(request))
-        index = bisect.bisect_left(self._live_keys, entry)
-        if index < len(self._live_keys) and self._live_keys[index] == entry:
-            del self._live_keys[index]
+        seq = self._seqs.pop(id(request), None)
+        if seq is None:
+            return
+        index = bisect.bisect_left(self._live, (self.key(request), seq))
+        if index < len(self._live) and self._live[index][1] == seq:
+            del self._live[index]
 
     def due_before(self, key: float) -> int:
         """Live requests whose scheduling deadline is not later than ``key``."""
-        return bisect.bisect_right(self._live_keys, (key, math.inf))
+        return bisect.bisect_right(self._live, (key, math.inf))
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._live)
 
     def __getitem__(self, index: int) -> InferenceRequest:
         if index != 0:
             raise IndexError("only the head of a deadline-ordered level can be read")
-        return self._heap[0][2]
+        return self._live[0][2]
 
     def popleft(self) -> InferenceRequest:
-        return heapq.heappop(self._heap)[2]
+        request = self._live.pop(0)[2]
+        self._seqs.pop(id(request), None)
+        return request
 
     def __iter__(self) -> Iterator[InferenceRequest]:
-        # (deadline, sequence) pairs are unique: requests themselves are never compared.
-        return (entry[2] for entry in sorted(self._heap))
+        # Over a copy: a reader may take or remove requests as it goes.
+        return map(operator.itemgetter(2), self._live.copy())
 
     def clear(self) -> None:
-        self._heap.clear()
-        self._live_keys.clear()
+        self._live.clear()
+        self._seqs.clear()
 
     def compact(self, live: int) -> None:
-        if len(self._heap) > 2 * live + 64:
-            self._heap = [entry for entry in self._heap if entry[2].state == QUEUED]
-            heapq.heapify(self._heap)
+        """Nothing to do: removed requests leave the level at once."""
 
 
 class ModelQueue:
@@ -258,8 +263,8 @@ class ModelQueue:
         own = self._level_samples[level - 1]
         if request is None or not self._deadline_policy or not own:
             return above + own
-        heap = self._levels[level - 1]
-        ahead = heap.due_before(heap.key(request))
+        same_level = self._levels[level - 1]
+        ahead = same_level.due_before(same_level.key(request))
         count = self._level_counts[level - 1]
         return above + (own if ahead >= count else round(own * ahead / max(count, 1)))
 
@@ -397,12 +402,19 @@ class ModelQueue:
 
     # -- the deadline policy (lock held) ---------------------------------------------------------
 
-    def _infeasible(self, request: InferenceRequest, now: float) -> bool:
-        """True when even alone, and quick, the request would finish after its hard deadline."""
+    def _infeasible(self, request: InferenceRequest, now: float,
+                    alone: dict[int, float] | None = None) -> bool:
+        """True when even alone, and quick, the request would be done (and answered) after its
+        hard deadline. ``alone`` keeps that earliest time per batch size within one decision."""
         if request.deadline is None or self._profile is None:
             return False
-        alone_s = self._profile.optimistic(request.batch_size)
-        return alone_s is not None and now + alone_s + self._margin() > request.deadline
+        done = alone.get(request.batch_size) if alone is not None else None
+        if done is None:
+            quick = self._profile.optimistic(request.batch_size)
+            done = -math.inf if quick is None else now + quick + self._margin()
+            if alone is not None:
+                alone[request.batch_size] = done
+        return done > request.deadline
 
     def _feasible_head(self, now: float) -> InferenceRequest | None:
         """The head, after dropping heads that cannot meet their deadline."""
@@ -445,11 +457,12 @@ class ModelQueue:
         candidates: list[tuple[float, InferenceRequest]] = []
         dropped: list[InferenceRequest] = []
         margin = self._margin()
+        alone: dict[int, float] = {}  # batch size -> the earliest a request of it can be done
         for level in self._levels:
             for request in level:
                 if request.state != QUEUED or request.shape_key != shape_key:
                     continue
-                if self._infeasible(request, now):
+                if self._infeasible(request, now, alone):
                     self._forget(request, REMOVED)
                     dropped.append(request)
                     continue
