@@ -92,28 +92,29 @@ class Admission:
             return
         wait_s, done_s = estimate
         # The answer still has to reach the client after its batch (``LatencyProfile.margin``).
-        left_s -= self._profile.margin()
+        margin_s = self._profile.margin()
+        budget_s = left_s - margin_s
         if self._include_own:
             own_s = self._profile.optimistic(batch_size) or 0.0
-            if own_s > left_s:
+            if own_s > budget_s:
                 raise DeadlineInfeasible(
                     f"model '{self._model}' takes about {own_s * 1e3:.1f} ms to run a batch of "
-                    f"{batch_size}, more than the {left_s * 1e3:.1f} ms left before the "
-                    "request's deadline: it cannot be served in time"
+                    f"{batch_size}, more than {_left(left_s, margin_s)}: it cannot be served in time"
                 )
-            if done_s > left_s:
-                raise AdmissionRefused(
-                    f"model '{self._model}': estimated wait {wait_s * 1e3:.1f} ms, done in "
-                    f"{done_s * 1e3:.1f} ms ({samples_ahead} samples queued ahead), after the "
-                    f"{left_s * 1e3:.1f} ms left before the request's deadline; retry later or "
-                    "with a longer deadline"
-                )
-        elif done_s > left_s and (self._profile.mean(batch_size) or 0.0) <= left_s:
+            refuse = done_s > budget_s
+        else:
             # fifo judges only the queue: a request too short even for an empty queue is let
             # in (the profile may be stale); the deadline policy refuses it as infeasible.
+            refuse = done_s > budget_s and (self._profile.mean(batch_size) or 0.0) <= budget_s
+        if refuse:
             raise AdmissionRefused(
                 f"model '{self._model}': estimated wait {wait_s * 1e3:.1f} ms, done in "
-                f"{done_s * 1e3:.1f} ms ({samples_ahead} samples queued ahead), after the "
-                f"{left_s * 1e3:.1f} ms left before the request's deadline; retry later or "
-                "with a longer deadline"
+                f"{done_s * 1e3:.1f} ms ({samples_ahead} samples queued ahead), after "
+                f"{_left(left_s, margin_s)}; retry later or with a longer deadline"
             )
+
+
+def _left(left_s: float, margin_s: float) -> str:
+    """The time a refusal message says the request had."""
+    return (f"the {left_s * 1e3:.1f} ms left before the request's deadline (less "
+            f"{margin_s * 1e3:.1f} ms for the answer to reach its client)")

@@ -633,11 +633,11 @@ class ServedModel:
         34 ms after its estimate, and the fixed delay with admission fell from 79 % to 54 %);
         whole batches refuse some requests that would have made it at light load instead.
         """
-        with self._inflight_lock:
-            batches = list(self._inflight_batches.values())
         if not self._deadline_policy:
             full = self._spec.batching.effective_max_batch
-            return len(batches) * (self.profile.mean(full) or 0.0)
+            return len(self._inflight_batches) * (self.profile.mean(full) or 0.0)
+        with self._inflight_lock:
+            batches = list(self._inflight_batches.values())
         left = 0.0
         for batch in batches:
             mean_s = self.profile.mean(batch.samples) or 0.0
