@@ -79,6 +79,14 @@ class _Bucket:
         self.deviation = 0.0
         self.count = 1
 
+    def update(self, size: float, seconds: float, alpha: float) -> None:
+        """Move the averages ``alpha`` of the way towards one more measurement."""
+        error = seconds - self.mean
+        self.mean += alpha * error
+        self.deviation += alpha * (abs(error) - self.deviation)
+        self.size += alpha * (size - self.size)
+        self.count += 1
+
 
 class LatencyProfile:
     """Per-size-class batch times of one model; thread-safe (executors record, the queue reads).
@@ -122,11 +130,7 @@ class LatencyProfile:
                 self._measured[bucket] = _Bucket(size, seconds)
                 bisect.insort(self._order, bucket)
                 return
-            error = seconds - state.mean
-            state.mean += self._alpha * error
-            state.deviation += self._alpha * (abs(error) - state.deviation)
-            state.size += self._alpha * (size - state.size)
-            state.count += 1
+            state.update(size, seconds, self._alpha)
 
     def record_delivery(self, seconds: float) -> None:
         """A batch's answers reached the caller ``seconds`` after its compute ended."""
@@ -137,9 +141,7 @@ class LatencyProfile:
             if state is None:
                 self._delivery = _Bucket(1, seconds)
                 return
-            error = seconds - state.mean
-            state.mean += self._alpha * error
-            state.deviation += self._alpha * (abs(error) - state.deviation)
+            state.update(1, seconds, self._alpha)
 
     def margin(self) -> float:
         """Seconds to keep free before a deadline after a batch's predicted end: the p99 of
