@@ -160,6 +160,12 @@ class LatencyProfile:
         """About the 99th percentile of the seconds for a batch of ``batch_size``."""
         return self._estimate(batch_size, P99_DEVIATIONS)
 
+    def deviation(self, batch_size: int) -> float | None:
+        """The mean absolute deviation of the seconds for a batch of ``batch_size``: the unit
+        of the spread around ``mean`` (p99 = mean + 3 of them)."""
+        estimate = self._pair(batch_size)
+        return None if estimate is None else estimate[1]
+
     def optimistic(self, batch_size: int) -> float | None:
         """A quick but common time for a batch of ``batch_size``: mean - 1 deviation."""
         estimate = self._estimate(batch_size, -1.0)
@@ -178,6 +184,11 @@ class LatencyProfile:
             }
 
     def _estimate(self, batch_size: int, deviations: float) -> float | None:
+        estimate = self._pair(batch_size)
+        return None if estimate is None else estimate[0] + deviations * estimate[1]
+
+    def _pair(self, batch_size: int) -> tuple[float, float] | None:
+        """(mean, deviation) for ``batch_size``, cached until the next record."""
         estimate = self._cache.get(batch_size)
         if estimate is None:
             size = max(1, min(batch_size, self.buckets[-1]))
@@ -186,7 +197,7 @@ class LatencyProfile:
                     return None
                 estimate = (self._padded(size) if self.padded else self._interpolated(size))
                 self._cache[batch_size] = estimate
-        return estimate[0] + deviations * estimate[1]
+        return estimate
 
     def _padded(self, size: int) -> tuple[float, float]:
         """A padded batch takes its bucket's time; an unmeasured bucket borrows a bound."""

@@ -131,15 +131,14 @@ def simulate(workload: Workload, policy: str, admission: bool, load: float,
     next_arrival = 0
     running = (0.0, 0.0, 0)  # the executor's batch: start, end, samples
 
-    def in_flight_s(at: float) -> float:
-        """Admission's view of the running batch, as the server's (``_inflight_work_s``): under
-        the deadline policy its mean time less its run, under fifo a whole full batch."""
+    def in_flight(at: float) -> tuple[float, float]:
+        """Admission's view of the running batch, as the server's (``_inflight_work_s``): its
+        mean time less its run, and its squared deviation."""
         start, end, samples = running
         if at >= end:
-            return 0.0
-        if policy != "deadline":
-            return profile.mean(w.max_batch) or 0.0
-        return max(0.0, (profile.mean(samples) or 0.0) - (at - start))
+            return 0.0, 0.0
+        return (max(0.0, (profile.mean(samples) or 0.0) - (at - start)),
+                (profile.deviation(samples) or 0.0) ** 2)
 
     def arrive(until: float) -> None:
         nonlocal next_arrival
@@ -150,13 +149,16 @@ def simulate(workload: Workload, policy: str, admission: bool, load: float,
             request.level, request.arrival = 1, at
             if door is not None:
                 try:
+                    left_s, variance = in_flight(at)
                     door.check(batch_size=1, deadline=request.deadline, now=at,
                                samples_ahead=queue.samples_ahead(1, request),
-                               in_flight_s=in_flight_s(at))
+                               in_flight_s=left_s, in_flight_var=variance)
                 except (AdmissionRefused, DeadlineInfeasible):
                     out.refused += 1
                     continue
             queue.put(request)
+            if door is not None:
+                door.queued(1, at)
             waiting.append(request)
 
     clock = 0.0
@@ -168,6 +170,8 @@ def simulate(workload: Workload, policy: str, admission: bool, load: float,
                 out.expired += 1
         waiting[:] = [r for r in waiting if r.state == QUEUED]
         if not queue.depth:
+            if next_arrival >= len(arrivals):
+                break
             clock = float(arrivals[next_arrival])
             continue
         asked = time.perf_counter()

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from batcher.admission import Admission
+from batcher.admission import Admission, RecentArrivals
 from batcher.device_share import DeviceShare, DeviceTurns
 from batcher.errors import (
     AdmissionRefused,
@@ -550,32 +550,82 @@ async def test_admission_refuses_with_resource_exhausted_and_counts_rejected(ser
 @pytest.mark.parametrize("policy", ["fifo", "deadline"])
 async def test_admission_counts_a_batch_in_flight_by_its_size_less_what_it_has_run(
         served, registry, policy):
-    """Under the deadline policy; fifo counts a whole full batch (see ``_inflight_work_s``)."""
     fake = RecordingModel()
     model = served(make_spec(max_batch_size=4, max_inflight_batches=1, policy=policy,
                              response_margin_ms=0.0), fake,
-                   profile_of({1: 0.5, 4: 10.0}, max_batch=4))
+                   profile_of({1: 0.5, 2: 0.6, 4: 10.0}, max_batch=4))
     blocker = await hold_executor(model, fake)  # running: a batch of 1, 0.5 s expected
     (running,) = model._inflight_batches.values()
-    if policy == "fifo":
-        assert model._inflight_work_s(running.started_at + 0.2) == pytest.approx(10.0)
-    else:
-        assert model._inflight_work_s(running.started_at) == pytest.approx(0.5)
-        assert model._inflight_work_s(running.started_at + 0.2) == pytest.approx(0.3)
-        assert model._inflight_work_s(running.started_at + 5.0) == 0.0
-    # Counted as a full batch (10 s) the running one refuses a request with 5 s left; by its
-    # own size it leaves at most 0.5 s, and the request's own batch takes 0.5 s.
+    assert model._inflight_work_s(running.started_at) == pytest.approx((0.5, 0.0))
+    assert model._inflight_work_s(running.started_at + 0.2) == pytest.approx((0.3, 0.0))
+    assert model._inflight_work_s(running.started_at + 5.0) == (0.0, 0.0)
+    # Counted as a full batch (10 s) the running one would refuse a request with 5 s left; by
+    # its own size it leaves at most 0.5 s, and the request's own batch takes 0.5 s (0.6 s
+    # under fifo, which expects the blocker's arrival rate to add one more to it).
     queued = asyncio.ensure_future(model.infer(request(1.0, timeout_us=5_000_000)))
     await wait_until(lambda: model.queue_depth == 1 or queued.done())
-    assert failures(registry, "rejected") == (1 if policy == "fifo" else 0)
+    assert failures(registry, "rejected") == 0
     fake.gate.set()
     await blocker
-    if policy == "fifo":
-        with pytest.raises(AdmissionRefused):
-            await queued
-    else:
-        await queued
+    await queued
     assert not model._inflight_batches
+
+
+def test_recent_arrivals_count_the_samples_within_a_time():
+    arrivals = RecentArrivals(keep=4)
+    assert arrivals.within(1.0, NOW) == 0
+    for at, samples in ((NOW, 1), (NOW + 1, 2), (NOW + 2, 3)):
+        arrivals.add(samples, at)
+    assert arrivals.within(0.5, NOW + 2.2) == 3
+    assert arrivals.within(1.5, NOW + 2.2) == 5
+    assert arrivals.within(10.0, NOW + 2.2) == 6
+    assert arrivals.within(0.1, NOW + 5) == 0
+    arrivals.add(1, NOW + 1.5)  # out of order: counted as arriving with the latest
+    assert arrivals.within(0.1, NOW + 2.0) == 4
+    arrivals.add(1, NOW + 3)  # only the last 4 arrivals are kept
+    assert arrivals.within(10.0, NOW + 3) == 2 + 3 + 1 + 1
+
+
+def test_fifo_admission_expects_recent_arrivals_to_join_its_batch():
+    """A fifo batch takes what is queued when it starts: at the rate seen lately, the request's
+    own batch grows while it waits (with its own size only, bursts let in requests that then
+    expired); the deadline policy's estimate does not (under EDF later arrivals with later
+    deadlines do not run before it)."""
+    profile = profile_of({1: 0.01, 2: 0.02, 4: 0.04, 8: 0.08}, max_batch=8)
+    fifo = Admission("m", profile, max_batch=8, instances=1, include_own=False)
+    deadline = Admission("m", profile, max_batch=8, instances=1, include_own=True)
+    for door in (fifo, deadline):
+        assert door.estimate_s(1, in_flight_s=0.05, now=NOW) == pytest.approx((0.05, 0.07))
+        for i in range(5):  # 5 samples in the last 50 ms, 10 ms apart
+            door.queued(1, NOW - 0.04 + 0.01 * i)
+    # 1 queued + itself + the 5 expected in its 50 ms wait: a batch of 7 (bucket 8, 80 ms).
+    assert fifo.estimate_s(1, in_flight_s=0.05, now=NOW) == pytest.approx((0.05, 0.13))
+    assert deadline.estimate_s(1, in_flight_s=0.05, now=NOW) == pytest.approx((0.05, 0.07))
+    # A wait of 5 ms expects 1 (one arrived in the last 5 ms): a batch of 3 (bucket 4, 40 ms).
+    assert fifo.estimate_s(1, in_flight_s=0.005, now=NOW) == pytest.approx((0.005, 0.045))
+    with pytest.raises(AdmissionRefused):
+        fifo.check(batch_size=1, deadline=NOW + 0.1, now=NOW, samples_ahead=1, in_flight_s=0.05)
+    deadline.check(batch_size=1, deadline=NOW + 0.1, now=NOW, samples_ahead=1, in_flight_s=0.05)
+
+
+def test_fifo_admission_holds_the_completion_at_its_p99():
+    """Means alone put the request right at its deadline under overload, and half such
+    requests finish late; fifo adds 3 deviations of the sum (squares add: the batch in
+    flight's, the full batches' ahead, its own)."""
+    profile = LatencyProfile(4, padded=False)
+    for seconds in (0.08, 0.12, 0.08, 0.12):  # full batches: mean ~0.1, some spread
+        profile.record(4, seconds)
+    mean, deviation = profile.mean(4), profile.deviation(4)
+    assert deviation > 0.005
+    fifo = Admission("m", profile, max_batch=4, instances=1, include_own=False)
+    deadline = Admission("m", profile, max_batch=4, instances=1, include_own=True)
+    # 4 queued ahead: one full batch, then its own (full: later arrivals fill it), after
+    # 0.05 s in flight whose squared deviation is 0.0001.
+    spread = (0.0001 + 2 * deviation ** 2) ** 0.5
+    assert fifo.estimate_s(4, in_flight_s=0.05, in_flight_var=0.0001) == pytest.approx(
+        (0.05 + mean, 0.05 + 2 * mean + 3 * spread))
+    assert deadline.estimate_s(4, in_flight_s=0.05, in_flight_var=0.0001) == pytest.approx(
+        (0.05 + mean, 0.05 + 2 * mean))
 
 
 async def test_a_model_measures_the_delivery_of_its_answers_into_the_margin(served):
