@@ -112,6 +112,10 @@ class LatencyProfile:
         self._alpha = alpha
         self._measured: dict[int, _Bucket] = {}
         self._order: list[int] = []  # measured classes, sorted
+        # Beside it, for interpolating: each measured class's state and mean size seen (in
+        # class order, so the sizes ascend: each class's sizes lie above the previous one's).
+        self._states: list[_Bucket] = []
+        self._seen: list[float] = []
         # size -> (mean, deviation) estimated from the measurements as they are; emptied by
         # every record. The queue asks for the same few sizes many times between batches.
         self._cache: dict[int, tuple[float, float]] = {}
@@ -127,10 +131,15 @@ class LatencyProfile:
             self._cache = {}
             state = self._measured.get(bucket)
             if state is None:
-                self._measured[bucket] = _Bucket(size, seconds)
-                bisect.insort(self._order, bucket)
+                state = self._measured[bucket] = _Bucket(size, seconds)
+                index = bisect.bisect_left(self._order, bucket)
+                self._order.insert(index, bucket)
+                self._states.insert(index, state)
+                self._seen.insert(index, state.size)
                 return
             state.update(size, seconds, self._alpha)
+            if not self.padded:
+                self._seen[bisect.bisect_left(self._order, bucket)] = state.size
 
     def record_delivery(self, seconds: float) -> None:
         """A batch's answers reached the caller ``seconds`` after its compute ended."""
@@ -215,9 +224,9 @@ class LatencyProfile:
 
     def _interpolated(self, size: int) -> tuple[float, float]:
         """Linear between the measured classes around ``size`` (by the sizes they saw)."""
-        states = [self._measured[b] for b in self._order]
-        above = next((i for i, s in enumerate(states) if s.size >= size), None)
-        if above is None:  # beyond what was measured: scaled linearly, an upper bound
+        states = self._states
+        above = bisect.bisect_left(self._seen, size)
+        if above == len(states):  # beyond what was measured: scaled linearly, an upper bound
             top = states[-1]
             return top.mean * size / top.size, top.deviation * size / top.size
         high = states[above]

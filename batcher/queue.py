@@ -115,6 +115,25 @@ class _DeadlineLevel:
         if index < len(self._live) and self._live[index][1] == seq:
             del self._live[index]
 
+    def discard_many(self, requests: list[InferenceRequest]) -> None:
+        """``discard`` for a whole batch at once. A batch is mostly the front of the level
+        (earliest deadlines first): then one slice goes; otherwise one pass keeps the rest."""
+        seqs = self._seqs
+        gone = {seqs.pop(id(r)) for r in requests if id(r) in seqs}
+        if not gone:
+            return
+        live = self._live
+        count = len(gone)
+        if all(entry[1] in gone for entry in live[:count]):
+            del live[:count]
+        else:
+            self._live = [entry for entry in live if entry[1] not in gone]
+
+    def entries(self) -> list[tuple[float, int, InferenceRequest]]:
+        """The live (scheduling deadline, arrival sequence, request) entries, in order: the
+        list itself, to be read and not changed."""
+        return self._live
+
     def due_before(self, key: float) -> int:
         """Live requests whose scheduling deadline is not later than ``key``."""
         return bisect.bisect_right(self._live, (key, math.inf))
@@ -353,6 +372,27 @@ class ModelQueue:
             del self._samples_by_shape[key]
         self._live -= 1
 
+    def _forget_taken(self, batch: list[InferenceRequest]) -> None:
+        """``_forget(request, TAKEN)`` for every request of a deadline-policy batch, each
+        level's list updated once."""
+        counts, samples, by_shape = self._level_counts, self._level_samples, self._samples_by_shape
+        levels: set[int] = set()
+        for request in batch:
+            request.state = TAKEN
+            index = request.level - 1
+            levels.add(index)
+            counts[index] -= 1
+            samples[index] -= request.batch_size
+            key = request.shape_key
+            left = by_shape[key] - request.batch_size
+            if left:
+                by_shape[key] = left
+            else:
+                del by_shape[key]
+        self._live -= len(batch)
+        for index in levels:
+            self._levels[index].discard_many(batch)
+
     def _head(self) -> InferenceRequest | None:
         for level in self._levels:
             while level and level[0].state != QUEUED:
@@ -439,8 +479,7 @@ class ModelQueue:
         """The batch that lets the most requests meet their deadlines (see ``_best_batch``)."""
         candidates, dropped = self._candidates(head.shape_key, 2 * limit, now)
         batch = self._best_batch(candidates, limit, now) or [head]
-        for request in batch:
-            self._forget(request, TAKEN)
+        self._forget_taken(batch)
         for index, level in enumerate(self._levels):
             while level and level[0].state != QUEUED:
                 level.popleft()
@@ -458,18 +497,24 @@ class ModelQueue:
         dropped: list[InferenceRequest] = []
         margin = self._margin()
         alone: dict[int, float] = {}  # batch size -> the earliest a request of it can be done
+        one_shape = len(self._samples_by_shape) == 1  # then every request shares the head's
         for level in self._levels:
-            for request in level:
-                if request.state != QUEUED or request.shape_key != shape_key:
+            # The level's own entries, read in order (it holds only live requests, each with
+            # its scheduling deadline): no copy, no state checks. Drops wait for the end.
+            for key, _, request in level.entries():
+                if not one_shape and request.shape_key != shape_key:
                     continue
-                if self._infeasible(request, now, alone):
-                    self._forget(request, REMOVED)
+                if request.deadline is not None and self._infeasible(request, now, alone):
                     dropped.append(request)
                     continue
-                candidates.append((scheduling_deadline(request, self._slo_s) - margin, request))
+                candidates.append((key - margin, request))
                 samples -= request.batch_size
                 if samples <= 0:
-                    return candidates, dropped
+                    break
+            if samples <= 0:
+                break
+        for request in dropped:
+            self._forget(request, REMOVED)
         return candidates, dropped
 
     def _best_batch(self, candidates: list[tuple[float, InferenceRequest]], limit: int,

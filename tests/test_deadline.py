@@ -28,7 +28,7 @@ from batcher.metrics import BatcherMetrics
 from batcher.model import ServedModel
 from batcher.profile import LatencyProfile, size_classes
 from batcher.queue import ModelQueue
-from batcher.request import REMOVED
+from batcher.request import QUEUED, REMOVED
 from batcher.spec import BatchingConfig
 from tests.conftest import poll
 from tests.test_batcher import (
@@ -339,6 +339,56 @@ def test_the_bisecting_choice_matches_composing_every_batch(deadlines, per_sampl
                   for i, d in enumerate(sorted(deadlines))]
     assert q._best_batch(candidates, limit, clock.now) == q._best_batch_composed(
         candidates, limit, clock.now)
+
+
+def test_a_deadline_batch_takes_only_requests_shaped_as_its_head():
+    clock = FakeClock()
+    q = deadline_queue(clock, profile_of({1: 0.01, 8: 0.02}))
+    narrow = [put(q, clock, float(i), deadline=1.0 + i) for i in range(3)]
+    wide = request(9.0, width=3, deadline=clock.now + 0.5)  # earliest, but another shape
+    wide.level, wide.arrival = 1, clock.now
+    q.put(wide)
+    assert q.next_batch()[0] == [wide]
+    assert q.next_batch()[0] == narrow
+    assert q.depth == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["put", "put", "put", "take", "remove"]),
+                              st.floats(0.0, 2.0), st.integers(1, 2), st.integers(1, 3),
+                              st.booleans()), min_size=1, max_size=60))
+def test_deadline_levels_stay_consistent_through_any_puts_takes_and_removes(ops):
+    """Batches are taken from the front of a level in one slice, or filtered out of it when
+    they are not its front; either way each level holds exactly its queued requests, sorted,
+    and the counts agree."""
+    clock = FakeClock()
+    dropped: list = []
+    q = deadline_queue(clock, profile_of({1: 0.2, 2: 0.25, 4: 0.3, 8: 0.4}), dropped,
+                       priority_levels=2)
+    queued: list = []
+    for op, seconds, level, rows, wide in ops:
+        clock.advance(0.05)
+        if op == "put":
+            r = request(seconds, rows=rows, width=3 if wide else 2,
+                        deadline=clock.now + seconds)
+            r.level, r.arrival = level, clock.now
+            q.put(r)
+            queued.append(r)
+        elif op == "remove" and queued:
+            q.remove(queued[int(seconds * 10) % len(queued)])
+        elif op == "take" and any(r.deadline >= clock.now + 0.2 for r in queued):
+            batch, _ = q.next_batch()  # something feasible is queued: it does not block
+            assert batch and len({r.shape_key for r in batch}) == 1
+            assert sum(r.batch_size for r in batch) <= 8
+        queued = [r for r in queued if r.state == QUEUED]
+        live = [entry for level in q._levels for entry in level.entries()]
+        assert sorted(id(e[2]) for e in live) == sorted(id(r) for r in queued)
+        for index, level in enumerate(q._levels):
+            entries = level.entries()
+            assert entries == sorted(entries, key=lambda e: (e[0], e[1]))
+            assert len(entries) == q._level_counts[index]
+            assert sum(e[2].batch_size for e in entries) == q._level_samples[index]
+        assert q.depth == len(queued)
 
 
 def test_spare_room_takes_a_request_that_only_a_quick_run_would_serve():
