@@ -359,9 +359,13 @@ class ModelQueue:
             self._cond.wait(timeout_s)
 
     def _forget(self, request: InferenceRequest, state: int) -> None:
-        request.state = state
         if self._deadline_policy:
             self._levels[request.level - 1].discard(request)
+        self._account(request, state)
+
+    def _account(self, request: InferenceRequest, state: int) -> None:
+        """``request`` left the queue in ``state``: the live counts no longer hold it."""
+        request.state = state
         self._level_counts[request.level - 1] -= 1
         self._level_samples[request.level - 1] -= request.batch_size
         key = request.shape_key
@@ -374,23 +378,10 @@ class ModelQueue:
 
     def _forget_taken(self, batch: list[InferenceRequest]) -> None:
         """``_forget(request, TAKEN)`` for every request of a deadline-policy batch, each
-        level's list updated once."""
-        counts, samples, by_shape = self._level_counts, self._level_samples, self._samples_by_shape
-        levels: set[int] = set()
+        level's list updated once (``_DeadlineLevel.discard_many``)."""
         for request in batch:
-            request.state = TAKEN
-            index = request.level - 1
-            levels.add(index)
-            counts[index] -= 1
-            samples[index] -= request.batch_size
-            key = request.shape_key
-            left = by_shape[key] - request.batch_size
-            if left:
-                by_shape[key] = left
-            else:
-                del by_shape[key]
-        self._live -= len(batch)
-        for index in levels:
+            self._account(request, TAKEN)
+        for index in {request.level - 1 for request in batch}:
             self._levels[index].discard_many(batch)
 
     def _head(self) -> InferenceRequest | None:
