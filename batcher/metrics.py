@@ -90,6 +90,19 @@ class BatcherMetrics:
             "Time left before the deadline (or SLO) when a request was answered; < 0: late.",
             ["model"], registry=r, buckets=SLACK_BUCKETS,
         )
+        # The latency profile (batcher/profile.py) that the deadline policy and admission
+        # control plan with: an estimate, so the most recent value of a live process.
+        self.profile_seconds = Gauge(
+            "batchgate_latency_profile_seconds",
+            "The latency profile's time for one batch of a size class: its mean and p99.",
+            ["model", "batch_size", "estimate"], registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        self.response_margin_seconds = Gauge(
+            "batchgate_response_margin_seconds",
+            "Time kept free before every deadline for the answer to reach its client.",
+            ["model"], registry=r, multiprocess_mode="livemostrecent",
+        )
         self.device_share_seconds = Counter(
             "batchgate_device_share_seconds",
             "Device time used in weighted turns (models with device_share_weight).",
@@ -167,6 +180,9 @@ class ModelMetrics:
         self.slo_met = metrics.slo_requests.labels(model, "met")
         self.slo_missed = metrics.slo_requests.labels(model, "missed")
         self.deadline_slack_seconds = metrics.deadline_slack_seconds.labels(model)
+        self.response_margin_seconds = metrics.response_margin_seconds.labels(model)
+        self._profile_seconds = metrics.profile_seconds
+        self._profile_children: dict[int, tuple[Gauge, Gauge]] = {}
         self._device_share_seconds = metrics.device_share_seconds
         self._model = model
         self.pool_bytes_reserved = metrics.model_pool_bytes_reserved.labels(model)
@@ -176,6 +192,16 @@ class ModelMetrics:
         self.largest_bucket = metrics.largest_bucket.labels(model)
         self.input_copies = {when: metrics.input_copies.labels(model, when)
                              for when in INPUT_COPY_TIMES}
+
+    def profile_class(self, batch_size: int, mean_s: float, p99_s: float) -> None:
+        """The latency profile's class ``batch_size`` now estimates ``mean_s`` and ``p99_s``."""
+        children = self._profile_children.get(batch_size)
+        if children is None:
+            family, size = self._profile_seconds, str(batch_size)
+            children = self._profile_children[batch_size] = (
+                family.labels(self._model, size, "mean"), family.labels(self._model, size, "p99"))
+        children[0].set(mean_s)
+        children[1].set(p99_s)
 
     def device_share_seconds(self, device: str):
         return self._device_share_seconds.labels(self._model, device)

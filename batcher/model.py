@@ -191,7 +191,9 @@ class ServedModel:
             graphs_status = warm["graphs"]
         if not self._profile_given:
             for rows, seconds in warm["timed"]:
-                self.profile.record(rows, seconds)
+                self._publish_profile(self.profile.record(rows, seconds))
+        if self._metrics is not None:
+            self._metrics.response_margin_seconds.set(self.profile.margin())
         self.load_report = {
             "precision_max_relative_error": checked.parameter(),
             "cuda_graphs_status": graphs_status,
@@ -533,6 +535,8 @@ class ServedModel:
         now = time.monotonic()
         if outcome.batch.finished_at is not None:
             self.profile.record_delivery(now - outcome.batch.finished_at)
+            if self._metrics is not None:
+                self._metrics.response_margin_seconds.set(self.profile.margin())
         success_ns = answered = 0
         met = missed = 0
         slack = self._metrics.deadline_slack_seconds if self._metrics is not None else None
@@ -655,11 +659,19 @@ class ServedModel:
             input_ns=batch.input_ns, infer_ns=infer_ns, output_ns=output_ns,
         )
         compute_s = (batch.input_ns + infer_ns + output_ns) / 1e9
-        self.profile.record(batch.samples, compute_s)
+        self._publish_profile(self.profile.record(batch.samples, compute_s))
         if metrics is not None:
             metrics.batch_size.observe(batch.samples)
             metrics.batches[batch.reason].inc()
             metrics.compute_seconds.observe(compute_s)
+
+    def _publish_profile(self, size_class: int | None) -> None:
+        """Show the latency profile's estimate for ``size_class`` (just updated) as metrics."""
+        if self._metrics is None or size_class is None:
+            return
+        estimate = self.profile.measured_class(size_class)
+        if estimate is not None:
+            self._metrics.profile_class(size_class, *estimate)
 
     def _record_oom(self, rows: int, largest: int) -> None:
         if self._metrics is not None:

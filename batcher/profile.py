@@ -121,10 +121,11 @@ class LatencyProfile:
         self._cache: dict[int, tuple[float, float]] = {}
         self._lock = threading.Lock()
 
-    def record(self, batch_size: int, seconds: float) -> None:
-        """One batch of ``batch_size`` samples took ``seconds``."""
+    def record(self, batch_size: int, seconds: float) -> int | None:
+        """One batch of ``batch_size`` samples took ``seconds``. Returns the size class it
+        updated (None: a negative time, ignored)."""
         if seconds < 0:
-            return
+            return None
         size = max(1, min(batch_size, self.buckets[-1]))
         bucket = bucket_for(size, self.buckets)
         with self._lock:
@@ -136,10 +137,20 @@ class LatencyProfile:
                 self._order.insert(index, bucket)
                 self._states.insert(index, state)
                 self._seen.insert(index, state.size)
-                return
+                return bucket
             state.update(size, seconds, self._alpha)
             if not self.padded:
                 self._seen[bisect.bisect_left(self._order, bucket)] = state.size
+        return bucket
+
+    def measured_class(self, bucket: int) -> tuple[float, float] | None:
+        """(mean, p99) seconds measured for the size class ``bucket`` itself (no
+        interpolation); None when it has no measurement."""
+        state = self._measured.get(bucket)
+        if state is None:
+            return None
+        mean, deviation = state.mean, state.deviation
+        return mean, mean + P99_DEVIATIONS * deviation
 
     def record_delivery(self, seconds: float) -> None:
         """A batch's answers reached the caller ``seconds`` after its compute ended."""

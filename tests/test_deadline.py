@@ -95,9 +95,12 @@ def test_profile_keeps_an_ewma_of_mean_and_deviation_per_bucket():
     # mean += 0.1 * (2 - 1); deviation += 0.1 * (1 - 0); p99 = mean + 3 deviations
     assert profile.mean(1) == pytest.approx(1.1)
     assert profile.p99(1) == pytest.approx(1.1 + 3 * 0.1)
-    profile.record(3, 2.0)  # bucket 4
+    assert profile.record(3, 2.0) == 4  # the class it updated: bucket 4
     assert profile.mean(3) == profile.mean(4) == pytest.approx(2.0)
     assert profile.snapshot()[4] == (pytest.approx(2.0), pytest.approx(2.0), 1)
+    assert profile.measured_class(4) == (pytest.approx(2.0), pytest.approx(2.0))
+    assert profile.measured_class(2) is None  # measured classes only, nothing borrowed
+    assert profile.record(1, -1.0) is None  # a negative time is ignored
 
 
 def test_profile_optimistic_time_is_one_deviation_below_the_mean():
@@ -753,6 +756,25 @@ async def test_slo_attainment_and_slack_are_measured(served, registry):
     fake.gate.set()
     await blocker
     assert slo(registry, "met") == 4
+
+
+async def test_the_latency_profile_and_response_margin_are_metrics(served, registry):
+    model = served(make_spec(max_batch_size=4, max_inflight_batches=1), RecordingModel())
+    def gauge(size: int, estimate: str) -> float | None:
+        return registry.get_sample_value("batchgate_latency_profile_seconds", {
+            "model": "fake", "batch_size": str(size), "estimate": estimate})
+
+    assert gauge(3, "mean") is None  # nothing measured yet (no warm-up)
+    await model.infer(request(1.0, rows=3))
+    mean, p99 = model.profile.measured_class(3)
+    assert (gauge(3, "mean"), gauge(3, "p99")) == (mean, p99)
+    assert 0.0 < mean <= p99
+    assert registry.get_sample_value(
+        "batchgate_response_margin_seconds", {"model": "fake"}) == model.profile.margin()
+    # Each batch updates its own class only.
+    await model.infer(request(2.0, rows=1))
+    assert gauge(1, "mean") == model.profile.measured_class(1)[0]
+    assert gauge(3, "mean") == mean
 
 
 async def test_requests_without_deadline_or_slo_are_not_counted_for_the_slo(served, registry):
