@@ -46,6 +46,7 @@ from bench.serving import (
     BenchError,
     ServerProcess,
     bench_step,
+    closed_loop_capacity,
     machine,
     window_goodput,
 )
@@ -116,7 +117,7 @@ def measure_capacity(url: str, model: str, metrics_url: str, seconds: float) -> 
     """Answers/s to 64 closed-loop clients of ``batchgate bench``."""
     step, _, _, _ = bench_step(url, model, [
         "--concurrency", "64", "--warmup-s", "1", "--duration-s", f"{seconds:g}"], metrics_url)
-    return step["ok"] / seconds
+    return closed_loop_capacity(step)
 
 
 # -- one server, one configuration ------------------------------------------------------------

@@ -38,6 +38,7 @@ from bench.serving import (
     BenchError,
     ServerProcess,
     bench_step,
+    closed_loop_capacity,
     machine,
     single_model_repository,
     window_goodput,
@@ -67,7 +68,7 @@ def measure(repository: Path, model: str, parameters: dict[str, str] | None,
             if capacity is None:
                 _say("capacity: closed loop, concurrency 64 ...")
                 closed = bench(url, model, ["--concurrency", "64", *seconds], metrics_url)
-                capacity = closed["ok"] / options.seconds
+                capacity = closed_loop_capacity(closed)
                 result["capacity_step"] = closed
             rate = options.factor * capacity
             _say(f"overload: Poisson {rate:,.0f}/s ({options.factor:g} x {capacity:,.0f}/s), "
@@ -83,7 +84,8 @@ def measure(repository: Path, model: str, parameters: dict[str, str] | None,
         raise BenchError(f"the server exited {exit_code}:\n{server.log_tail()}")
     result["capacity_per_s"] = capacity
     result["offered_per_s"] = rate
-    # Both rates over the measured window (see window_goodput).
+    # The goodput over the measured window (see window_goodput); open loop, it has no tail of
+    # closed-loop clients' answers to discount.
     result["goodput_per_s"] = window_goodput(result["overload_step"], options.seconds)
     result["goodput_ratio"] = result["goodput_per_s"] / capacity
     return result

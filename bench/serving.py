@@ -380,6 +380,14 @@ def window_goodput(step: dict[str, Any], seconds: float) -> float:
     return (step["goodput_per_s"] or 0.0) * step["measured_s"] / seconds
 
 
+def closed_loop_capacity(step: dict[str, Any]) -> float:
+    """Answers/s of a closed-loop bench step: its ``throughput_per_s``, the answers to the
+    requests sent in the window over the window stretched to the last answer. Not ``ok`` over
+    the window: every client still has a request in flight when the window ends, and those
+    answers (up to the concurrency: 64 in 5 s is 13/s) would count with none of their time."""
+    return step["throughput_per_s"] or 0.0
+
+
 def run_bench_cli(url: str, model: str, concurrency: int, seconds: float,
                   metrics_url: str) -> PerfRun:
     """``batchgate bench`` in closed loop at ``concurrency``: its figures as a PerfRun."""
