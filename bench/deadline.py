@@ -42,6 +42,7 @@ from typing import Any
 
 from bench.loadgen.arrivals import Arrival
 from bench.serving import (
+    CAPACITY_CONCURRENCY,
     DEFAULT_REPOSITORY,
     BenchError,
     ServerProcess,
@@ -116,8 +117,8 @@ def burst_arrival(mean_rate: float, *, on_s: float, off_s: float, peak: float) -
 def measure_capacity(url: str, model: str, metrics_url: str, seconds: float) -> float:
     """Answers/s to 64 closed-loop clients of ``batchgate bench``."""
     step, _, _, _ = bench_step(url, model, [
-        "--concurrency", "64", "--warmup-s", "1", "--duration-s", f"{seconds:g}"], metrics_url)
-    return closed_loop_capacity(step)
+        "--concurrency", str(CAPACITY_CONCURRENCY), "--warmup-s", "1", "--duration-s", f"{seconds:g}"], metrics_url)
+    return closed_loop_capacity(step, CAPACITY_CONCURRENCY, seconds)
 
 
 # -- one server, one configuration ------------------------------------------------------------

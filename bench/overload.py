@@ -12,8 +12,9 @@ One run, one machine, with ``batchgate bench`` as the load (a subprocess, ``--js
    after the first has stopped), so the run shows what admission control buys.
 
 The figure: goodput at overload ÷ capacity (the issue's bar: ≥ 0.9 at 5×), and the errors by
-status code: what the server refused at once (RESOURCE_EXHAUSTED) rather than let expire. Both
-rates count the answers to the requests sent in the measured window, per second of it.
+status code: what the server refused at once (RESOURCE_EXHAUSTED) rather than let expire.
+Capacity counts the answers within the measured window (``bench.serving.closed_loop_capacity``),
+the overload rates the answers to the requests sent in it; both per second of the window.
 
     python -m bench.overload [--model cnn] [--factor 5] [--deadline-ms 200] [--seconds 10]
     python -m bench.overload --synthetic-ms 20,1.5     # a model whose batches take 20 + 1.5 n ms
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.serving import (
+    CAPACITY_CONCURRENCY,
     DEFAULT_REPOSITORY,
     BenchError,
     ServerProcess,
@@ -67,8 +69,8 @@ def measure(repository: Path, model: str, parameters: dict[str, str] | None,
             result: dict[str, Any] = {}
             if capacity is None:
                 _say("capacity: closed loop, concurrency 64 ...")
-                closed = bench(url, model, ["--concurrency", "64", *seconds], metrics_url)
-                capacity = closed_loop_capacity(closed)
+                closed = bench(url, model, ["--concurrency", str(CAPACITY_CONCURRENCY), *seconds], metrics_url)
+                capacity = closed_loop_capacity(closed, CAPACITY_CONCURRENCY, options.seconds)
                 result["capacity_step"] = closed
             rate = options.factor * capacity
             _say(f"overload: Poisson {rate:,.0f}/s ({options.factor:g} x {capacity:,.0f}/s), "
@@ -100,7 +102,8 @@ def render(report: dict[str, Any]) -> str:
         f"{report['seconds']:g} s measured per step",
         "",
         f"capacity (closed loop c=64)            {report['capacity_per_s']:,.0f} answers/s",
-        "(rates: answers to the requests sent in the measured window, per second of it)",
+        "(capacity: answers within the measured window; overload: answers to the requests sent "
+        "in it; per second of the window)",
     ]
     for key, label in (("admission", "admission control on (default)"),
                        ("no_admission", "admission: false")):

@@ -380,12 +380,20 @@ def window_goodput(step: dict[str, Any], seconds: float) -> float:
     return (step["goodput_per_s"] or 0.0) * step["measured_s"] / seconds
 
 
-def closed_loop_capacity(step: dict[str, Any]) -> float:
-    """Answers/s of a closed-loop bench step: its ``throughput_per_s``, the answers to the
-    requests sent in the window over the window stretched to the last answer. Not ``ok`` over
-    the window: every client still has a request in flight when the window ends, and those
-    answers (up to the concurrency: 64 in 5 s is 13/s) would count with none of their time."""
-    return step["throughput_per_s"] or 0.0
+# Closed-loop clients that measure a server's capacity (bench/deadline.py, bench/overload.py).
+CAPACITY_CONCURRENCY = 64
+
+
+def closed_loop_capacity(step: dict[str, Any], concurrency: int, seconds: float) -> float:
+    """Answers/s of a closed-loop bench step: ``concurrency`` clients for ``seconds``.
+
+    The step counts every call started in its window, and each client's last one ends after
+    the window: the answers within the window are the calls less one per client. Not ``ok``
+    over the window (it counted those last calls with none of their time: +13/s at c=64 over
+    5 s), nor bench's ``throughput_per_s`` (its window runs on to the last answer, a tail in
+    which no client sends: measured 113/s where ok less one call per client gave 122/s and
+    the same server's goodput under overload was 118/s)."""
+    return max(step["ok"] - concurrency, 0) / seconds
 
 
 def run_bench_cli(url: str, model: str, concurrency: int, seconds: float,
