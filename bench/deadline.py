@@ -178,6 +178,7 @@ class Result:
     step: dict[str, Any]
     seconds: float
     server: dict[str, float]
+    profile: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def attainment(self) -> float:
@@ -197,7 +198,7 @@ class Result:
             "goodput_per_s": round(self.goodput, 1),
             "ok_p50_ms": _round(latency["p50"]), "ok_p99_ms": _round(latency["p99"]),
             "codes": {k: v for k, v in codes.items() if v}, "server": self.server,
-            "bench_step": self.step,
+            "latency_profile": self.profile, "bench_step": self.step,
         }
 
 
@@ -207,6 +208,21 @@ def server_counts(before: dict[str, float], after: dict[str, float]) -> dict[str
             "batchgate_batches_total", "batchgate_batch_size_sum", "batchgate_batch_size_count")
     return {k: after[k] - before.get(k, 0.0) for k in after
             if k.startswith(keep) and after[k] - before.get(k, 0.0)}
+
+
+_PROFILE = re.compile(r"batchgate_latency_profile_seconds\{batch_size=(\d+)\}\{estimate=(\w+)\}")
+
+
+def latency_profile(samples: dict[str, float]) -> dict[str, Any]:
+    """The server's latency profile as it stood (``batchgate_latency_profile_seconds`` and
+    ``batchgate_response_margin_seconds``): what the batcher planned with, in ms."""
+    batch_ms: dict[int, dict[str, float]] = {}
+    for key, value in samples.items():
+        if match := _PROFILE.fullmatch(key):
+            batch_ms.setdefault(int(match[1]), {})[match[2]] = round(value * 1e3, 2)
+    margin = samples.get("batchgate_response_margin_seconds")
+    return {"batch_ms": dict(sorted(batch_ms.items())),
+            "response_margin_ms": None if margin is None else round(margin * 1e3, 2)}
 
 
 def run_load(args: argparse.Namespace, policy: Policy, load: float, capacity: float,
@@ -227,7 +243,8 @@ def run_load(args: argparse.Namespace, policy: Policy, load: float, capacity: fl
         after = server.scrape()
     step["command"] = command
     result = Result(policy=policy.label(), load=load, arrival=arrival, step=step,
-                    seconds=seconds, server=server_counts(before, after))
+                    seconds=seconds, server=server_counts(before, after),
+                    profile=latency_profile(after))
     _say(f"{policy.label()} at {load:g} × capacity: attainment {result.attainment:.1%}, "
          f"goodput {result.goodput:.0f}/s, codes {result.row()['codes']}")
     return result

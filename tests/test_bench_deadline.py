@@ -58,6 +58,13 @@ def test_a_short_run_measures_both_policies_through_batchgate_bench(tmp_path):
         assert "--burst-off-rate" in step["command"] and "--enforce-deadline" in step["command"]
         assert row["server"]["batchgate_batch_size_sum"] >= row["sent"]
         assert 0.0 <= row["attainment"] <= 1.0
+        # The server's latency profile as it stood after the run: the synthetic batch of n
+        # sleeps 5 + 0.5 n ms, so every class measured took at least that.
+        profile = row["latency_profile"]
+        assert profile["response_margin_ms"] >= 3.0
+        assert profile["batch_ms"]
+        for size, times in profile["batch_ms"].items():
+            assert times["p99"] >= times["mean"] >= 5 + 0.5 * int(size)
     assert "deadline policy" in result.stdout and "judged" in report["verdict"]
 
 
