@@ -8,8 +8,10 @@ counted from its *intended* send time),
 against servers started one after the other on the same model:
 
 1. **fixed delay**: ``batch_policy: fifo`` at its best settings, chosen by a short sweep over
-   ``max_queue_delay_microseconds`` and admission control on or off, at each load (or once,
-   at ``--sweep-load``);
+   ``max_queue_delay_microseconds``, admission control on or off and ``max_inflight_batches``
+   2 or 1 (the deadline policy always runs one batch at a time on one thread, which saves
+   thread hand-offs between batches; the fixed delay gets the same choice), at each load (or
+   once, at ``--sweep-load``);
 2. **deadline**: ``batch_policy: deadline`` (earliest deadline first, batches sized from the
    latency profile, infeasible requests dropped, admission control).
 
@@ -264,9 +266,12 @@ def best_fixed(args: argparse.Namespace, capacity: float, load: float
     trials = []
     for delay in args.sweep_delays_us:
         for admission in ("false", "true"):
-            policy = Policy("fixed delay", delay,
-                            _settings(args, batch_policy="fifo", admission=admission))
-            trials.append((policy, run_load(args, policy, load, capacity, args.sweep_seconds)))
+            for inflight in args.sweep_inflight:
+                policy = Policy("fixed delay", delay, _settings(
+                    args, batch_policy="fifo", admission=admission,
+                    max_inflight_batches=str(inflight)))
+                trials.append((policy, run_load(args, policy, load, capacity,
+                                                args.sweep_seconds)))
     best = max(trials, key=lambda t: (t[1].attainment, t[1].goodput))
     return best[0], [result for _, result in trials]
 
@@ -378,6 +383,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-delays-us", type=lambda t: _numbers(t, int),
                         default=[0, 1000, 5000, 20000],
                         help="max_queue_delay_microseconds values tried for the fixed delay")
+    parser.add_argument("--sweep-inflight", type=lambda t: _numbers(t, int), default=[2, 1],
+                        help="max_inflight_batches values tried for the fixed delay (2: one "
+                             "batch assembled while one computes; 1: one at a time on one "
+                             "thread, as the deadline policy always runs)")
     parser.add_argument("--sweep-load", type=float, default=None,
                         help="choose the fixed delay's best settings once, at this load "
                              "(default: at every load of --loads, for that load)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,7 +45,10 @@ def test_a_short_run_measures_both_policies_through_batchgate_bench(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(report_path.read_text())
 
-    assert len(report["sweep"]) == 2  # delay 0 with admission off and on
+    # Delay 0 with admission off and on, each with two batches in flight and with one.
+    assert sorted(re.search(r"admission=(\w+), max_inflight_batches=(\d)", row["policy"]).groups()
+                  for row in report["sweep"]) == [
+        ("false", "1"), ("false", "2"), ("true", "1"), ("true", "2")]
     fixed, deadline = report["results"]
     assert fixed["policy"].startswith("fixed delay") and deadline["policy"].startswith("deadline")
     # Both servers were configured with the margin (the label lists the model parameters).

@@ -967,3 +967,15 @@ def test_a_busy_executor_takes_a_full_batch_early_only_under_fifo(policy):
             queue.next_batch(busy=lambda: True)
         batch, reason = queue.next_batch(busy=lambda: False)  # its running batch ended
         assert (len(batch), reason) == (4, "full")
+
+
+@pytest.mark.parametrize(("policy", "threads"), [
+    ("fifo", {"fake-0-assemble", "fake-0-compute"}), ("deadline", {"fake-0-batch"})])
+def test_the_deadline_policy_keeps_one_batch_in_flight_on_one_thread(served, policy, threads):
+    # A busy instance takes no batch under the deadline policy, so a second slot would stand
+    # idle and its assembler thread only add hand-offs between batches.
+    spec = make_spec(max_batch_size=8, max_inflight_batches=2, policy=policy)
+    assert spec.batching.inflight_batches == (1 if policy == "deadline" else 2)
+    served(spec, RecordingModel())
+    running = {t.name for t in threading.enumerate() if t.name.startswith("fake-0-")}
+    assert running == threads
