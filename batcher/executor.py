@@ -16,10 +16,10 @@ largest batch). Threads:
   them back. So one batch is assembled and one computes while the last one's outputs come home.
   On the CPU the compute thread finishes its batch itself (nothing is asynchronous there).
 
-With one batch in flight (``max_inflight_batches`` 1, and always under the deadline policy:
-``BatchingConfig.inflight_batches``) a single thread does all of it, one batch at a time. The
-event loop is touched once per finished batch (``call_soon_threadsafe``). A model exception
-fails only its batch.
+With one batch in flight (``ModelSpec.inflight_batches``: by default on the CPU, and always
+under the deadline policy) a single thread does all of it, one batch at a time. The event
+loop is touched once per finished batch (``call_soon_threadsafe``). A model exception fails
+only its batch.
 
 With ``execution_timeout_ms`` each batch's run goes through a ``TimedRunner``
 (``batcher/watchdog.py``): a batch that overruns fails, and since the abandoned call may still
@@ -105,7 +105,7 @@ class ExecutorPlan:
 
 def default_plan(spec: ModelSpec) -> ExecutorPlan:
     """Slots without buffers and no padding: the host-concatenation path."""
-    slots = [Slot(i, ()) for i in range(spec.batching.inflight_batches)]
+    slots = [Slot(i, ()) for i in range(spec.inflight_batches)]
     return ExecutorPlan(slots, BatchBuckets((), spec.batching.max_batch_size))
 
 

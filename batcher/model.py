@@ -246,7 +246,7 @@ class ServedModel:
     def _reserve(self, graph_buckets: tuple[int, ...]) -> None:
         """One memory plan per instance, admitted into the device's pool (all or nothing)."""
         spec = self._spec
-        slots = spec.batching.inflight_batches
+        slots = spec.inflight_batches
         if not self._pooled:
             self._reservations = [(None, None)] * spec.instance_count
             return
@@ -288,7 +288,7 @@ class ServedModel:
         device = torch.device(spec.device)
         per_sample = sum(math.prod(t.dims) * TORCH_DTYPES[t.datatype].itemsize
                          for t in spec.inputs)
-        batches = spec.batching.inflight_batches * spec.instance_count + STAGING_BATCHES
+        batches = spec.inflight_batches * spec.instance_count + STAGING_BATCHES
         metrics = self._metrics
 
         def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> Block | None:
@@ -313,7 +313,7 @@ class ServedModel:
         spec = self._spec
         metrics = self._metrics
         if reservation is None:
-            slots = [Slot(i, ()) for i in range(spec.batching.inflight_batches)]
+            slots = [Slot(i, ()) for i in range(spec.inflight_batches)]
             graph_buffers, owned = None, frozenset()
         else:
             slots = [Slot(i, tensors) for i, tensors in sorted(reservation.batch.items())]

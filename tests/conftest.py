@@ -118,9 +118,10 @@ def build_model(parameters):
 '''
 
 # A batch holding a 7 hangs until the file "unhang" appears in the gate folder (at most 120 s);
-# a 1-second execution timeout fails it first. Two batches in flight: the timeout must also
-# work with the assembler/compute thread pair.
+# a 1-second execution timeout fails it first. Two batches in flight (one is the CPU default):
+# the timeout must also work with the assembler/compute thread pair.
 HANGING_CONFIG = FAILING_CONFIG.replace('"failing"', '"hanging"') + """
+parameters { key: "max_inflight_batches" value: { string_value: "2" } }
 parameters { key: "execution_timeout_ms" value: { string_value: "1000" } }
 parameters { key: "gate_dir" value: { string_value: "GATE_DIR" } }
 """

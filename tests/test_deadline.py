@@ -975,7 +975,7 @@ def test_the_deadline_policy_keeps_one_batch_in_flight_on_one_thread(served, pol
     # A busy instance takes no batch under the deadline policy, so a second slot would stand
     # idle and its assembler thread only add hand-offs between batches.
     spec = make_spec(max_batch_size=8, max_inflight_batches=2, policy=policy)
-    assert spec.batching.inflight_batches == (1 if policy == "deadline" else 2)
+    assert spec.inflight_batches == (1 if policy == "deadline" else 2)
     served(spec, RecordingModel())
     running = {t.name for t in threading.enumerate() if t.name.startswith("fake-0-")}
     assert running == threads

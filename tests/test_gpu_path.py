@@ -315,7 +315,8 @@ def test_pool_metrics_per_device_and_model(gpu_server):
     assert 0 < in_use < reserved and 0 < largest <= reserved - in_use
     models = {labels[0][1]: value for (name, labels), value in samples.items()
               if name == "batchgate_model_pool_bytes_reserved"}
-    assert models["mlp_buckets"] >= 2 * 64 * 512 * 4  # a 64-row input buffer per batch in flight
+    # A 64-row input buffer per batch in flight: one, the CPU default.
+    assert models["mlp_buckets"] >= 64 * 512 * 4
     assert sum(models.values()) == in_use  # nothing else is in the pool while idle
     assert sample(samples, "batchgate_pool_fallbacks_total", device="cpu") in (None, 0.0)
 
@@ -370,7 +371,7 @@ def _check_refusal(address: str) -> None:
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, message
         needed = int(message.split(" needs ")[1].split()[0])
         free = int(message.split(" bytes are free")[0].split()[-1])
-        assert needed > free and needed >= 2 * 64 * 512 * 4, message
+        assert needed > free and needed >= 64 * 512 * 4, message  # one 64-row buffer at least
         entry = {m.name: m for m in client.repository_index()}["big"]
         assert entry.state == "UNAVAILABLE" and "needs" in entry.reason
         # What did fit keeps serving.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import textwrap
 from pathlib import Path
@@ -324,7 +325,13 @@ def test_documented_parameters_take_effect(tmp_path):
     )
     assert (default.precision, spec.precision) == ("fp32", "amp-bf16")
     assert (default.batching.min_batch_size, spec.batching.min_batch_size) == (0, 3)
-    assert (default.batching.max_inflight_batches, spec.batching.max_inflight_batches) == (2, 4)
+    assert (default.batching.max_inflight_batches, spec.batching.max_inflight_batches) == (0, 4)
+    # Unset, it follows the device: one on the CPU, two on a GPU; the deadline policy, one.
+    assert (default.device, default.inflight_batches) == ("cpu", 1)
+    assert dataclasses.replace(default, device="cuda:0").inflight_batches == 2
+    assert spec.inflight_batches == 1  # batch_policy deadline
+    assert dataclasses.replace(
+        spec, batching=dataclasses.replace(spec.batching, policy="fifo")).inflight_batches == 4
     assert (default.warmup, spec.warmup) == (True, False)
     assert (default.execution_timeout_ms, spec.execution_timeout_ms) == (0, 250)
     assert (default.intra_op_threads, spec.intra_op_threads) == (0, 2)
@@ -423,7 +430,7 @@ def test_effective_config_fills_defaults_and_resolved_parameters(tmp_path):
     assert params == {
         "precision": "amp-fp16",
         "min_batch_size": "8",
-        "max_inflight_batches": "2",
+        "max_inflight_batches": "1",  # unset: one on the CPU
         "warmup": "true",
         "execution_timeout_ms": "0",
         "batch_policy": "fifo",
