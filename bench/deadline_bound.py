@@ -32,11 +32,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-
-from bench.deadline import burst_arrival
-from bench.deadline_sim import Workload, best_fixed, simulate
-from bench.loadgen.arrivals import schedule
+from bench.deadline_sim import Workload, best_fixed, simulate, trace
 
 # The batch sizes a plan may choose from (all of them up to 4, then every other one).
 STEP_SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32)
@@ -186,16 +182,6 @@ class Clairvoyant:
         pending = list(plan.pending)
         self._admit(pending, plan.next_arrival, max(plan.free_at, end))
         return plan.on_time + self._full_batches(pending, plan.free_at)
-
-
-def trace(workload: Workload, load: float) -> tuple[np.ndarray, np.ndarray]:
-    """The arrivals and deadlines ``deadline_sim.simulate`` draws for ``workload`` at ``load``."""
-    w = workload
-    arrival = burst_arrival(load * w.capacity, on_s=w.on_s, off_s=w.off_s, peak=w.peak)
-    arrivals = schedule(arrival, np.random.default_rng(w.seed), start_s=0.0,
-                        duration_s=w.seconds)
-    budgets = np.random.default_rng([w.seed, 1]).choice(w.deadlines_s, size=len(arrivals))
-    return arrivals, arrivals + budgets
 
 
 def compare(workload: Workload, load: float, horizon_s: float, beam: int,

@@ -101,15 +101,23 @@ def _raise_wait(timeout_s: float | None, *, eager: bool) -> None:
     raise _Wait(timeout_s)
 
 
+def trace(workload: Workload, load: float) -> tuple[np.ndarray, np.ndarray]:
+    """The arrivals (s, in order) at ``load`` × capacity and each one's deadline (s): the
+    trace every policy of one seed and load sees (``bench.deadline_bound`` replays it too)."""
+    w = workload
+    arrival = burst_arrival(load * w.capacity, on_s=w.on_s, off_s=w.off_s, peak=w.peak)
+    arrivals = schedule(arrival, np.random.default_rng(w.seed), start_s=0.0, duration_s=w.seconds)
+    budgets = np.random.default_rng([w.seed, 1]).choice(w.deadlines_s, size=len(arrivals))
+    return arrivals, arrivals + budgets
+
+
 def simulate(workload: Workload, policy: str, admission: bool, load: float,
              delay_us: int = 0) -> Outcome:
     """One executor serving the trace at ``load`` × capacity under ``policy``, with a
     ``max_queue_delay_microseconds`` of ``delay_us``."""
     w = workload
-    arrival = burst_arrival(load * w.capacity, on_s=w.on_s, off_s=w.off_s, peak=w.peak)
-    arrivals = schedule(arrival, np.random.default_rng(w.seed), start_s=0.0, duration_s=w.seconds)
+    arrivals, deadlines = trace(w, load)
     rng = np.random.default_rng(w.seed)
-    budgets = np.random.default_rng([w.seed, 1]).choice(w.deadlines_s, size=len(arrivals))
     now = [0.0]
     dropped: list[InferenceRequest] = []
     # The simulated model runs a batch at its own size, as a CPU model without buckets does;
@@ -145,7 +153,7 @@ def simulate(workload: Workload, policy: str, admission: bool, load: float,
         while next_arrival < len(arrivals) and arrivals[next_arrival] <= until:
             now[0] = at = float(arrivals[next_arrival])
             next_arrival += 1
-            request = InferenceRequest([x], deadline=at + budgets[next_arrival - 1])
+            request = InferenceRequest([x], deadline=float(deadlines[next_arrival - 1]))
             request.level, request.arrival = 1, at
             if door is not None:
                 try:

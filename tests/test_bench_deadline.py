@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from bench.deadline import burst_arrival
-from bench.deadline_bound import Clairvoyant, Device, compare, trace
-from bench.deadline_sim import Workload, best_fixed, simulate
+from bench.deadline_bound import Clairvoyant, Device, compare
+from bench.deadline_sim import Workload, best_fixed, simulate, trace
 from bench.loadgen.arrivals import schedule
 
 ROOT = Path(__file__).resolve().parent.parent
