@@ -18,7 +18,7 @@ delay at its best, and then the planner.
     python -m bench.deadline_bound [--loads 0.44] [--deadline-ms 100,300] [--seeds 1,2]
 
 A plan costs Python time: with the defaults (500 ms ahead, 64 plans, 20 s of trace) a load
-takes a couple of minutes per seed on one core; a longer horizon and a wider beam attain more
+takes about four minutes per seed on one core; a longer horizon and a wider beam attain more
 and take much longer.
 """
 
