@@ -237,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"horizon {args.horizon_ms:g} ms, beam {args.beam}, {args.seconds:g} s per trace, "
           f"deadlines {args.deadline_ms} ms, no jitter, answers {args.response_ms:g} ms after "
           "their batch")
-    print("| load | seed | sent | fixed delay at its best | deadline policy | clairvoyant planner |")
+    print("| load | seed | sent | fixed delay at its best | deadline policy "
+          "| clairvoyant planner |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['load']:g} | {r['seed']} | {r['sent']} | {r['fixed_best']:.2%} | "
