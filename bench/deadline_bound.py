@@ -38,23 +38,6 @@ from bench.deadline_sim import Workload, best_fixed, simulate, trace
 STEP_SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32)
 
 
-@dataclasses.dataclass(frozen=True)
-class Device:
-    """A batch of n takes ``fixed_s + per_sample_s × n``; an answer arrives ``response_s``
-    after its batch ends."""
-
-    fixed_s: float
-    per_sample_s: float
-    max_batch: int
-    response_s: float
-
-    def batch_s(self, samples: int) -> float:
-        return self.fixed_s + self.per_sample_s * samples
-
-    def sizes(self) -> list[int]:
-        return sorted({min(s, self.max_batch) for s in STEP_SIZES} | {self.max_batch})
-
-
 @dataclasses.dataclass
 class _Plan:
     on_time: int
@@ -65,16 +48,17 @@ class _Plan:
 
 
 class Clairvoyant:
-    """The planner over one trace: ``arrivals`` (s, in order) and their ``deadlines`` (s)."""
+    """The planner over one trace: ``arrivals`` (s, in order) and their ``deadlines`` (s), on
+    the ``device`` a workload describes (its batch times, largest batch and response time)."""
 
-    def __init__(self, device: Device, arrivals: Sequence[float], deadlines: Sequence[float],
+    def __init__(self, device: Workload, arrivals: Sequence[float], deadlines: Sequence[float],
                  *, horizon_s: float, beam: int) -> None:
         self.device = device
         self.arrivals = list(arrivals)
         self.deadlines = list(deadlines)
         self.horizon_s = horizon_s
         self.beam = beam
-        self.sizes = device.sizes()
+        self.sizes = sorted({min(s, device.max_batch) for s in STEP_SIZES} | {device.max_batch})
 
     def run(self) -> int:
         """Requests on time when every batch is the first of a fresh plan."""
@@ -168,8 +152,7 @@ class Clairvoyant:
             if batch is None or batch[1] in seen:
                 continue
             seen.add(batch[1])
-            finish, taken, rest = batch
-            rest = list(rest)
+            finish, taken, rest = batch  # rest is a fresh list: arrivals go into it
             nxt = self._admit(rest, plan.next_arrival, finish)
             steps.append(_Plan(plan.on_time + taken, self._alive(rest, finish), finish, nxt,
                                size if plan.first is None else plan.first))
@@ -190,9 +173,7 @@ def compare(workload: Workload, load: float, horizon_s: float, beam: int,
     fixed = best_fixed(workload, load, delays_us)
     policy = simulate(workload, "deadline", True, load)
     arrivals, deadlines = trace(workload, load)
-    device = Device(workload.fixed_s, workload.per_sample_s, workload.max_batch,
-                    workload.response_s)
-    planned = Clairvoyant(device, arrivals.tolist(), deadlines.tolist(),
+    planned = Clairvoyant(workload, arrivals.tolist(), deadlines.tolist(),
                           horizon_s=horizon_s, beam=beam).run()
     sent = len(arrivals)
     return {"load": load, "seed": workload.seed, "sent": sent,

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from bench.deadline import burst_arrival
-from bench.deadline_bound import Clairvoyant, Device, compare
+from bench.deadline_bound import Clairvoyant, compare
 from bench.deadline_sim import Workload, best_fixed, simulate, trace
 from bench.loadgen.arrivals import schedule
 
@@ -115,7 +115,7 @@ def test_the_clairvoyant_planner_leaves_room_for_a_tight_request_it_sees_coming(
     # 31 loose requests wait; a tight one (50 ms) arrives 1 ms later. Taking all 31 at once
     # (67 ms) would lose it; a planner that sees it coming runs a short batch first and then
     # serves it, and the rest, in time.
-    device = Device(fixed_s=0.0206, per_sample_s=0.0015, max_batch=32, response_s=0.001)
+    device = Workload(fixed_s=0.0206, per_sample_s=0.0015, max_batch=32, response_s=0.001)
     arrivals = [0.0] * 31 + [0.001]
     deadlines = [0.3] * 31 + [0.05]
     assert Clairvoyant(device, arrivals, deadlines, horizon_s=0.3, beam=16).run() == 32
