@@ -1,4 +1,5 @@
-"""What each client method sends and how its answer is unwrapped, shared by Client and AsyncClient.
+"""What each client method sends and how its answer is unwrapped, and the settings the two
+clients take (`ClientBase`), shared by Client and AsyncClient.
 
 The two clients differ only in how they wait (blocking or `await`); everything about a call that
 does not depend on that lives here, so the two cannot drift apart.
@@ -21,7 +22,17 @@ from typing import Any
 
 import grpc
 
-from clients._security import Metadata
+from clients._endpoints import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_RESOLVE_INTERVAL_S,
+    DEFAULT_UNHEALTHY_FOR_S,
+    AddressSource,
+    EndpointPool,
+    Resolver,
+    channel_options,
+    check_timeout_s,
+)
+from clients._security import PEM, Metadata, auth_metadata, channel_credentials
 from clients.errors import BatchgateError
 from clients.infer import InferRequest, InferResult
 from clients.retry import RetryPolicy
@@ -62,6 +73,55 @@ def open_endpoint(
     else:
         channel = grpc_module.secure_channel(address, credentials, options=options)
     return Endpoint(address, channel, metadata)
+
+
+class ClientBase:
+    """The settings of `Client` and `AsyncClient` (their docstrings say what each means) and
+    the endpoint pool they make; a subclass says whether its channels are grpc.aio ones."""
+
+    _aio: bool
+
+    def __init__(
+        self,
+        address: str | Sequence[str],
+        *,
+        timeout_s: float | None = None,
+        retry: RetryPolicy | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        tls: bool = False,
+        root_certificates: PEM | None = None,
+        certificate_chain: PEM | None = None,
+        private_key: PEM | None = None,
+        token: str | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        options: Sequence[tuple[str, Any]] = (),
+        resolve: bool = False,
+        resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S,
+        unhealthy_for_s: float = DEFAULT_UNHEALTHY_FOR_S,
+        resolver: Resolver | None = None,
+    ) -> None:
+        self._source = AddressSource(
+            address, resolve=resolve, resolve_interval_s=resolve_interval_s, resolver=resolver
+        )
+        channel_args = channel_options(max_message_bytes, options)
+        self._timeout_s = check_timeout_s(timeout_s)
+        self._retry = check_retry(retry)
+        credentials = channel_credentials(
+            credentials, tls=tls, root_certificates=root_certificates,
+            certificate_chain=certificate_chain, private_key=private_key,
+        )
+        metadata = auth_metadata(token)
+        aio = self._aio
+        self._pool = EndpointPool(
+            lambda a: open_endpoint(
+                a, credentials=credentials, options=channel_args, aio=aio, metadata=metadata
+            ),
+            unhealthy_for_s=unhealthy_for_s,
+        )
+        # A blocking client opens the channels of fixed addresses now; an aio client on its
+        # first call, because a grpc.aio channel belongs to the loop that first uses it.
+        if not aio and not self._source.dynamic:
+            self._pool.update(self._source.resolve())
 
 
 @dataclass(frozen=True)

@@ -10,25 +10,14 @@ import grpc
 import numpy as np
 
 from clients import _calls
-from clients._endpoints import (
-    DEFAULT_MAX_MESSAGE_BYTES,
-    DEFAULT_RESOLVE_INTERVAL_S,
-    DEFAULT_UNHEALTHY_FOR_S,
-    AddressSource,
-    EndpointPool,
-    ResolveError,
-    Resolver,
-    channel_options,
-    check_timeout_s,
-)
-from clients._security import PEM, auth_metadata, channel_credentials
+from clients._endpoints import ResolveError, check_timeout_s
 from clients.errors import BatchgateError
 from clients.infer import InferRequest, InferResult, ParameterValue
-from clients.retry import RetryPolicy, RetrySchedule
+from clients.retry import RetrySchedule
 from protos import inference_pb2, model_config_pb2
 
 
-class Client:
+class Client(_calls.ClientBase):
     """A blocking client of one batchgate (or any KServe v2 gRPC) server, or of several.
 
     `address`: "host:port", or a list of them; calls take turns over the addresses (one channel
@@ -48,45 +37,8 @@ class Client:
     Thread-safe; use as a context manager or call `close()`.
     """
 
-    def __init__(
-        self,
-        address: str | Sequence[str],
-        *,
-        timeout_s: float | None = None,
-        retry: RetryPolicy | None = None,
-        credentials: grpc.ChannelCredentials | None = None,
-        tls: bool = False,
-        root_certificates: PEM | None = None,
-        certificate_chain: PEM | None = None,
-        private_key: PEM | None = None,
-        token: str | None = None,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        options: Sequence[tuple[str, Any]] = (),
-        resolve: bool = False,
-        resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S,
-        unhealthy_for_s: float = DEFAULT_UNHEALTHY_FOR_S,
-        resolver: Resolver | None = None,
-    ) -> None:
-        self._source = AddressSource(
-            address, resolve=resolve, resolve_interval_s=resolve_interval_s, resolver=resolver
-        )
-        channel_args = channel_options(max_message_bytes, options)
-        self._timeout_s = check_timeout_s(timeout_s)
-        self._retry = _calls.check_retry(retry)
-        credentials = channel_credentials(
-            credentials, tls=tls, root_certificates=root_certificates,
-            certificate_chain=certificate_chain, private_key=private_key,
-        )
-        metadata = auth_metadata(token)
-        self._pool = EndpointPool(
-            lambda a: _calls.open_endpoint(
-                a, credentials=credentials, options=channel_args, aio=False, metadata=metadata
-            ),
-            unhealthy_for_s=unhealthy_for_s,
-        )
-        self._closed = False
-        if not self._source.dynamic:
-            self._pool.update(self._source.resolve())
+    _aio = False
+    _closed = False  # close() sets it
 
     @property
     def addresses(self) -> list[str]:
