@@ -18,7 +18,10 @@ Size classes follow how the model runs a batch:
   around n. So a warm-up that timed only the smallest and the largest batch already predicts
   every size in between for a model whose time is affine in the batch size (most are), and
   the deadline policy, which weighs the classes as batch sizes, can pick a batch of 21 where
-  power-of-two classes offered only 16 or 32. Simulated (``bench/deadline_sim.py``, 100/300
+  power-of-two classes offered only 16 or 32. A class that spans several sizes (19-21) takes
+  its deviation from the line through its measured neighbours at each batch's own size, so
+  the 3 ms between a batch of 19 and one of 21 is not counted as spread (it had lifted that
+  class's p99 by ~3 ms on the synthetic model: batches sized too small for no reason). Simulated (``bench/deadline_sim.py``, 100/300
   ms mixed, a batch of n taking 20 + 1.5 n ms, 0.4 x capacity, seeds 1-4): 96.8 % on time
   with power-of-two classes and a bucket's time for every size in it (as before), 96.6 %
   interpolating them, 97.7 % with classes 1/4 apart from 8, 98.3 % with these, 98.2 % with
@@ -79,11 +82,18 @@ class _Bucket:
         self.deviation = 0.0
         self.count = 1
 
-    def update(self, size: float, seconds: float, alpha: float) -> None:
-        """Move the averages ``alpha`` of the way towards one more measurement."""
+    def update(self, size: float, seconds: float, alpha: float, slope: float = 0.0) -> None:
+        """Move the averages ``alpha`` of the way towards one more measurement.
+
+        ``slope`` (seconds per sample) says how the time changes with the size inside this
+        class: the deviation is taken from the time expected at ``size`` itself, so a class
+        that spans several sizes does not count their difference as spread. (The mean and the
+        mean size move together and stay a point of that line.)
+        """
         error = seconds - self.mean
+        spread = error - slope * (size - self.size)
         self.mean += alpha * error
-        self.deviation += alpha * (abs(error) - self.deviation)
+        self.deviation += alpha * (abs(spread) - self.deviation)
         self.size += alpha * (size - self.size)
         self.count += 1
 
@@ -138,10 +148,24 @@ class LatencyProfile:
                 self._states.insert(index, state)
                 self._seen.insert(index, state.size)
                 return bucket
-            state.update(size, seconds, self._alpha)
-            if not self.padded:
-                self._seen[bisect.bisect_left(self._order, bucket)] = state.size
+            if self.padded:
+                state.update(size, seconds, self._alpha)
+                return bucket
+            index = bisect.bisect_left(self._order, bucket)
+            state.update(size, seconds, self._alpha, self._slope(index))
+            self._seen[index] = state.size
         return bucket
+
+    def _slope(self, index: int) -> float:
+        """Seconds per sample around the measured class at ``index`` (unpadded): from the
+        measured classes on either side of it, or itself and its one measured neighbour; 0
+        with none. Never negative (a bigger batch takes no less time)."""
+        states = self._states
+        low = states[index - 1] if index > 0 else states[index]
+        high = states[index + 1] if index + 1 < len(states) else states[index]
+        if high.size - low.size < 0.5:
+            return 0.0
+        return max(0.0, (high.mean - low.mean) / (high.size - low.size))
 
     def measured_class(self, bucket: int) -> tuple[float, float] | None:
         """(mean, p99) seconds measured for the size class ``bucket`` itself (no

@@ -161,6 +161,24 @@ def test_unpadded_class_interpolates_from_the_mean_size_it_saw():
     assert profile.snapshot()[21][2] == 2
 
 
+def test_a_class_spanning_several_sizes_does_not_count_their_difference_as_spread():
+    """Class 21 holds batches of 19 to 21: a model that takes exactly 20 + 1.5 n ms has no
+    spread there, though its batches of 19 and 21 differ by 3 ms."""
+    profile = LatencyProfile(32, padded=False, alpha=0.5)
+    for size in (16, 24):
+        profile.record(size, 0.020 + 0.0015 * size)
+    for size in (19, 21) * 20:
+        profile.record(size, 0.020 + 0.0015 * size)
+    mean, p99 = profile.measured_class(21)
+    assert p99 - mean == pytest.approx(0.0, abs=1e-9)
+    assert profile.p99(20) == pytest.approx(0.050, abs=2e-4)
+    # Real spread still counts: the same sizes, alternately 1 ms slow.
+    for size in (19, 21) * 20:
+        profile.record(size, 0.020 + 0.0015 * size + (0.001 if size == 21 else 0.0))
+    mean, p99 = profile.measured_class(21)
+    assert p99 - mean > 0.001
+
+
 def test_an_unpadded_profile_lets_the_batch_fall_between_powers_of_two():
     clock = FakeClock()
     profile = LatencyProfile(32, padded=False)
