@@ -172,7 +172,7 @@ def test_a_class_spanning_several_sizes_does_not_count_their_difference_as_sprea
     mean, p99 = profile.measured_class(21)
     assert p99 - mean == pytest.approx(0.0, abs=1e-9)
     assert profile.p99(20) == pytest.approx(0.050, abs=2e-4)
-    # Real spread still counts: the same sizes, alternately 1 ms slow.
+    # Real spread still counts: the same sizes, every batch of 21 now 1 ms slow.
     for size in (19, 21) * 20:
         profile.record(size, 0.020 + 0.0015 * size + (0.001 if size == 21 else 0.0))
     mean, p99 = profile.measured_class(21)
