@@ -10,7 +10,13 @@ deadlines, queued requests expiring at their deadline as the server's timers do.
 policy shows up here first. It is a model of the server, not a measurement of it: no figure
 from here goes into the README's performance section.
 
-    python -m bench.deadline_sim [--loads 0.3,0.45,0.6,0.9] [--deadline-ms 150[,300]] [--json F]
+    python -m bench.deadline_sim [--loads 0.3,0.45,0.6,0.9] [--deadline-ms 150[,300]]
+                                 [--seeds 1,2,3] [--json F]
+
+At each load it runs the fixed delay at its best (each of ``--delays-us``, admission control off
+and on), at its best without admission control, and the deadline policy; then, from their mean
+attainment over the seeds, it reads the issue's target: where each baseline falls through
+90 % (linearly between the two loads around it), what the deadline policy attains there.
 
 Like ``bench.inprocess`` it imports the batcher (and so torch); the rest of ``bench/`` does not.
 """
@@ -210,11 +216,33 @@ def simulate(workload: Workload, policy: str, admission: bool, load: float,
     return out
 
 
+def fixed_trials(workload: Workload, load: float, delays_us: list[int]) -> list[Outcome]:
+    """The fixed delay at this load with each delay, admission control off and on."""
+    return [simulate(workload, "fifo", admission, load, delay)
+            for delay in delays_us for admission in (False, True)]
+
+
+def best_of(trials: list[Outcome]) -> Outcome:
+    """The trial with the most requests on time (the shorter delay on ties)."""
+    return max(trials, key=lambda o: (o.on_time, -o.delay_us))
+
+
 def best_fixed(workload: Workload, load: float, delays_us: list[int]) -> Outcome:
     """The fixed delay at its best settings for this load: each delay, admission off and on."""
-    trials = [simulate(workload, "fifo", admission, load, delay)
-              for delay in delays_us for admission in (False, True)]
-    return max(trials, key=lambda o: (o.on_time, -o.delay_us))
+    return best_of(fixed_trials(workload, load, delays_us))
+
+
+def at_target(loads: list[float], baseline: list[float], policy: list[float],
+              target: float = 0.9) -> tuple[float, float] | None:
+    """(load, the policy's attainment there) where ``baseline`` (attainment per load, loads
+    ascending) first falls to ``target``, both read linearly between the two loads around it;
+    None if it never falls from at or above the target to below it over ``loads``."""
+    for i in range(1, len(loads)):
+        if baseline[i - 1] >= target > baseline[i]:
+            share = (baseline[i - 1] - target) / (baseline[i - 1] - baseline[i])
+            return (loads[i - 1] + share * (loads[i] - loads[i - 1]),
+                    policy[i - 1] + share * (policy[i] - policy[i - 1]))
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="max_queue_delay_microseconds tried for the fixed delay")
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seeds", default="",
+                        help="several seeds (e.g. 1,2,3), instead of --seed: each load runs "
+                             "each, and the 90 %% points are read from their mean")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     workload = Workload(fixed_s=args.fixed_ms / 1e3, per_sample_s=args.per_sample_ms / 1e3,
@@ -249,22 +280,53 @@ def main(argv: list[str] | None = None) -> int:
                         max_batch=args.max_batch, jitter=args.jitter,
                         response_s=args.response_ms / 1e3, margin_s=args.margin_ms / 1e3)
     delays = [int(d) for d in args.delays_us.split(",")]
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [args.seed]
+    loads = [float(x) for x in args.loads.split(",")]
     rows = []
-    for load in (float(x) for x in args.loads.split(",")):
-        rows.append(best_fixed(workload, load, delays).row(workload.seconds))
-        rows.append(simulate(workload, "deadline", True, load).row(workload.seconds))
-    print(f"capacity {workload.capacity:.0f}/s, {dataclasses.asdict(workload)}")
-    print("| policy | admission | delay µs | load | attainment | goodput/s | late | expired | "
-          "refused | infeasible | mean batch | µs per batch decision |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    # Mean attainment per load over the seeds: the fixed delay at its best, at its best
+    # without admission control, the deadline policy.
+    means: dict[str, list[float]] = {"fixed": [], "no_admission": [], "deadline": []}
+    for load in loads:
+        got = {key: 0.0 for key in means}
+        for seed in seeds:
+            w = dataclasses.replace(workload, seed=seed)
+            trials = fixed_trials(w, load, delays)
+            fixed = best_of(trials)
+            lazy = best_of([t for t in trials if not t.admission])
+            deadline = simulate(w, "deadline", True, load)
+            rows.append(dict(fixed.row(w.seconds), seed=seed))
+            if lazy is not fixed:
+                rows.append(dict(lazy.row(w.seconds), seed=seed))
+            rows.append(dict(deadline.row(w.seconds), seed=seed))
+            for key, outcome in (("fixed", fixed), ("no_admission", lazy),
+                                 ("deadline", deadline)):
+                got[key] += outcome.on_time / outcome.sent / len(seeds)
+        for key in means:
+            means[key].append(got[key])
+    print(f"capacity {workload.capacity:.0f}/s, seeds {seeds}, "
+          f"{dict(dataclasses.asdict(workload), seed=None)}")
+    print("| policy | admission | delay µs | seed | load | attainment | goodput/s | late "
+          "| expired | refused | infeasible | mean batch | µs per batch decision |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['policy']} | {r['admission']} | {r['delay_us']} | {r['load']:g} | "
-              f"{r['attainment']:.1%} | {r['goodput_per_s']} | {r['late']} | {r['expired']} | "
-              f"{r['refused']} | {r['infeasible']} | {r['mean_batch']} | "
+        print(f"| {r['policy']} | {r['admission']} | {r['delay_us']} | {r['seed']} | "
+              f"{r['load']:g} | {r['attainment']:.1%} | {r['goodput_per_s']} | {r['late']} | "
+              f"{r['expired']} | {r['refused']} | {r['infeasible']} | {r['mean_batch']} | "
               f"{r['decide_us_per_batch']} |")
+    verdicts = {}
+    for key, against in (("fixed", "the fixed delay at its best"),
+                         ("no_admission", "the fixed delay without admission control")):
+        found = at_target(loads, means[key], means["deadline"])
+        verdicts[key] = None if found is None else {"load": found[0], "deadline": found[1]}
+        print(f"against {against} (mean of the seeds): " + (
+            "it does not fall through 90 % over --loads" if found is None else
+            f"90 % at {found[0]:.3f} × capacity, the deadline policy {found[1]:.1%} there "
+            f"(read linearly between the loads around it)"))
     if args.json:
-        args.json.write_text(json.dumps({"workload": dataclasses.asdict(workload), "rows": rows},
-                                        indent=2))
+        args.json.write_text(json.dumps({"workload": dataclasses.asdict(workload),
+                                         "seeds": seeds, "rows": rows,
+                                         "mean_attainment": dict(means, loads=loads),
+                                         "at_90": verdicts}, indent=2))
     return 0
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from bench.deadline import Result, burst_arrival, verdict
 from bench.deadline_bound import Clairvoyant, compare
-from bench.deadline_sim import Workload, best_fixed, simulate, trace
+from bench.deadline_sim import Workload, at_target, best_fixed, main as sim_main, simulate, trace
 from bench.loadgen.arrivals import schedule
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -166,3 +166,32 @@ def test_the_bound_compares_the_policies_and_the_planner_on_one_trace():
     assert quiet["fixed_best"] == quiet["deadline_policy"] == quiet["clairvoyant"] == 1.0
     busy = compare(workload, 0.5, horizon_s=0.1, beam=4, delays_us=[0])
     assert 0.5 < busy["clairvoyant"] < 1.0 and busy["fixed_best"] < busy["deadline_policy"]
+
+
+def test_the_simulated_target_is_read_where_the_baseline_falls_through_90_percent():
+    # 95 % at 0.4, 85 % at 0.5: the baseline's 90 % point is half way, at 0.45, and the
+    # policy's attainment there half way between its own readings.
+    load, policy = at_target([0.3, 0.4, 0.5], [0.99, 0.95, 0.85], [1.0, 0.99, 0.97])
+    assert load == pytest.approx(0.45) and policy == pytest.approx(0.98)
+    # Never below 90 %, or below it from the first load: no reading.
+    assert at_target([0.3, 0.4], [0.99, 0.95], [1.0, 1.0]) is None
+    assert at_target([0.3, 0.4], [0.85, 0.8], [1.0, 1.0]) is None
+
+
+def test_the_simulation_reports_both_baselines_over_seeds(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    assert sim_main(["--loads", "0.1,0.6", "--deadline-ms", "100,300", "--seconds", "3",
+                     "--seeds", "1,2", "--delays-us", "0", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["seeds"] == [1, 2]
+    assert {row["seed"] for row in report["rows"]} == {1, 2}
+    # Each seed and load ran the deadline policy and a fixed delay without admission control.
+    assert sum(row["policy"] == "deadline" for row in report["rows"]) == 4
+    assert any(row["policy"] == "fifo" and not row["admission"] for row in report["rows"])
+    means = report["mean_attainment"]
+    assert means["loads"] == [0.1, 0.6] and len(means["no_admission"]) == 2
+    # The fixed delay at its best is at least as good as without admission, seed for seed.
+    assert all(a >= b for a, b in zip(means["fixed"], means["no_admission"]))
+    printed = capsys.readouterr().out
+    assert "against the fixed delay at its best" in printed
+    assert "against the fixed delay without admission control" in printed
