@@ -60,3 +60,28 @@ class NotSupported(BatchgateError):
 
 class LoadError(BatchgateError):
     """A model could not be loaded: bad configuration, missing artifact, failed warm-up."""
+
+
+def quoted(text: str) -> str:
+    """``text`` in single quotes for a message, as every front end writes it (the native one
+    too, byte for byte): a backslash, a quote and the ASCII control characters are escaped
+    (``\\\\``, ``\\'``, ``\\xNN``), everything else is kept as it is. Python's ``repr`` would
+    switch quotes and escape by Unicode category, which another language cannot reproduce
+    without Python's tables."""
+    if text.isprintable() and "'" not in text and "\\" not in text:
+        return f"'{text}'"  # the common case: nothing to escape
+    parts = []
+    for char in text:
+        code = ord(char)
+        if char == "\\" or char == "'":
+            parts.append("\\" + char)
+        elif code < 0x20 or code == 0x7F:
+            parts.append(f"\\x{code:02x}")
+        else:
+            parts.append(char)
+    return "'" + "".join(parts) + "'"
+
+
+def quoted_list(names) -> str:
+    """A list of names for a message: ``['a', 'b']``, each one ``quoted``."""
+    return "[" + ", ".join(quoted(name) for name in names) + "]"

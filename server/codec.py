@@ -23,7 +23,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from batcher.errors import InvalidRequest, NotSupported, ResourceExhausted
+from batcher.errors import InvalidRequest, NotSupported, ResourceExhausted, quoted, quoted_list
 from batcher.request import InferenceRequest
 from batcher.spec import ELEMENT_SIZES, NUMPY_DTYPES, ModelSpec, TensorSpec
 from protos import inference_pb2 as pb
@@ -107,7 +107,7 @@ def decode_request(
         if tspec is None:
             raise InvalidRequest(
                 f"model '{name}' has no input '{tensor.name}'; "
-                f"its inputs are {[t.name for t in spec.inputs]}"
+                f"its inputs are {quoted_list(t.name for t in spec.inputs)}"
             )
         if tensor.name in arrays:
             raise InvalidRequest(f"model '{name}': input '{tensor.name}' is given twice")
@@ -119,7 +119,7 @@ def decode_request(
                 )
             raise InvalidRequest(
                 f"model '{name}': input '{tensor.name}' must be {tspec.datatype}, "
-                f"got {tensor.datatype!r}"
+                f"got {quoted(tensor.datatype)}"
             )
         if tensor.parameters and any(k in tensor.parameters for k in SHARED_MEMORY_KEYS):
             raise NotSupported(
@@ -152,7 +152,7 @@ def decode_request(
 
     if len(arrays) != len(spec.inputs):
         missing = [t.name for t in spec.inputs if t.name not in arrays]
-        raise InvalidRequest(f"model '{name}': missing inputs {missing}")
+        raise InvalidRequest(f"model '{name}': missing inputs {quoted_list(missing)}")
 
     requested = None
     if msg.outputs:
@@ -161,7 +161,7 @@ def decode_request(
             if spec.output(out.name) is None:
                 raise InvalidRequest(
                     f"model '{name}' has no output '{out.name}'; "
-                    f"its outputs are {[t.name for t in spec.outputs]}"
+                    f"its outputs are {quoted_list(t.name for t in spec.outputs)}"
                 )
             requested.append(out.name)
 

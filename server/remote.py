@@ -24,6 +24,7 @@ from batcher.errors import (
     ModelNotFound,
     ModelUnavailable,
     ResourceExhausted,
+    quoted,
 )
 from batcher.metrics import BatcherMetrics
 from batcher.request import InferenceRequest
@@ -225,11 +226,11 @@ class RemoteRepository:
             if known is None:
                 if not self.connected:
                     raise ModelUnavailable("the executor process is not connected; retry")
-                raise ModelNotFound(f"unknown model {name!r}")
-            raise ModelUnavailable(f"model {name!r} is not available: {known[1] or known[0]}")
+                raise ModelNotFound(f"unknown model {quoted(name)}")
+            raise ModelUnavailable(f"model {quoted(name)} is not available: {known[1] or known[0]}")
         if version and version != model.spec.version:
             raise ModelNotFound(
-                f"model {name!r} has no version {version!r} being served "
+                f"model {quoted(name)} has no version {quoted(version)} being served "
                 f"(serving version {model.spec.version})"
             )
         return model

@@ -40,6 +40,7 @@ from batcher.errors import (
     ModelNotFound,
     ModelUnavailable,
     ResourceExhausted,
+    quoted,
 )
 from batcher.memory import DevicePools
 from batcher.model import ServedModel
@@ -156,14 +157,14 @@ class ModelRepository:
         if slot is None:
             model_dir = self._root / name
             if self._is_plain_name(name) and self._has_config(model_dir):
-                raise ModelUnavailable(f"model {name!r} is not available: not loaded")
-            raise ModelNotFound(f"unknown model {name!r}")
+                raise ModelUnavailable(f"model {quoted(name)} is not available: not loaded")
+            raise ModelNotFound(f"unknown model {quoted(name)}")
         loaded = slot.loaded
         if slot.state != READY or loaded is None:
             raise ModelUnavailable(self._unavailable_message(slot))
         if version and version != loaded.version:
             raise ModelNotFound(
-                f"model {name!r} has no version {version!r} being served "
+                f"model {quoted(name)} has no version {quoted(version)} being served "
                 f"(serving version {loaded.version})"
             )
         return loaded
@@ -171,10 +172,10 @@ class ModelRepository:
     @staticmethod
     def _unavailable_message(slot: _Slot) -> str:
         if slot.state == LOADING:
-            return f"model {slot.name!r} is loading; retry when it is ready"
+            return f"model {quoted(slot.name)} is loading; retry when it is ready"
         if slot.state == UNLOADING:
-            return f"model {slot.name!r} is unloading and takes no new requests"
-        return f"model {slot.name!r} is not available: {slot.reason}"
+            return f"model {quoted(slot.name)} is unloading and takes no new requests"
+        return f"model {quoted(slot.name)} is not available: {slot.reason}"
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -192,10 +193,10 @@ class ModelRepository:
         """Load (or reload) the latest version of ``name``; READY once warmed up."""
         model_dir = self._model_dir(name)
         if self._closing:
-            raise ModelUnavailable(f"the repository is closing; model {name!r} was not loaded")
+            raise ModelUnavailable(f"the repository is closing; model {quoted(name)} was not loaded")
         if not self._has_config(model_dir):
             raise ModelNotFound(
-                f"unknown model {name!r}: no {model_config.CONFIG_FILENAME} in its folder "
+                f"unknown model {quoted(name)}: no {model_config.CONFIG_FILENAME} in its folder "
                 "of the model repository"
             )
         slot = self._slot(name)
@@ -226,7 +227,7 @@ class ModelRepository:
                 if previous is None:
                     self._set_state(slot, UNAVAILABLE, "the repository closed while loading")
                 raise ModelUnavailable(
-                    f"the repository is closing; model {name!r} was not loaded"
+                    f"the repository is closing; model {quoted(name)} was not loaded"
                 )
             slot.loaded = loaded
             slot.version = loaded.version
@@ -244,7 +245,7 @@ class ModelRepository:
         slot = self._slots.get(name)
         if slot is None:
             if not self._is_folder(model_dir):
-                raise ModelNotFound(f"unknown model {name!r}")
+                raise ModelNotFound(f"unknown model {quoted(name)}")
             return  # never loaded: nothing to do
         async with slot.lock:
             loaded = slot.loaded
@@ -334,7 +335,7 @@ class ModelRepository:
     def _unexpected(name: str, exc: Exception) -> LoadError:
         log.error("model_load_crashed", model=name, exc_info=exc)
         return LoadError(
-            f"model {name!r} failed to load ({type(exc).__name__}); the server log has the details"
+            f"model {quoted(name)} failed to load ({type(exc).__name__}); the server log has the details"
         )
 
     # -- bookkeeping ---------------------------------------------------------------------------
@@ -387,7 +388,7 @@ class ModelRepository:
         if not self._is_plain_name(name):
             raise InvalidRequest(
                 f"model name must be a plain folder name under the repository (no '/', '\\', "
-                f"NUL, leading '.', at most {MAX_NAME_BYTES} bytes), got {name!r}"
+                f"NUL, leading '.', at most {MAX_NAME_BYTES} bytes), got {quoted(name)}"
             )
         return self._root / name
 

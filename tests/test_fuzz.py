@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
+from batcher.errors import quoted
 from server.errors import INTERNAL_MESSAGE
 from tests.conftest import NUMERIC_TYPES, Load
 
@@ -310,8 +311,8 @@ def test_model_names(fuzz_target, name, rpc, version):
     except grpc.RpcError as err:
         assert err.code() in {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT}, (
             err.code(), err.details())
-        if "'" not in name and '"' not in name:  # so that both reprs quote alike
-            assert repr(name[:20])[1:-1] in err.details()  # the message says which name
+        # The message says which name, quoted as every front end quotes it.
+        assert quoted(name[:20])[1:-1] in err.details()
 
 
 # -- what the fuzzer found, one regression test each ------------------------------------------

@@ -1,0 +1,191 @@
+from protos import inference_pb2 as _inference_pb2
+from protos import model_config_pb2 as _model_config_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ToExecutor(_message.Message):
+    __slots__ = ("hello", "infer", "cancel", "free", "call")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    INFER_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    infer: _containers.RepeatedCompositeFieldContainer[Infer]
+    cancel: _containers.RepeatedScalarFieldContainer[int]
+    free: _containers.RepeatedScalarFieldContainer[int]
+    call: _containers.RepeatedCompositeFieldContainer[Call]
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., infer: _Optional[_Iterable[_Union[Infer, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ..., free: _Optional[_Iterable[int]] = ..., call: _Optional[_Iterable[_Union[Call, _Mapping]]] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("slot",)
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    def __init__(self, slot: _Optional[int] = ...) -> None: ...
+
+class Infer(_message.Message):
+    __slots__ = ("rid", "model", "inputs", "batch_size", "priority", "deadline_ns", "timeout_us", "id", "outputs")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_NS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_US_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    rid: int
+    model: int
+    inputs: _containers.RepeatedCompositeFieldContainer[Tensor]
+    batch_size: int
+    priority: int
+    deadline_ns: int
+    timeout_us: int
+    id: str
+    outputs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rid: _Optional[int] = ..., model: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., batch_size: _Optional[int] = ..., priority: _Optional[int] = ..., deadline_ns: _Optional[int] = ..., timeout_us: _Optional[int] = ..., id: _Optional[str] = ..., outputs: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("offset", "nbytes", "shape")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    nbytes: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Call(_message.Message):
+    __slots__ = ("cid", "statistics", "index", "load", "unload")
+    CID_FIELD_NUMBER: _ClassVar[int]
+    STATISTICS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    UNLOAD_FIELD_NUMBER: _ClassVar[int]
+    cid: int
+    statistics: _inference_pb2.ModelStatisticsRequest
+    index: _inference_pb2.RepositoryIndexRequest
+    load: _inference_pb2.RepositoryModelLoadRequest
+    unload: _inference_pb2.RepositoryModelUnloadRequest
+    def __init__(self, cid: _Optional[int] = ..., statistics: _Optional[_Union[_inference_pb2.ModelStatisticsRequest, _Mapping]] = ..., index: _Optional[_Union[_inference_pb2.RepositoryIndexRequest, _Mapping]] = ..., load: _Optional[_Union[_inference_pb2.RepositoryModelLoadRequest, _Mapping]] = ..., unload: _Optional[_Union[_inference_pb2.RepositoryModelUnloadRequest, _Mapping]] = ...) -> None: ...
+
+class ToFrontend(_message.Message):
+    __slots__ = ("welcome", "models", "results", "failures", "released", "replies")
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    welcome: bool
+    models: _containers.RepeatedCompositeFieldContainer[ModelState]
+    results: _containers.RepeatedCompositeFieldContainer[Result]
+    failures: _containers.RepeatedCompositeFieldContainer[Failure]
+    released: _containers.RepeatedScalarFieldContainer[int]
+    replies: _containers.RepeatedCompositeFieldContainer[Reply]
+    def __init__(self, welcome: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[ModelState, _Mapping]]] = ..., results: _Optional[_Iterable[_Union[Result, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., replies: _Optional[_Iterable[_Union[Reply, _Mapping]]] = ...) -> None: ...
+
+class ModelState(_message.Message):
+    __slots__ = ("name", "state", "reason", "handle", "spec", "config")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    state: str
+    reason: str
+    handle: int
+    spec: ModelSpec
+    config: _model_config_pb2.ModelConfig
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., handle: _Optional[int] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., config: _Optional[_Union[_model_config_pb2.ModelConfig, _Mapping]] = ...) -> None: ...
+
+class ModelSpec(_message.Message):
+    __slots__ = ("name", "version", "platform", "max_batch_size", "inputs", "outputs")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PLATFORM_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    platform: str
+    max_batch_size: int
+    inputs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    outputs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., platform: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "datatype", "dims")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATATYPE_FIELD_NUMBER: _ClassVar[int]
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    datatype: str
+    dims: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Result(_message.Message):
+    __slots__ = ("rid", "released", "outputs")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    rid: int
+    released: bool
+    outputs: _containers.RepeatedCompositeFieldContainer[Output]
+    def __init__(self, rid: _Optional[int] = ..., released: _Optional[bool] = ..., outputs: _Optional[_Iterable[_Union[Output, _Mapping]]] = ...) -> None: ...
+
+class Output(_message.Message):
+    __slots__ = ("block", "offset", "nbytes", "shape")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    block: int
+    offset: int
+    nbytes: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Failure(_message.Message):
+    __slots__ = ("rid", "released", "code", "message")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    rid: int
+    released: bool
+    code: int
+    message: str
+    def __init__(self, rid: _Optional[int] = ..., released: _Optional[bool] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class Reply(_message.Message):
+    __slots__ = ("cid", "statistics", "index", "load", "unload", "error")
+    CID_FIELD_NUMBER: _ClassVar[int]
+    STATISTICS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    UNLOAD_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    cid: int
+    statistics: _inference_pb2.ModelStatisticsResponse
+    index: _inference_pb2.RepositoryIndexResponse
+    load: _inference_pb2.RepositoryModelLoadResponse
+    unload: _inference_pb2.RepositoryModelUnloadResponse
+    error: Status
+    def __init__(self, cid: _Optional[int] = ..., statistics: _Optional[_Union[_inference_pb2.ModelStatisticsResponse, _Mapping]] = ..., index: _Optional[_Union[_inference_pb2.RepositoryIndexResponse, _Mapping]] = ..., load: _Optional[_Union[_inference_pb2.RepositoryModelLoadResponse, _Mapping]] = ..., unload: _Optional[_Union[_inference_pb2.RepositoryModelUnloadResponse, _Mapping]] = ..., error: _Optional[_Union[Status, _Mapping]] = ...) -> None: ...
+
+class Status(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
