@@ -134,17 +134,20 @@ class Batch:
 class Outcome:
     """What the compute thread hands back to the event loop for one batch.
 
-    ``inputs_in_use``: a call that timed out may still read the batch's inputs, so they are not
-    released with the answers; a second, ``release_only`` outcome follows if the call returns.
+    ``outputs``: the batch's host arrays, one per output in the model's order, padding rows
+    dropped; ``results`` holds each request's views of them. ``inputs_in_use``: a call that
+    timed out may still read the batch's inputs, so they are not released with the answers; a
+    second, ``release_only`` outcome follows if the call returns.
     """
 
-    __slots__ = ("batch", "results", "error", "inputs_in_use", "release_only")
+    __slots__ = ("batch", "results", "outputs", "error", "inputs_in_use", "release_only")
 
     def __init__(self, batch: Batch, results: list[dict[str, np.ndarray]] | None,
-                 error: Exception | None, *, inputs_in_use: bool = False,
-                 release_only: bool = False) -> None:
+                 error: Exception | None, *, outputs: list[np.ndarray] | None = None,
+                 inputs_in_use: bool = False, release_only: bool = False) -> None:
         self.batch = batch
         self.results = results
+        self.outputs = outputs
         self.error = error
         self.inputs_in_use = inputs_in_use
         self.release_only = release_only
@@ -717,7 +720,7 @@ class Executor:
                   bucket=batch.bucket, graph=batch.graph, reason=batch.reason,
                   infer_ms=(infer_done - started) / 1e6)
         self._on_batch(batch, infer_done - started, done - infer_done)
-        self._finish(batch, results, None)
+        self._finish(batch, results, None, outputs=host)
 
     def _fail(self, batch: Batch, error: Exception) -> None:
         if self._cuda:
@@ -728,7 +731,8 @@ class Executor:
         self._finish(batch, None, error)
 
     def _finish(self, batch: Batch, results: list[dict[str, np.ndarray]] | None,
-                error: Exception | None, *, inputs_in_use: bool = False) -> None:
+                error: Exception | None, *, outputs: list[np.ndarray] | None = None,
+                inputs_in_use: bool = False) -> None:
         batch.tensors = []
         if inputs_in_use:
             self._replace_slot(batch.slot)
@@ -741,7 +745,8 @@ class Executor:
         if self._plan.after_batch is not None:
             self._plan.after_batch()
         batch.finished_at = time.monotonic()
-        self._deliver(Outcome(batch, results, error, inputs_in_use=inputs_in_use))
+        self._deliver(Outcome(batch, results, error, outputs=outputs,
+                              inputs_in_use=inputs_in_use))
 
     def _recycle(self, batch: Batch) -> None:
         """The batch's staged blocks and slot go back: nothing reads them any more."""

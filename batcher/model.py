@@ -152,6 +152,11 @@ class ServedModel:
         self._accepting = False
         self._inflight_batches: dict[int, Batch] = {}  # batch id -> batch, taken and not finished
         self._inflight_lock = threading.Lock()
+        # Called on the loop once per finished batch, before the requests' futures are resolved:
+        # (the batch's requests, its outputs, each request's views of them). The executor
+        # process writes a batch's outputs into shared memory once, here, not once per request.
+        self.on_results: Callable[[list[InferenceRequest], list[np.ndarray],
+                                   list[dict[str, np.ndarray]]], None] | None = None
 
     @property
     def spec(self) -> ModelSpec:
@@ -532,6 +537,8 @@ class ServedModel:
             for request in requests:
                 _reject(request.future, outcome.error)
             return
+        if self.on_results is not None:
+            self.on_results(requests, outcome.outputs, outcome.results)
         now = time.monotonic()
         if outcome.batch.finished_at is not None:
             self.profile.record_delivery(now - outcome.batch.finished_at)

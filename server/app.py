@@ -21,6 +21,7 @@ from batcher.memory import DevicePools, PoolSettings
 from protos import inference_pb2, inference_pb2_grpc
 from server import auth, tls
 from server.codec import RequestLimits
+from server.control import ControlPlane
 from server.metrics import ServerMetrics
 from server.repository import ModelRepository
 from server.service import InferenceService
@@ -35,11 +36,14 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 class Gateway:
     def __init__(self, settings: Settings, *, metrics: ServerMetrics | None = None,
-                 repository=None) -> None:
-        """``repository``: a front end's ``RemoteRepository``; by default the models load here."""
+                 repository=None, reuse_port: bool = False) -> None:
+        """``repository``: a front end's ``RemoteRepository``; by default the models load here.
+        ``reuse_port``: bind the gRPC port with SO_REUSEPORT (front ends sharing it)."""
         self.settings = settings
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self.health = health.aio.HealthServicer()
+        self._remote = repository is not None
+        self._reuse_port = reuse_port
         if repository is None:
             pools = DevicePools(
                 PoolSettings(settings.device_pool_bytes, settings.device_pool_fraction,
@@ -57,7 +61,8 @@ class Gateway:
         self.repository = repository
         limits = RequestLimits(max_request_bytes=settings.request_bytes_limit,
                                max_tensor_elements=settings.max_tensor_elements)
-        self.service = InferenceService(self.repository, self.metrics, limits)
+        control = ControlPlane(repository) if not self._remote else repository
+        self.service = InferenceService(self.repository, self.metrics, limits, control)
         self.grpc_port = 0
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
@@ -73,7 +78,7 @@ class Gateway:
         options = [
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
-            ("grpc.so_reuseport", 1 if s.reuse_port else 0),
+            ("grpc.so_reuseport", 1 if self._reuse_port else 0),
         ]
         server = grpc.aio.server(options=options, interceptors=auth.interceptors(s))
         inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self.service, server)
@@ -107,7 +112,7 @@ class Gateway:
         self.service.set_ready(True)
         await self.health.set("", SERVING)
         await self.health.set(SERVICE_NAME, SERVING)
-        log.info("serving", models=[e.name for e in self.repository.index() if e.state == "READY"])
+        log.info("serving", models=self.repository.ready_models())
 
     async def stop(self, drain_timeout_s: float | None = None) -> None:
         """Drain and stop: NOT_SERVING first, then finish what was accepted, then close."""

@@ -1,7 +1,9 @@
 """The ``batchgate`` command: ``serve`` (the default) runs the server, ``bench`` load-tests one.
 
-Flags follow Triton's names and defaults where Triton has one (``--grpc-port 8001``,
-``--metrics-port 8002``, ``--model-repository``), so users' habits carry over.
+``serve``'s flags are generated from ``server.settings.Settings``, where each setting is
+declared once with its help. They follow Triton's names and defaults where Triton has one
+(``--grpc-port 8001``, ``--metrics-port 8002``, ``--model-repository``), so users' habits carry
+over.
 
 Bearer tokens have no flag of their own: a command line shows in ``ps`` to every user of the
 machine, so they come from a file (``--admin-token-file``) or the environment
@@ -12,137 +14,73 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import signal
 import sys
 from pathlib import Path
 
-from server.settings import DEFAULT_REPOSITORY, TOKEN_ENV, Settings
-from server.logs import LOG_FORMATS, configure_logging
-from server.supervisor import DEFAULT_ARENA_BYTES, Supervisor
+import structlog
+
+from server import native
+from server.logs import configure_logging
+from server.settings import TOKEN_ENV, Settings
+from server.supervisor import Supervisor
+
+log = structlog.get_logger(__name__)
 
 
-def _serve_parser(parser: argparse.ArgumentParser) -> None:
-    d = Settings.__dataclass_fields__
-    parser.add_argument("--host", default=d["host"].default,
-                        help="address to listen on (default: %(default)s)")
-    parser.add_argument("--grpc-port", type=int, default=None,
-                        help="gRPC port, 0 for any free port (default: $BATCHGATE_GRPC_PORT, "
-                             "else 8001)")
-    parser.add_argument("--metrics-port", type=int, default=d["metrics_port"].default,
-                        help="Prometheus /metrics port, -1 to disable (default: %(default)s)")
-    parser.add_argument("--model-repository", type=Path, default=None,
-                        help="model repository folder (default: $BATCHGATE_MODEL_REPOSITORY, "
-                             f"else the example repository {DEFAULT_REPOSITORY})")
-    parser.add_argument("--max-message-bytes", type=int, default=d["max_message_bytes"].default,
-                        help="largest gRPC message received or sent (default: %(default)s)")
-    parser.add_argument("--max-request-bytes", type=int, default=None,
-                        help="largest sum of one request's input tensor bytes; more is refused "
-                             "with RESOURCE_EXHAUSTED (default: --max-message-bytes)")
-    parser.add_argument("--max-tensor-elements", type=int,
-                        default=d["max_tensor_elements"].default,
-                        help="most elements one input tensor may have, from its shape, checked "
-                             "before anything is allocated (default: %(default)s)")
-    parser.add_argument("--tls-cert", type=Path, default=None,
-                        help="PEM certificate chain: the gRPC port speaks TLS only "
-                             "(with --tls-key)")
-    parser.add_argument("--tls-key", type=Path, default=None,
-                        help="PEM private key of --tls-cert")
-    parser.add_argument("--tls-client-ca", type=Path, default=None,
-                        help="PEM CA certificates: clients must present a certificate they "
-                             "signed (mutual TLS)")
-    parser.add_argument("--admin-token-file", type=Path, default=None,
-                        help="file holding the bearer token that load, unload and the "
-                             f"repository index require (or ${TOKEN_ENV['admin']})")
-    parser.add_argument("--infer-token-file", type=Path, default=None,
-                        help="file holding the bearer token every other inference RPC "
-                             "requires, except ServerLive/ServerReady and grpc.health.v1 "
-                             f"(or ${TOKEN_ENV['infer']})")
-    parser.add_argument("--drain-timeout-s", type=float, default=d["drain_timeout_s"].default,
-                        help="on SIGTERM/SIGINT, how long queued requests may take to finish "
-                             "(default: %(default)s)")
-    parser.add_argument("--switch-interval-s", type=float,
-                        default=d["switch_interval_s"].default,
-                        help="Python's GIL switch interval; shorter keeps model threads fed "
-                             "(default: %(default)s)")
-    parser.add_argument("--no-gc-freeze", action="store_true",
-                        help="do not freeze the garbage collector's view after loading")
-    parser.add_argument("--no-reflection", action="store_true", help="disable server reflection")
-    parser.add_argument("--frontends", default="auto",
-                        help="front-end processes sharing the gRPC port, fed by one executor "
-                             "process; 0 serves from one process; auto: 0 on a machine with "
-                             "2 usable cores or fewer, else half the cores, at most 8 "
-                             "(default: %(default)s)")
-    parser.add_argument("--arena-bytes", type=int, default=DEFAULT_ARENA_BYTES,
-                        help="size of the shared-memory arena between front ends and the "
-                             "executor; pages are used only when touched (default: %(default)s)")
-    add_device_pool_flags(parser)
-    parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
-    parser.add_argument("--log-format", default="auto", choices=LOG_FORMATS,
-                        help="json, console, or auto: console on a terminal, else json")
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """``serve``'s flags: one per ``Settings`` field that has a flag, plus the token files."""
+    for field in dataclasses.fields(Settings):
+        meta = field.metadata
+        if meta["flag"] is None:
+            continue
+        flag = meta["flag"] or "--" + field.name.replace("_", "-")
+        default = meta["default_text"]
+        if default is None and field.default is not dataclasses.MISSING:
+            default = field.default
+        help_text = meta["help"]
+        if meta["action"] is None:
+            help_text += f" (default: {default})"
+        kwargs = dict(dest=field.name, default=argparse.SUPPRESS, help=help_text)
+        if meta["action"] is not None:
+            parser.add_argument(flag, action=meta["action"], **kwargs)
+        else:
+            parser.add_argument(flag, type=_flag_type(meta["parse"]), choices=meta["choices"],
+                                **kwargs)
+    for role in TOKEN_ENV:
+        parser.add_argument(f"--{role}-token-file", type=Path, default=None,
+                            help=_token_help(role))
 
 
-def add_device_pool_flags(parser: argparse.ArgumentParser) -> None:
-    """The device memory pool's flags (batcher/memory.py); the executor process takes them too."""
-    d = Settings.__dataclass_fields__
-    parser.add_argument("--device-pool-bytes", type=int, default=d["device_pool_bytes"].default,
-                        help="bytes of the memory pool reserved on each device models use, the "
-                             "CPU's included (default: %(default)s)")
-    parser.add_argument("--device-pool-fraction", type=float, default=None,
-                        help="on a CUDA device, reserve this fraction (0-1] of its free memory "
-                             "instead of --device-pool-bytes")
-    parser.add_argument("--device-pool-permissive", action="store_true",
-                        help="allocate what does not fit the pool outside it (counted in "
-                             "batchgate_pool_fallbacks_total) instead of refusing it")
+def _flag_type(parse):
+    """argparse's ``type`` for a setting: a parser of our own says what is wrong in its
+    message (argparse would say only "invalid value")."""
+    if parse is None or parse in (int, float, Path):
+        return parse or str
+
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return convert
 
 
-def device_pool_settings(args: argparse.Namespace) -> dict:
-    return dict(device_pool_bytes=args.device_pool_bytes,
-                device_pool_fraction=args.device_pool_fraction,
-                device_pool_strict=not args.device_pool_permissive)
-
-
-def default_frontends(cores: int) -> int:
-    """Front ends for ``cores`` usable cores. On two cores, one process did as well as several
-    (README, Performance): the executor and gRPC's work already fill both."""
-    return 0 if cores <= 2 else min(8, cores // 2)
-
-
-def parse_frontends(value: str) -> int:
-    if value == "auto":
-        return default_frontends(len(os.sched_getaffinity(0)))
-    try:
-        count = int(value)
-    except ValueError:
-        count = -1
-    if count < 0:
-        raise ValueError(f"--frontends must be 'auto' or an integer >= 0, got {value!r}")
-    return count
+def _token_help(role: str) -> str:
+    field = next(f for f in dataclasses.fields(Settings) if f.name == f"{role}_token")
+    what = field.metadata["help"].split("; None")[0]
+    return f"file holding the {what} (or ${TOKEN_ENV[role]})"
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    kwargs = dict(
-        host=args.host,
-        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-        max_message_bytes=args.max_message_bytes,
-        max_request_bytes=args.max_request_bytes,
-        max_tensor_elements=args.max_tensor_elements,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        tls_client_ca=args.tls_client_ca,
-        admin_token=read_token("admin", args.admin_token_file),
-        infer_token=read_token("infer", args.infer_token_file),
-        drain_timeout_s=args.drain_timeout_s,
-        switch_interval_s=args.switch_interval_s,
-        gc_freeze=not args.no_gc_freeze,
-        reflection=not args.no_reflection,
-        **device_pool_settings(args),
-    )
-    if args.model_repository is not None:
-        kwargs["model_repository"] = args.model_repository
-    if args.grpc_port is not None:
-        kwargs["grpc_port"] = args.grpc_port
-    return Settings(**kwargs)
+    """The settings the flags ask for (those not given keep their declared defaults)."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)
+             if hasattr(args, f.name)}
+    for role in TOKEN_ENV:
+        given[f"{role}_token"] = read_token(role, getattr(args, f"{role}_token_file", None))
+    return Settings(**given)
 
 
 def read_token(role: str, path: Path | None) -> str | None:
@@ -163,6 +101,37 @@ def read_token(role: str, path: Path | None) -> str | None:
     if not token:
         raise ValueError(f"--{role}-token-file must hold a token, got an empty file {str(path)!r}")
     return token
+
+
+def default_frontends(cores: int) -> int:
+    """Python front ends for ``cores`` usable cores. On two cores, one process did as well as
+    several: the executor and gRPC's work already fill both."""
+    return 0 if cores <= 2 else min(8, cores // 2)
+
+
+def resolve_mode(settings: Settings) -> tuple[str, int, str | None]:
+    """``(frontend, frontends, why)``: "native" (one process) or "python" with its process
+    count (0: single-process); ``why`` says why ``auto`` did not choose the native front end.
+    ValueError when the native front end is asked for and not built, or when a setting is
+    given that the mode does not act on."""
+    frontend, why = settings.frontend, None
+    if frontend == "auto":
+        if settings.frontends is not None:
+            frontend, why = "python", "--frontends counts Python front-end processes"
+        else:
+            reason = native.unavailable_reason()
+            frontend, why = ("native", None) if reason is None else ("python", reason)
+    elif frontend == "native":
+        reason = native.unavailable_reason()
+        if reason is not None:
+            raise ValueError(f"--frontend native: {reason}")
+    count = 1
+    if frontend == "python":
+        count = settings.frontends
+        if count is None:
+            count = default_frontends(len(os.sched_getaffinity(0)))
+    settings.check_mode(frontend, count)
+    return frontend, count, why
 
 
 async def serve(settings: Settings) -> None:
@@ -187,23 +156,23 @@ def main(argv: list[str] | None = None) -> int:
         return bench(argv[1:], prog="batchgate bench")
     parser = argparse.ArgumentParser(prog="batchgate", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command")
-    _serve_parser(commands.add_parser("serve", help="run the gRPC server (the default)"))
+    add_serve_arguments(commands.add_parser("serve", help="run the gRPC server (the default)"))
     commands.add_parser("bench", add_help=False,
                         help="load-test a KServe v2 gRPC server (batchgate bench --help)")
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv.insert(0, "serve")
     args = parser.parse_args(argv)
-    configure_logging(args.log_level, args.log_format)
     try:
         settings = settings_from(args)
-        args.frontends = parse_frontends(args.frontends)
+        configure_logging(settings.log_level, settings.log_format)
+        frontend, frontends, why = resolve_mode(settings)
         supervisor = None
-        if args.frontends > 0:
-            supervisor = Supervisor(settings, frontends=args.frontends,
-                                    arena_bytes=args.arena_bytes, log_level=args.log_level,
-                                    log_format=args.log_format)
+        if frontends > 0:
+            supervisor = Supervisor(settings, frontend=frontend, frontends=frontends)
     except ValueError as exc:
         parser.error(str(exc))
+    if why is not None and settings.frontend == "auto":
+        log.info("frontend_chosen", frontend=frontend, frontends=frontends, reason=why)
     if supervisor is not None:
         return supervisor.run()
     asyncio.run(serve(settings))

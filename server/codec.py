@@ -275,6 +275,18 @@ def _from_raw(model: str, tspec: TensorSpec, shape: tuple, count: int,
 
 def _bytes_from_raw(model: str, tspec: TensorSpec, shape: tuple, count: int,
                     buffer: bytes) -> np.ndarray:
+    items = _split_bytes(buffer, count)
+    if items is None:
+        raise InvalidRequest(
+            f"model '{model}': BYTES input '{tspec.name}' must hold {count} elements, each a "
+            "4-byte little-endian length followed by that many bytes"
+        )
+    return _object_array(items, shape)
+
+
+def _split_bytes(buffer, count: int) -> list[bytes] | None:
+    """The ``count`` elements of a BYTES tensor's encoding (a 4-byte little-endian length,
+    then that many bytes, per element), or None when ``buffer`` is not exactly that."""
     items = []
     offset = 0
     size = len(buffer)
@@ -285,16 +297,29 @@ def _bytes_from_raw(model: str, tspec: TensorSpec, shape: tuple, count: int,
         offset += 4
         if offset + length > size:
             break
-        items.append(buffer[offset:offset + length])
+        items.append(bytes(buffer[offset:offset + length]))
         offset += length
     if len(items) != count or offset != size:
-        raise InvalidRequest(
-            f"model '{model}': BYTES input '{tspec.name}' must hold {count} elements, each a "
-            "4-byte little-endian length followed by that many bytes"
-        )
-    array = np.empty(count, dtype=object)
+        return None
+    return items
+
+
+def _object_array(items: list[bytes], shape: tuple) -> np.ndarray:
+    array = np.empty(len(items), dtype=object)
     array[:] = items
     return array.reshape(shape)
+
+
+def bytes_array(buffer, shape: tuple) -> np.ndarray:
+    """The numpy object array (what models take) of a BYTES tensor's encoding, which a front
+    end has checked; ValueError when it is not a tensor of ``shape``."""
+    count = 1
+    for d in shape:
+        count *= d
+    items = _split_bytes(buffer, count)
+    if items is None:
+        raise ValueError(f"the buffer is not a BYTES tensor of shape {list(shape)}")
+    return _object_array(items, tuple(shape))
 
 
 def _from_contents(model: str, tspec: TensorSpec, shape: tuple, count: int,
@@ -350,7 +375,7 @@ def encode_outputs(
         datatype = spec.output(name).datatype
         tensors.add(name=name, datatype=datatype, shape=array.shape)
         if datatype == "BYTES":
-            raws.append(_bytes_of(array))
+            raws.append(bytes_encoding(array))
         elif isinstance(array.base, bytes) and len(array.base) == array.nbytes:
             raws.append(array.base)  # already the reply's bytes (multi-process front end)
         else:
@@ -358,7 +383,9 @@ def encode_outputs(
     return response
 
 
-def _bytes_of(array: np.ndarray) -> bytes:
+def bytes_encoding(array: np.ndarray) -> bytes:
+    """A BYTES tensor's encoding on the wire: per element, a 4-byte little-endian length, then
+    that many bytes (``str`` elements as UTF-8)."""
     parts = []
     for item in array.reshape(-1):
         data = item if isinstance(item, bytes) else str(item).encode()

@@ -16,6 +16,13 @@ What does not carry over from one process: there are no ``_created`` samples, an
 of a labelled child warns and leaves the files alone, so an unloaded model's series stay in
 scrapes with their last values (in single-process mode too: nothing removes them).
 
+The native front end is not Python: it serves its own metrics as Prometheus text on an abstract
+socket of its own (same-user peers only), which the scrape reads too (``add_native_sources``),
+merging each family with the files' (samples with the same name and labels are summed). So that
+its counters do not go backwards when it is restarted, the last values read from a front end
+that died are carried over (``process_dead``); what it counted after the last scrape before it
+died is lost.
+
 The folder is removed when the supervisor stops. A supervisor that is killed cannot do that, so
 each one holds an ``flock`` on its folder while it lives (the kernel drops it when the process
 dies, however it dies), and a starting supervisor removes the folders nobody holds.
@@ -26,13 +33,16 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import socket
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, multiprocess, start_http_server
 from prometheus_client.core import CounterMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from batcher.telemetry import GpuTelemetry
 
@@ -40,6 +50,8 @@ ENV_VAR = "PROMETHEUS_MULTIPROC_DIR"
 PREFIX = "batchgate-metrics-"
 # A folder younger than this is left alone even when unlocked: its owner may not have locked it yet.
 ABANDONED_AFTER_S = 60.0
+# How long a scrape waits for a native front end's metrics.
+NATIVE_TIMEOUT_S = 2.0
 
 
 class MultiProcessMetrics:
@@ -53,7 +65,9 @@ class MultiProcessMetrics:
         self._lock_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
         self.registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(self.registry, path=str(self.path))
+        self._native: list[_NativeSource] = []
+        self.registry.register(_MergedCollector(
+            multiprocess.MultiProcessCollector(None, path=str(self.path)), self._native))
         if restarts is not None:
             self.registry.register(_RestartCollector(restarts))
         self._httpd = None
@@ -62,9 +76,21 @@ class MultiProcessMetrics:
         """What to add to a child's environment so that its metrics land here."""
         return {ENV_VAR: str(self.path)}
 
+    def add_native_sources(self, socket_names: Iterable[str]) -> None:
+        """Read the native front ends' metrics from these abstract sockets on every scrape."""
+        self._native.extend(_NativeSource(name) for name in socket_names)
+
     def process_dead(self, pid: int) -> None:
         """A child exited: its gauges stop counting; its counters and histograms stay."""
         multiprocess.mark_process_dead(pid, str(self.path))
+        for source in self._native:
+            source.retire(pid)
+
+    def native_process(self, socket_name: str, pid: int) -> None:
+        """The native front end serving ``socket_name`` now is process ``pid``."""
+        for source in self._native:
+            if source.name == socket_name:
+                source.pid = pid
 
     def serve_http(self, host: str, port: int) -> int:
         """Start ``/metrics`` on a daemon thread; returns the port (the one chosen, for 0).
@@ -105,6 +131,89 @@ def remove_abandoned(parent: Path, min_age_s: float = ABANDONED_AFTER_S) -> list
         finally:
             os.close(fd)
     return removed
+
+
+class _NativeSource:
+    """One native front end's metrics socket; counters it served before it died carried over."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.pid: int | None = None
+        self._last: dict[tuple, tuple[Metric, float]] = {}  # counters and histograms
+        self._carried: dict[tuple, tuple[Metric, float]] = {}
+
+    def retire(self, pid: int) -> None:
+        if pid != self.pid:
+            return
+        for key, (family, value) in self._last.items():
+            old = self._carried.get(key)
+            self._carried[key] = (family, value + (old[1] if old else 0.0))
+        self._last = {}
+        self.pid = None
+
+    def families(self) -> list[Metric]:
+        from server.wire import same_user
+
+        text = b""
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(NATIVE_TIMEOUT_S)
+                sock.connect("\0" + self.name)
+                if same_user(sock):
+                    chunks = []
+                    while chunk := sock.recv(1 << 16):
+                        chunks.append(chunk)
+                    text = b"".join(chunks)
+        except OSError:
+            pass  # not running (restarting): only what it carried over counts
+        families = list(text_string_to_metric_families(text.decode())) if text else []
+        self._last = {
+            (family.name, sample.name, tuple(sorted(sample.labels.items()))): (family, sample.value)
+            for family in families if family.type in ("counter", "histogram")
+            for sample in family.samples
+        }
+        if not self._carried:
+            return families
+        carried: dict[str, Metric] = {}
+        for (name, sample_name, labels), (family, value) in self._carried.items():
+            target = carried.get(name)
+            if target is None:
+                target = carried[name] = Metric(family.name, family.documentation, family.type)
+            target.add_sample(sample_name, dict(labels), value)
+        return families + list(carried.values())
+
+
+class _MergedCollector:
+    """The children's files and the native front ends' sockets, as one set of families:
+    samples with the same name and labels (from several processes) are summed."""
+
+    def __init__(self, files: multiprocess.MultiProcessCollector,
+                 native: list[_NativeSource]) -> None:
+        self._files = files
+        self._native = native
+
+    def collect(self) -> Iterator[Metric]:
+        if not self._native:
+            yield from self._files.collect()
+            return
+        merged: dict[str, Metric] = {}
+        values: dict[str, dict[tuple, float]] = {}
+        sources = [list(self._files.collect())] + [s.families() for s in self._native]
+        for families in sources:
+            for family in families:
+                target = merged.get(family.name)
+                if target is None:
+                    target = merged[family.name] = Metric(family.name, family.documentation,
+                                                          family.type)
+                    values[family.name] = {}
+                samples = values[family.name]
+                for sample in family.samples:
+                    key = (sample.name, tuple(sorted(sample.labels.items())))
+                    samples[key] = samples.get(key, 0.0) + sample.value
+        for name, family in merged.items():
+            for (sample_name, labels), value in values[name].items():
+                family.add_sample(sample_name, dict(labels), value)
+            yield family
 
 
 class _RestartCollector:

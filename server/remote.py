@@ -1,10 +1,12 @@
-"""The front end's view of the executor process: a repository whose models run elsewhere.
+"""The Python front end's view of the executor process: a repository whose models run elsewhere.
 
-``RemoteRepository`` offers what ``InferenceService`` uses of ``ModelRepository`` (get, config,
-index, statistics, load, unload), so the same service code serves in both modes. A request's
-decoded arrays are copied once, into this front end's region of the shared arena; the executor
-reads them in place. Outputs come back as descriptors into the executor's region and are copied
-once, into the bytes of the gRPC reply.
+``RemoteRepository`` offers what ``InferenceService`` uses of a repository (``get``,
+``config``) and of the control plane (statistics, index, load, unload: forwarded to the
+executor as the client sent them), so the same service code serves in both modes. It speaks
+the wire of ``protos/wire.proto`` (``server/wire.py``), as the native front end does. A
+request's decoded arrays are copied once, into this front end's region of the shared arena;
+the executor reads them in place. Outputs come back as descriptors into the executor's region
+and are copied once, into the bytes of the gRPC reply.
 
 When the executor goes away every request in flight gets UNAVAILABLE (retryable), health turns
 NOT_SERVING, and the front end reconnects as soon as a new executor listens.
@@ -19,75 +21,68 @@ from collections.abc import Callable
 import numpy as np
 import structlog
 
-from batcher.arena import ArenaAllocator, ArenaLayout, SharedArena
-from batcher.errors import (
-    ModelNotFound,
-    ModelUnavailable,
-    ResourceExhausted,
-    quoted,
-)
+from batcher.arena import ArenaAllocator, SharedArena
+from batcher.errors import ModelNotFound, ModelUnavailable, ResourceExhausted, quoted
 from batcher.metrics import BatcherMetrics
 from batcher.request import InferenceRequest
-from batcher.spec import NUMPY_DTYPES, ModelSpec
-from protos import model_config_pb2
-from server import ipc
-from server.repository import ModelIndexEntry
+from batcher.spec import NUMPY_DTYPES, BatchingConfig, ModelSpec, TensorSpec
+from protos import inference_pb2 as pb
+from protos import model_config_pb2, wire_pb2
+from server import wire
+from server.codec import bytes_array, bytes_encoding
+from server.status import StatusError
 
 log = structlog.get_logger(__name__)
 
 RECONNECT_INTERVAL_S = 0.05
+EXECUTOR_LOST_MESSAGE = "the executor process restarted; retry the request"
 
 
 class _Pending:
-    __slots__ = ("future", "inputs")
+    __slots__ = ("future", "inputs", "names", "datatypes")
 
-    def __init__(self, future: asyncio.Future, inputs: list[int]) -> None:
+    def __init__(self, future: asyncio.Future, inputs: list[int], names: list[str],
+                 datatypes: list[str]) -> None:
         self.future = future
         self.inputs = inputs  # this front end's input blocks, freed on release
+        self.names = names  # the outputs asked for, in order, and their datatypes
+        self.datatypes = datatypes
 
 
 class RemoteModel:
     """One READY model of the executor, as the service sees it."""
 
-    def __init__(self, repository: RemoteRepository, spec: ModelSpec) -> None:
+    def __init__(self, repository: RemoteRepository, handle: int, spec: ModelSpec) -> None:
         self._repository = repository
+        self.handle = handle
         self.spec = spec
+        self.output_index = {t.name: i for i, t in enumerate(spec.outputs)}
 
     @property
     def ready(self) -> bool:
         return self._repository.connected
 
     async def infer(self, request: InferenceRequest) -> dict[str, np.ndarray]:
-        return await self._repository.infer(self.spec, request)
+        return await self._repository.infer(self, request)
 
 
 class RemoteRepository:
-    def __init__(
-        self,
-        arena: SharedArena,
-        layout: ArenaLayout,
-        slot: int,
-        socket_name: str,
-        *,
-        on_state_change: Callable[[str, str], None] | None = None,
-        on_connection_change: Callable[[bool], None] | None = None,
-    ) -> None:
+    def __init__(self, arena: SharedArena, input_region: tuple[int, int], slot: int,
+                 socket_name: str) -> None:
         self._arena = arena
-        base, size = layout.input_region(slot)
-        self._inputs = ArenaAllocator(base, size)
+        self._inputs = ArenaAllocator(*input_region)
         self._slot = slot
         self._socket = socket_name
-        self._on_state_change = on_state_change
-        self._on_connection_change = on_connection_change
-        self._channel: ipc.Channel | None = None
-        self._models: dict[str, tuple] = {}  # name -> (state, reason, spec, config bytes)
-        self._remote: dict[str, RemoteModel] = {}
+        self._on_state_change: Callable[[str, str], None] | None = None
+        self._on_connection_change: Callable[[bool], None] | None = None
+        self._link: wire.ExecutorLink | None = None
+        self._states: dict[str, wire_pb2.ModelState] = {}
+        self._models: dict[str, RemoteModel] = {}
         self._configs: dict[str, model_config_pb2.ModelConfig] = {}
         self._pending: dict[int, _Pending] = {}
         self._awaiting_release: dict[int, list[int]] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
-        self._to_free: list[int] = []
         self._connected = asyncio.Event()
         self._closing = False
         self._reader: asyncio.Task | None = None
@@ -102,7 +97,7 @@ class RemoteRepository:
 
     @property
     def connected(self) -> bool:
-        return self._channel is not None and not self._channel.closed
+        return self._link is not None and not self._link.closed
 
     # -- connection ----------------------------------------------------------------------------
 
@@ -114,53 +109,45 @@ class RemoteRepository:
     async def _run(self) -> None:
         while not self._closing:
             try:
-                channel = await ipc.Channel.connect(self._socket)
+                link = await wire.connect_to_executor(self._socket)
             except OSError:
                 await asyncio.sleep(RECONNECT_INTERVAL_S)
                 continue
-            self._channel = channel
-            channel.send(("hello", self._slot))
+            self._link = link
+            link.out.hello.slot = self._slot
             try:
-                await self._read(channel)
+                while True:
+                    self._handle(await link.receive())
             except ConnectionError:
                 pass
             finally:
-                self._lost(channel)
+                self._lost(link)
 
-    async def _read(self, channel: ipc.Channel) -> None:
-        while True:
-            message = await channel.receive()
-            kind = message[0]
-            if kind == "result":
-                self._result(message)
-            elif kind == "error":
-                self._error(message)
-            elif kind == "release":
-                self._release(message[1])
-            elif kind == "model":
-                self._model(message[1])
-            elif kind == "models":
-                for info in message[1]:
-                    self._model(info)
-                log.info("executor_connected", slot=self._slot, models=len(message[1]))
-                self._connected.set()
-                if self._on_connection_change is not None:
-                    self._on_connection_change(True)
-            elif kind == "return":
-                future = self._calls.pop(message[1], None)
-                if future is not None and not future.done():
-                    future.set_result(message[2])
-            elif kind == "raise":
-                future = self._calls.pop(message[1], None)
-                if future is not None and not future.done():
-                    future.set_exception(ipc.error_from(message[2], message[3]))
+    def _handle(self, frame: wire_pb2.ToFrontend) -> None:
+        for state in frame.models:
+            self._set_state(state)
+        for result in frame.results:
+            self._result(result)
+        for failure in frame.failures:
+            pending = self._settle(failure.rid, failure.released)
+            if pending is not None and not pending.future.done():
+                pending.future.set_exception(StatusError(failure.code, failure.message))
+        for rid in frame.released:
+            self._free_inputs(self._awaiting_release.pop(rid, ()))
+        for reply in frame.replies:
+            self._reply(reply)
+        if frame.welcome:
+            log.info("executor_connected", slot=self._slot, models=len(frame.models))
+            self._connected.set()
+            if self._on_connection_change is not None:
+                self._on_connection_change(True)
 
-    def _lost(self, channel: ipc.Channel) -> None:
-        channel.close()
-        if self._channel is channel:
-            self._channel = None
+    def _lost(self, link: wire.ExecutorLink) -> None:
+        link.close()
+        if self._link is link:
+            self._link = None
         self._connected.clear()
-        error = ModelUnavailable("the executor process restarted; retry the request")
+        error = ModelUnavailable(EXECUTOR_LOST_MESSAGE)
         # Nothing reads this front end's input blocks any more: free them all.
         for pending in self._pending.values():
             self._free_inputs(pending.inputs)
@@ -170,13 +157,13 @@ class RemoteRepository:
         for blocks in self._awaiting_release.values():
             self._free_inputs(blocks)
         self._awaiting_release.clear()
-        self._to_free.clear()  # the executor's output region starts afresh
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(error)
         self._calls.clear()
-        for name in list(self._models):
-            self._set_state(name, ("UNAVAILABLE", "the executor is restarting", None, None))
+        for name in list(self._states):
+            self._set_state(wire_pb2.ModelState(name=name, state="UNAVAILABLE",
+                                                reason="the executor is restarting"))
         if not self._closing:
             log.warning("executor_lost", slot=self._slot)
             if self._on_connection_change is not None:
@@ -189,8 +176,8 @@ class RemoteRepository:
         except asyncio.TimeoutError:
             log.warning("frontend_drain_timed_out", slot=self._slot, left=len(self._pending))
         self._closing = True
-        if self._channel is not None:
-            self._channel.close()
+        if self._link is not None:
+            self._link.close()
         if self._reader is not None:
             self._reader.cancel()
 
@@ -200,34 +187,29 @@ class RemoteRepository:
 
     # -- models --------------------------------------------------------------------------------
 
-    def _model(self, info: tuple) -> None:
-        name, state, reason, spec, config = info
-        self._set_state(name, (state, reason, spec, config))
-
-    def _set_state(self, name: str, value: tuple) -> None:
-        old = self._models.get(name)
-        self._models[name] = value
-        state, _reason, spec, config = value
-        if state == "READY" and spec is not None:
-            self._remote[name] = RemoteModel(self, spec)
-            parsed = model_config_pb2.ModelConfig()
-            parsed.ParseFromString(config)
-            self._configs[name] = parsed
+    def _set_state(self, state: wire_pb2.ModelState) -> None:
+        name = state.name
+        old = self._states.get(name)
+        self._states[name] = state
+        if state.state == "READY":
+            self._models[name] = RemoteModel(self, state.handle, _spec_of(state.spec))
+            self._configs[name] = state.config
         else:
-            self._remote.pop(name, None)
+            self._models.pop(name, None)
             self._configs.pop(name, None)
-        if self._on_state_change is not None and (old is None or old[0] != state):
-            self._on_state_change(name, state)
+        if self._on_state_change is not None and (old is None or old.state != state.state):
+            self._on_state_change(name, state.state)
 
     def get(self, name: str, version: str = "") -> RemoteModel:
-        model = self._remote.get(name)
+        model = self._models.get(name)
         if model is None:
-            known = self._models.get(name)
+            known = self._states.get(name)
             if known is None:
                 if not self.connected:
                     raise ModelUnavailable("the executor process is not connected; retry")
                 raise ModelNotFound(f"unknown model {quoted(name)}")
-            raise ModelUnavailable(f"model {quoted(name)} is not available: {known[1] or known[0]}")
+            raise ModelUnavailable(
+                f"model {quoted(name)} is not available: {known.reason or known.state}")
         if version and version != model.spec.version:
             raise ModelNotFound(
                 f"model {quoted(name)} has no version {quoted(version)} being served "
@@ -239,97 +221,108 @@ class RemoteRepository:
         self.get(name, version)
         return self._configs[name]
 
-    def index(self) -> list[ModelIndexEntry]:
-        return [
-            ModelIndexEntry(name, spec.version if spec else "", state, reason)
-            for name, (state, reason, spec, _config) in sorted(self._models.items())
-        ]
+    def ready_models(self) -> list[str]:
+        return sorted(self._models)
 
-    async def statistics(self, name: str = "", version: str = "") -> list[tuple]:
-        if name:
-            self.get(name, version)
-        return await self._call("statistics", name, version)
+    # -- the control plane: forwarded ----------------------------------------------------------
 
-    async def load(self, name: str) -> None:
-        await self._call("load", name)
+    async def statistics(self, request: pb.ModelStatisticsRequest) -> pb.ModelStatisticsResponse:
+        return await self._call("statistics", request)
 
-    async def unload(self, name: str, drain_timeout_s: float = 30.0) -> None:
-        await self._call("unload", name, drain_timeout_s)
+    async def index(self, request: pb.RepositoryIndexRequest) -> pb.RepositoryIndexResponse:
+        return await self._call("index", request)
 
-    async def _call(self, method: str, *args):
-        channel = self._channel
-        if channel is None:
+    async def load(self, request: pb.RepositoryModelLoadRequest) -> pb.RepositoryModelLoadResponse:
+        return await self._call("load", request)
+
+    async def unload(self, request: pb.RepositoryModelUnloadRequest
+                     ) -> pb.RepositoryModelUnloadResponse:
+        return await self._call("unload", request)
+
+    async def _call(self, method: str, request):
+        link = self._link
+        if link is None:
             raise ModelUnavailable("the executor process is not connected; retry")
         cid = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[cid] = future
-        channel.send(("call", cid, method, args))
+        getattr(link.out.call.add(cid=cid), method).CopyFrom(request)
         return await future
+
+    def _reply(self, reply: wire_pb2.Reply) -> None:
+        future = self._calls.pop(reply.cid, None)
+        if future is None or future.done():
+            return
+        outcome = reply.WhichOneof("outcome")
+        if outcome == "error":
+            future.set_exception(StatusError(reply.error.code, reply.error.message))
+        else:
+            future.set_result(getattr(reply, outcome))
 
     # -- inference -----------------------------------------------------------------------------
 
-    async def infer(self, spec: ModelSpec, request: InferenceRequest) -> dict[str, np.ndarray]:
-        channel = self._channel
-        if channel is None:
+    async def infer(self, model: RemoteModel, request: InferenceRequest
+                    ) -> dict[str, np.ndarray]:
+        link = self._link
+        if link is None:
             raise ModelUnavailable("the executor process is not connected; retry")
+        spec = model.spec
         blocks: list[int] = []
-        descriptors = []
+        message = wire_pb2.Infer(
+            model=model.handle, batch_size=request.batch_size, priority=request.priority,
+            deadline_ns=int(request.deadline * 1e9) if request.deadline is not None else 0,
+            timeout_us=request.timeout_us, id=request.id)
         try:
             for array, tensor in zip(request.inputs, spec.inputs):
-                if tensor.datatype == "BYTES":
-                    descriptors.append(("inline", array))
-                    continue
-                offset = self._inputs.alloc(array.nbytes)
+                data = bytes_encoding(array) if tensor.datatype == "BYTES" else array
+                nbytes = len(data) if tensor.datatype == "BYTES" else array.nbytes
+                offset = self._inputs.alloc(nbytes)
                 if offset is None:
                     raise ResourceExhausted(
                         f"this front end's shared-memory region is full "
                         f"({self._inputs.bytes_in_use} bytes in flight); retry later"
                     )
                 blocks.append(offset)
-                np.copyto(self._arena.array(offset, array.dtype, array.shape), array)
-                descriptors.append((offset, tensor.datatype, array.shape))
+                self._arena.write(offset, data)
+                message.inputs.add(offset=offset, nbytes=nbytes, shape=array.shape)
         except BaseException:
             self._free_inputs(blocks)
             raise
         if self._in_use is not None:
             self._in_use.set(self._inputs.bytes_in_use)
-        rid = next(self._ids)
+        names = list(request.requested_outputs or [t.name for t in spec.outputs])
+        if request.requested_outputs:
+            message.outputs.extend(model.output_index[name] for name in names)
+        rid = message.rid = next(self._ids)
         future = asyncio.get_running_loop().create_future()
-        self._pending[rid] = _Pending(future, blocks)
-        channel.send((
-            "infer", rid, spec.name, spec.version, tuple(descriptors), request.batch_size,
-            request.priority, request.deadline, request.timeout_us, request.id,
-            request.requested_outputs,
-        ))
+        self._pending[rid] = _Pending(future, blocks, names,
+                                      [spec.output(name).datatype for name in names])
+        link.out.infer.append(message)
         try:
             return await future
         except asyncio.CancelledError:
-            if rid in self._pending and self._channel is channel and not channel.closed:
-                channel.send(("cancel", rid))
+            if rid in self._pending and self._link is link and not link.closed:
+                link.out.cancel.append(rid)
             raise
 
-    def _result(self, message: tuple) -> None:
-        _, rid, released, outputs = message
-        pending = self._settle(rid, released)
-        result = {}
-        for name, offset, datatype, shape in outputs:
-            if offset == "inline":  # BYTES: the array itself travelled in the message
-                result[name] = shape
-                continue
-            dtype = NUMPY_DTYPES[datatype]
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    def _result(self, result: wire_pb2.Result) -> None:
+        pending = self._settle(result.rid, result.released)
+        arrays = {}
+        frees = []
+        for output, name, datatype in zip(result.outputs, pending.names if pending else (),
+                                          pending.datatypes if pending else ()):
             # One copy, into bytes the reply will carry as they are (codec.encode_outputs).
-            data = bytes(self._arena.read(offset, nbytes))
-            result[name] = np.frombuffer(data, dtype=dtype).reshape(shape)
-            self._free_output(offset)
+            data = bytes(self._arena.read(output.offset, output.nbytes))
+            shape = tuple(output.shape)
+            if datatype == "BYTES":
+                arrays[name] = bytes_array(data, shape)
+            else:
+                arrays[name] = np.frombuffer(data, dtype=NUMPY_DTYPES[datatype]).reshape(shape)
+        frees = [output.block for output in result.outputs]
+        if frees and self._link is not None and not self._link.closed:
+            self._link.out.free.extend(frees)
         if pending is not None and not pending.future.done():
-            pending.future.set_result(result)
-
-    def _error(self, message: tuple) -> None:
-        _, rid, released, error_class, text = message
-        pending = self._settle(rid, released)
-        if pending is not None and not pending.future.done():
-            pending.future.set_exception(ipc.error_from(error_class, text))
+            pending.future.set_result(arrays)
 
     def _settle(self, rid: int, released: bool) -> _Pending | None:
         pending = self._pending.pop(rid, None)
@@ -340,23 +333,18 @@ class RemoteRepository:
                 self._awaiting_release[rid] = pending.inputs
         return pending
 
-    def _release(self, rid: int) -> None:
-        self._free_inputs(self._awaiting_release.pop(rid, ()))
-
     def _free_inputs(self, blocks) -> None:
         for offset in blocks:
             self._inputs.free(offset)
         if blocks and self._in_use is not None:
             self._in_use.set(self._inputs.bytes_in_use)
 
-    def _free_output(self, offset: int) -> None:
-        # Batched: one "free" message per loop iteration, not one per output.
-        if not self._to_free:
-            asyncio.get_running_loop().call_soon(self._flush_frees)
-        self._to_free.append(offset)
 
-    def _flush_frees(self) -> None:
-        if self._to_free and self._channel is not None and not self._channel.closed:
-            self._channel.send(("free", tuple(self._to_free)))
-        self._to_free.clear()
+def _spec_of(message: wire_pb2.ModelSpec) -> ModelSpec:
+    """The batcher's view of a model the executor described: what decoding needs."""
+    def tensors(specs) -> tuple[TensorSpec, ...]:
+        return tuple(TensorSpec(t.name, t.datatype, tuple(t.dims)) for t in specs)
 
+    return ModelSpec(message.name, message.version, message.platform, tensors(message.inputs),
+                     tensors(message.outputs),
+                     batching=BatchingConfig(max_batch_size=message.max_batch_size))

@@ -136,6 +136,10 @@ class ModelRepository:
             if slot.state == READY and slot.loaded is not None
         ]
 
+    def ready_models(self) -> list[str]:
+        """The names of the READY models, sorted."""
+        return [model.spec.name for model in self.loaded()]
+
     async def statistics(self, name: str = "", version: str = "") -> list[tuple]:
         """``(name, version, StatsSnapshot)`` of one model, or of every READY one."""
         models = [self.get(name, version)] if name else self.loaded()
@@ -231,7 +235,7 @@ class ModelRepository:
                 )
             slot.loaded = loaded
             slot.version = loaded.version
-            self._set_state(slot, READY, "")
+            self._set_state(slot, READY, "", replaced=previous is not None)
             log.info("model_ready", model=name, version=loaded.version,
                      device=loaded.model.spec.device)
             if previous is not None:
@@ -359,8 +363,10 @@ class ModelRepository:
             slot = self._slots[name] = _Slot(name)
         return slot
 
-    def _set_state(self, slot: _Slot, state: str, reason: str) -> None:
-        changed = slot.state != state
+    def _set_state(self, slot: _Slot, state: str, reason: str, *, replaced: bool = False) -> None:
+        """``replaced``: the model served changed while the state stayed (a reload): that is
+        a change too, for whoever mirrors the served model (the executor's front ends)."""
+        changed = slot.state != state or replaced
         slot.state = state
         slot.reason = reason
         if changed and self._on_state_change is not None:

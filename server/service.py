@@ -1,7 +1,10 @@
 """The KServe v2 / Triton gRPC service: thin handlers over the model repository and the codec.
 
-Each handler turns protocol messages into calls on ``ModelRepository`` / ``ServedModel`` and back;
-errors go through ``server.errors.status_of`` in one place (``_fail``). Every handler hands
+Each handler turns protocol messages into calls on the repository's models (a
+``ModelRepository`` here, or a front end's ``RemoteRepository``) and back; the control RPCs
+(statistics, index, load, unload) go to the control plane as the client sent them
+(``server/control.py``, or forwarded to the executor process). Errors go through
+``server.errors.status_of`` in one place (``_fail``). Every handler hands
 ``_fail`` whatever it caught, not only ``BatchgateError``: a bug of ours then reaches the client
 as INTERNAL with a fixed text, where gRPC would send UNKNOWN with the exception's text.
 """
@@ -16,14 +19,13 @@ import grpc
 import structlog
 
 from batcher.errors import BatchgateError, ModelUnavailable
-from batcher.stats import Duration
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
-from server import __version__
+from server import SERVER_EXTENSIONS, __version__
 from server.codec import DEFAULT_LIMITS, RequestLimits, decode_request, deadline_from, encode_outputs
+from server.control import ControlPlane
 from server.errors import status_of
 from server.metrics import ServerMetrics
-from server.repository import ModelRepository
 
 log = structlog.get_logger(__name__)
 
@@ -31,14 +33,6 @@ log = structlog.get_logger(__name__)
 MAX_LABELLED_COUNTERS = 4096
 
 _END_OF_STREAM = object()
-SERVER_EXTENSIONS = [
-    "model_repository",
-    "model_configuration",
-    "statistics",
-    "binary_tensor_data",
-    "schedule_policy",
-    "health",
-]
 SHARED_MEMORY_MESSAGE = (
     "shared-memory tensors are not supported by this server yet; send tensors in "
     "raw_input_contents"
@@ -46,9 +40,12 @@ SHARED_MEMORY_MESSAGE = (
 
 
 class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, repository: ModelRepository, metrics: ServerMetrics,
-                 limits: RequestLimits = DEFAULT_LIMITS) -> None:
+    def __init__(self, repository, metrics: ServerMetrics,
+                 limits: RequestLimits = DEFAULT_LIMITS, control=None) -> None:
+        """``control``: what answers the control RPCs (default: ``ControlPlane(repository)``;
+        a front end's ``RemoteRepository`` forwards them)."""
         self._repository = repository
+        self._control = control if control is not None else ControlPlane(repository)
         self._metrics = metrics
         self._limits = limits
         self._ready = False
@@ -119,10 +116,9 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelStatistics(self, request, context):
         try:
-            stats = await self._repository.statistics(request.name, request.version)
+            return await self._control.statistics(request)
         except Exception as exc:
             return await _fail(context, exc)
-        return pb.ModelStatisticsResponse(model_stats=[_statistics(*s) for s in stats])
 
     # -- inference ---------------------------------------------------------------------------
 
@@ -200,30 +196,21 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def RepositoryIndex(self, request, context):
         try:
-            entries = self._repository.index()
+            return await self._control.index(request)
         except Exception as exc:
             return await _fail(context, exc)
-        if request.ready:
-            entries = [e for e in entries if e.state == "READY"]
-        return pb.RepositoryIndexResponse(models=[
-            pb.RepositoryIndexResponse.ModelIndex(
-                name=e.name, version=e.version, state=e.state, reason=e.reason)
-            for e in entries
-        ])
 
     async def RepositoryModelLoad(self, request, context):
         try:
-            await self._repository.load(request.model_name)
+            return await self._control.load(request)
         except Exception as exc:
             return await _fail(context, exc)
-        return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request, context):
         try:
-            await self._repository.unload(request.model_name)
+            return await self._control.unload(request)
         except Exception as exc:
             return await _fail(context, exc)
-        return pb.RepositoryModelUnloadResponse()
 
     # -- not provided ------------------------------------------------------------------------
 
@@ -270,34 +257,3 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
 async def _fail(context: grpc.aio.ServicerContext, exc: BaseException):
     code, message = status_of(exc)
     await context.abort(code, message)
-
-
-def _duration(d: Duration) -> pb.StatisticDuration:
-    return pb.StatisticDuration(count=d.count, ns=d.ns)
-
-
-def _statistics(name: str, version: str, snap) -> pb.ModelStatistics:
-    return pb.ModelStatistics(
-        name=name,
-        version=version,
-        last_inference=snap.last_inference_ms,
-        inference_count=snap.inference_count,
-        execution_count=snap.execution_count,
-        inference_stats=pb.InferStatistics(
-            success=_duration(snap.success),
-            fail=_duration(snap.fail),
-            queue=_duration(snap.queue),
-            compute_input=_duration(snap.compute_input),
-            compute_infer=_duration(snap.compute_infer),
-            compute_output=_duration(snap.compute_output),
-        ),
-        batch_stats=[
-            pb.InferBatchStatistics(
-                batch_size=size,
-                compute_input=_duration(d.compute_input),
-                compute_infer=_duration(d.compute_infer),
-                compute_output=_duration(d.compute_output),
-            )
-            for size, d in snap.batches.items()
-        ],
-    )

@@ -1,19 +1,33 @@
-"""Server settings: a plain dataclass, importable without torch or grpc (the supervisor uses it).
+"""Server settings, declared once: each field with its flag, its help and the processes it acts in.
 
-Tokens are values here, never paths or flags: the CLI reads them from a file or the environment
-so that they do not show in ``ps``, and ``repr`` leaves them out so that they never reach a log.
+``Settings`` is the only declaration. ``batchgate serve``'s flags are generated from it
+(``add_arguments`` / ``from_arguments``), so a flag and its setting cannot drift apart. In
+multi-process mode the supervisor validates and resolves the settings once and hands every
+child what it acts on (``handover``) as JSON on its standard input; children — the executor,
+Python front ends, the native front end — never parse flags of their own. So a setting that a
+process does not act on never reaches it, and a setting the chosen mode does not act on at all
+is refused (``check_mode``), never silently accepted.
+
+Importable without torch or grpc (the supervisor uses it). Tokens are values here, never paths
+or flags: the CLI reads them from a file or the environment so that they do not show in
+``ps``, and ``repr`` leaves them out so that they never reach a log.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 DEFAULT_REPOSITORY = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_DEVICE_POOL_BYTES = 1 << 30  # batcher.memory.DEFAULT_POOL_BYTES (no torch here)
+DEFAULT_ARENA_BYTES = 1 << 30
 MIN_TOKEN_CHARS = 16
-# Where the CLI and the front-end processes read each bearer token from (besides a file).
+# Where the CLI reads each bearer token from (besides a file).
 TOKEN_ENV = {"admin": "BATCHGATE_ADMIN_TOKEN", "infer": "BATCHGATE_INFER_TOKEN"}
 # What each TLS file must hold. gRPC reports a file it cannot use only as "failed to bind".
 PEM_MARKERS = {
@@ -21,49 +35,156 @@ PEM_MARKERS = {
     "tls_key": b"PRIVATE KEY-----",
     "tls_client_ca": b"-----BEGIN CERTIFICATE-----",
 }
+FRONTENDS = ("auto", "native", "python")
+LOG_FORMATS = ("auto", "json", "console")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+# The processes of a multi-process server; a single-process server is all three at once.
+SUPERVISOR = "supervisor"
+FRONTEND = "frontend"
+EXECUTOR = "executor"
+ROLES = (SUPERVISOR, FRONTEND, EXECUTOR)
+
+
+def setting(default: Any = dataclasses.MISSING, *, help: str, roles: Iterable[str],
+            flag: str | None = "", parse: Callable[[str], Any] | None = None,
+            action: str | None = None, choices: Iterable[str] | None = None,
+            default_text: str | None = None, env: str | None = None,
+            repr: bool = True) -> Any:
+    """A ``Settings`` field: its ``help`` (one line, what it does, with units in its name),
+    the ``roles`` of the processes that act on it, and its command-line flag (``""``: from the
+    field's name; ``None``: none). ``parse`` turns the flag's text into the value; ``action``
+    is argparse's for a boolean switch; ``env`` names an environment variable that supplies
+    the default; ``default_text`` says the default in ``--help`` where the value would not."""
+    metadata = {"help": help, "roles": frozenset(roles), "flag": flag, "parse": parse,
+                "action": action, "choices": tuple(choices) if choices else None,
+                "default_text": default_text, "env": env}
+    factory = dataclasses.MISSING
+    if env is not None:
+        fallback = default
+
+        def factory() -> Any:
+            text = os.environ.get(env)
+            return fallback if text is None else (parse or str)(text)
+        default = dataclasses.MISSING
+    return dataclasses.field(default=default, default_factory=factory, metadata=metadata,
+                             repr=repr)
+
+
+def _optional_port(text: str) -> int | None:
+    value = int(text)
+    return None if value < 0 else value
+
+
+def _frontend_count(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        count = int(text)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise ValueError(f"frontends must be 'auto' or an integer >= 0, got {text!r}")
+    return count
+
+
+ALL = ROLES
+SERVING = (FRONTEND, EXECUTOR)
 
 
 @dataclasses.dataclass
 class Settings:
-    """Server settings; every one is also a command-line flag (``batchgate serve --help``)."""
+    """Server settings; every one with a flag is a ``batchgate serve`` flag."""
 
-    host: str = "0.0.0.0"
-    # The environment can set the port, so that the image's health check and the server agree.
-    grpc_port: int = dataclasses.field(
-        default_factory=lambda: int(os.environ.get("BATCHGATE_GRPC_PORT", "8001"))
-    )
-    metrics_port: int | None = 8002  # None: no metrics endpoint
-    model_repository: Path = dataclasses.field(
-        default_factory=lambda: Path(os.environ.get("BATCHGATE_MODEL_REPOSITORY", DEFAULT_REPOSITORY))
-    )
-    max_message_bytes: int = 64 * 1024 * 1024
-    max_request_bytes: int | None = None
-    """Sum of one request's input tensor bytes; None: ``max_message_bytes``."""
-    max_tensor_elements: int = 1 << 26
-    """Elements of one input tensor, from its shape (a zero dimension counts as one)."""
-    drain_timeout_s: float = 30.0
-    switch_interval_s: float = 0.0005
-    gc_freeze: bool = True
-    reflection: bool = True
-    reuse_port: bool = False  # several front-end processes share the gRPC port
-    tls_cert: Path | None = None
-    """PEM certificate chain of the gRPC port; with ``tls_key``, the port speaks only TLS."""
-    tls_key: Path | None = None
-    """PEM private key of ``tls_cert``."""
-    tls_client_ca: Path | None = None
-    """PEM CA certificates: clients must present a certificate they signed (mutual TLS)."""
-    admin_token: str | None = dataclasses.field(default=None, repr=False)
-    """Bearer token the repository RPCs (load, unload, index) require; None: they are open."""
-    infer_token: str | None = dataclasses.field(default=None, repr=False)
-    """Bearer token every other inference-service RPC requires; None: they are open."""
+    # -- the network ---------------------------------------------------------------------------
+    host: str = setting("0.0.0.0", roles=(SUPERVISOR, FRONTEND),
+                        help="address to listen on")
+    grpc_port: int = setting(
+        8001, env="BATCHGATE_GRPC_PORT", parse=int, roles=(SUPERVISOR,),
+        help="gRPC port, 0 for any free port", default_text="$BATCHGATE_GRPC_PORT, else 8001")
+    metrics_port: int | None = setting(
+        8002, parse=_optional_port, roles=(SUPERVISOR,), default_text="8002",
+        help="Prometheus /metrics port, -1 to disable")
+    max_message_bytes: int = setting(
+        64 * 1024 * 1024, parse=int, roles=(FRONTEND,),
+        help="largest gRPC message received or sent")
+    max_request_bytes: int | None = setting(
+        None, parse=int, roles=(FRONTEND,), default_text="--max-message-bytes",
+        help="largest sum of one request's input tensor bytes; more is refused with "
+             "RESOURCE_EXHAUSTED")
+    max_tensor_elements: int = setting(
+        1 << 26, parse=int, roles=(FRONTEND,),
+        help="most elements one input tensor may have, from its shape (a zero dimension "
+             "counts as one), checked before anything is allocated")
+    reflection: bool = setting(True, flag="--no-reflection", action="store_false",
+                               roles=(FRONTEND,), help="disable server reflection")
 
-    # -- device memory pool (batcher/memory.py) ------------------------------------------------
-    device_pool_bytes: int = DEFAULT_DEVICE_POOL_BYTES
-    """Bytes of the memory pool reserved on each device the models use (the CPU's included)."""
-    device_pool_fraction: float | None = None
-    """On a CUDA device: reserve this fraction of its free memory instead of device_pool_bytes."""
-    device_pool_strict: bool = True
-    """False: what does not fit the pool is allocated outside it, counted in a metric."""
+    # -- security ------------------------------------------------------------------------------
+    tls_cert: Path | None = setting(
+        None, parse=Path, roles=(FRONTEND,),
+        help="PEM certificate chain: the gRPC port speaks TLS only (with --tls-key)")
+    tls_key: Path | None = setting(None, parse=Path, roles=(FRONTEND,),
+                                   help="PEM private key of --tls-cert")
+    tls_client_ca: Path | None = setting(
+        None, parse=Path, roles=(FRONTEND,),
+        help="PEM CA certificates: clients must present a certificate they signed (mutual TLS)")
+    admin_token: str | None = setting(
+        None, flag=None, repr=False, roles=(FRONTEND,),
+        help="bearer token the repository RPCs (load, unload, index) require; None: open "
+             "(--admin-token-file or $BATCHGATE_ADMIN_TOKEN)")
+    infer_token: str | None = setting(
+        None, flag=None, repr=False, roles=(FRONTEND,),
+        help="bearer token every other inference RPC requires except ServerLive/ServerReady "
+             "and grpc.health.v1; None: open (--infer-token-file or $BATCHGATE_INFER_TOKEN)")
+
+    # -- the models ----------------------------------------------------------------------------
+    model_repository: Path = setting(
+        DEFAULT_REPOSITORY, env="BATCHGATE_MODEL_REPOSITORY", parse=Path, roles=(EXECUTOR,),
+        default_text=f"$BATCHGATE_MODEL_REPOSITORY, else the example repository "
+                     f"{DEFAULT_REPOSITORY}",
+        help="model repository folder")
+    device_pool_bytes: int = setting(
+        DEFAULT_DEVICE_POOL_BYTES, parse=int, roles=(EXECUTOR,),
+        help="bytes of the memory pool reserved on each device models use, the CPU's included")
+    device_pool_fraction: float | None = setting(
+        None, parse=float, roles=(EXECUTOR,), default_text="--device-pool-bytes",
+        help="on a CUDA device, reserve this fraction (0-1] of its free memory instead of "
+             "--device-pool-bytes")
+    device_pool_strict: bool = setting(
+        True, flag="--device-pool-permissive", action="store_false", roles=(EXECUTOR,),
+        help="allocate what does not fit the pool outside it (counted in "
+             "batchgate_pool_fallbacks_total) instead of refusing it")
+
+    # -- processes -----------------------------------------------------------------------------
+    frontend: str = setting(
+        "auto", choices=FRONTENDS, roles=(SUPERVISOR,),
+        help="the gRPC front end: native (C++, one process using every core), python "
+             "(--frontends processes), or auto: native where it is built, else python")
+    frontends: int | None = setting(
+        None, parse=_frontend_count, roles=(SUPERVISOR,), default_text="auto",
+        help="with the Python front end: processes sharing the gRPC port, fed by one executor "
+             "process; 0 serves from one process; auto: 0 on a machine with 2 usable cores or "
+             "fewer, else half the cores, at most 8")
+    frontend_threads: int = setting(
+        0, parse=int, roles=(FRONTEND,), default_text="the usable cores",
+        help="with the native front end: gRPC threads, each with its own completion queue")
+    arena_bytes: int | None = setting(
+        None, parse=int, roles=(SUPERVISOR,), default_text=str(DEFAULT_ARENA_BYTES),
+        help="size of the shared-memory arena between front ends and the executor (multi-"
+             "process modes); pages are used only when touched")
+    drain_timeout_s: float = setting(
+        30.0, parse=float, roles=ALL,
+        help="on SIGTERM/SIGINT, how long queued requests may take to finish")
+    switch_interval_s: float = setting(
+        0.0005, parse=float, roles=SERVING,
+        help="Python's GIL switch interval; shorter keeps model threads fed")
+    gc_freeze: bool = setting(
+        True, flag="--no-gc-freeze", action="store_false", roles=SERVING,
+        help="do not freeze the garbage collector's view after loading")
+    log_level: str = setting("info", choices=LOG_LEVELS, roles=ALL,
+                             help="the least severe log lines written")
+    log_format: str = setting("auto", choices=LOG_FORMATS, roles=(SUPERVISOR,),
+                              help="json, console, or auto: console on a terminal, else json")
 
     def __post_init__(self) -> None:
         self.model_repository = Path(self.model_repository)
@@ -83,6 +204,20 @@ class Settings:
             raise ValueError(f"switch_interval_s must be > 0, got {self.switch_interval_s}")
         if not self.model_repository.is_dir():
             raise ValueError(f"model_repository must be a folder, got {str(self.model_repository)!r}")
+        for name, choices in (("frontend", FRONTENDS), ("log_format", LOG_FORMATS),
+                              ("log_level", LOG_LEVELS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, "
+                                 f"got {getattr(self, name)!r}")
+        if self.frontends is not None and (not isinstance(self.frontends, int)
+                                           or self.frontends < 0):
+            raise ValueError(f"frontends must be an integer >= 0 or None (auto), "
+                             f"got {self.frontends!r}")
+        if self.frontend_threads < 0:
+            raise ValueError(f"frontend_threads must be >= 0 (0: the usable cores), "
+                             f"got {self.frontend_threads}")
+        if self.arena_bytes is not None and self.arena_bytes <= 0:
+            raise ValueError(f"arena_bytes must be > 0, got {self.arena_bytes}")
         self._check_device_pool()
         self._check_tls()
         for name in ("admin_token", "infer_token"):
@@ -96,17 +231,6 @@ class Settings:
         fraction = self.device_pool_fraction
         if fraction is not None and not 0.0 < fraction <= 1.0:
             raise ValueError(f"device_pool_fraction must lie in (0, 1], got {fraction}")
-
-    @property
-    def request_bytes_limit(self) -> int:
-        """``max_request_bytes``, or ``max_message_bytes`` when it is not set."""
-        return self.max_message_bytes if self.max_request_bytes is None else self.max_request_bytes
-
-    def security(self) -> dict[str, object]:
-        """What the ``listening`` log line says of TLS and tokens (whether set, never what)."""
-        tls = "mutual" if self.tls_client_ca else "on" if self.tls_cert else "off"
-        return {"tls": tls, "admin_token": self.admin_token is not None,
-                "infer_token": self.infer_token is not None}
 
     def _check_tls(self) -> None:
         for name in ("tls_cert", "tls_key", "tls_client_ca"):
@@ -134,15 +258,81 @@ class Settings:
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca needs tls_cert and tls_key, got neither")
 
+    # -- derived -------------------------------------------------------------------------------
 
-def device_pool_args(settings: Settings) -> list[str]:
-    """The device-pool flags that reproduce ``settings`` (for the executor process)."""
-    args = ["--device-pool-bytes", str(settings.device_pool_bytes)]
-    if settings.device_pool_fraction is not None:
-        args += ["--device-pool-fraction", str(settings.device_pool_fraction)]
-    if not settings.device_pool_strict:
-        args.append("--device-pool-permissive")
-    return args
+    @property
+    def request_bytes_limit(self) -> int:
+        """``max_request_bytes``, or ``max_message_bytes`` when it is not set."""
+        return self.max_message_bytes if self.max_request_bytes is None else self.max_request_bytes
+
+    @property
+    def arena_size(self) -> int:
+        return DEFAULT_ARENA_BYTES if self.arena_bytes is None else self.arena_bytes
+
+    def security(self) -> dict[str, object]:
+        """What the ``listening`` log line says of TLS and tokens (whether set, never what)."""
+        tls = "mutual" if self.tls_client_ca else "on" if self.tls_cert else "off"
+        return {"tls": tls, "admin_token": self.admin_token is not None,
+                "infer_token": self.infer_token is not None}
+
+    def check_mode(self, frontend: str, frontends: int) -> None:
+        """Refuse the settings that the resolved mode does not act on (``frontend`` "native"
+        or "python"; ``frontends`` 0 for one process): ValueError saying which and why."""
+        single = frontend == "python" and frontends == 0
+        if frontend == "native" and self.frontends is not None:
+            raise ValueError(
+                "--frontends counts Python front-end processes; the native front end is one "
+                "process using every core (--frontend-threads), got --frontend native "
+                f"--frontends {self.frontends}")
+        if frontend != "native" and self.frontend_threads:
+            raise ValueError(
+                "--frontend-threads sizes the native front end's thread pool, got "
+                f"--frontend-threads {self.frontend_threads} with the Python front end")
+        if single and self.arena_bytes is not None:
+            raise ValueError(
+                "--arena-bytes sizes the shared memory between processes; one process "
+                f"(--frontends 0) has none, got --arena-bytes {self.arena_bytes}")
+
+    # -- the handover to a child process -------------------------------------------------------
+
+    def handover(self, role: str) -> dict[str, Any]:
+        """What a ``role`` process acts on, as JSON values: paths absolute, ``max_request_bytes``
+        resolved. The rest of the settings never reach it."""
+        values = {}
+        for field in dataclasses.fields(self):
+            if role not in field.metadata["roles"]:
+                continue
+            value = getattr(self, field.name)
+            if isinstance(value, Path):
+                value = str(value.resolve())
+            values[field.name] = value
+        if "max_request_bytes" in values:
+            values["max_request_bytes"] = self.request_bytes_limit
+        return values
+
+    @classmethod
+    def handed_over(cls, values: dict[str, Any]) -> Settings:
+        """A child's settings from its ``handover``: validated by the supervisor already, so
+        not checked again (a front end never looks at the model repository, for one). Fields
+        that were not handed over keep their declared defaults and are not read."""
+        settings = object.__new__(cls)
+        for field in dataclasses.fields(cls):
+            if field.name in values:
+                value = values[field.name]
+                parse = field.metadata["parse"]
+                if value is not None and parse is Path:
+                    value = Path(value)
+            elif field.default is not dataclasses.MISSING:
+                value = field.default
+            else:
+                value = None
+            setattr(settings, field.name, value)
+        return settings
+
+
+def fields_for(role: str) -> list[str]:
+    """The names of the settings a ``role`` process acts on."""
+    return [f.name for f in dataclasses.fields(Settings) if role in f.metadata["roles"]]
 
 
 def _check_token(name: str, token: str | None) -> None:
@@ -162,3 +352,9 @@ def _check_token(name: str, token: str | None) -> None:
             f"{name} must be visible ASCII characters without spaces, got {len(token)} "
             "characters that are not all such"
         )
+
+
+def read_handover(stream=None) -> dict[str, Any]:
+    """A child's handover: the JSON object the supervisor wrote on its standard input."""
+    stream = stream if stream is not None else sys.stdin.buffer
+    return json.loads(stream.read())

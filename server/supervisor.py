@@ -1,11 +1,19 @@
-"""The supervisor of ``batchgate serve --frontends N``: one executor process and N front ends.
+"""The supervisor of a multi-process server: one executor process and its front ends.
 
-A thin parent that imports neither torch nor grpc. It owns the shared arena (a memfd, handed to
-each child by descriptor), reserves the gRPC port so that every front end binds the same one with
+The front end is the native one (``--frontend native``: one C++ process using every core) or
+``--frontends N`` Python processes sharing the port. The supervisor is a thin parent that
+imports neither torch nor grpc. It owns the shared arena (a memfd, handed to each child by
+descriptor), reserves the gRPC port so that every front end binds the same one with
 SO_REUSEPORT, starts the executor and waits for its ``executor_ready`` line, then the front ends
 and their ``frontend_ready`` lines, and serves one ``/metrics`` for all of them
 (``server/multiproc_metrics.py``). Children log JSON lines on stderr; a thread per child forwards
 each line to the supervisor's stderr as it comes, so the server's log stays one stream.
+
+Each child gets what it needs as one JSON object on its standard input (``handover``): its
+place (role, arena slot, sockets, the reserved port) and the settings it acts on, resolved
+here once (``Settings.handover``). No child parses flags, and none is handed a setting it does
+not act on. Bearer tokens travel only to front ends, this way: never on a command line, which
+``ps`` shows to every user, nor in an environment another process could inherit.
 
 A child that exits while serving is started again with the same command line after a backoff
 that doubles with each crash; one child crashing ``RestartPolicy.max_crashes`` times within
@@ -41,15 +49,16 @@ from typing import TYPE_CHECKING, BinaryIO
 import structlog
 
 from batcher.arena import ArenaLayout, SharedArena
+from batcher.metrics import SECONDS_BUCKETS
+from server import SERVER_EXTENSIONS, __version__, native
 from server.multiproc_metrics import MultiProcessMetrics
-from server.settings import TOKEN_ENV, device_pool_args
+from server.settings import EXECUTOR, FRONTEND, TOKEN_ENV
 
 if TYPE_CHECKING:
-    from server.app import Settings
+    from server.settings import Settings
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_ARENA_BYTES = 1 << 30
 EXECUTOR_COMMAND = (sys.executable, "-m", "server.executor_process")
 FRONTEND_COMMAND = (sys.executable, "-m", "server.frontend")
 # How long an exited child's last log lines may take to be forwarded (a grandchild that
@@ -105,12 +114,13 @@ class ChildInfo:
 
 
 class _Child:
-    """One child's place: its command line, and the process currently filling it."""
+    """One child's place: its command line and handover, and the process currently filling it."""
 
-    def __init__(self, role: str, slot: int | None, argv: list[str]) -> None:
+    def __init__(self, role: str, slot: int | None, argv: list[str], handover: bytes) -> None:
         self.role = role
         self.slot = slot
         self.argv = argv
+        self.handover = handover
         self.proc: subprocess.Popen | None = None
         self.ready = False
         self.starts = 0
@@ -132,40 +142,49 @@ class _StartupFailed(Exception):
 
 
 class Supervisor:
-    """Runs the executor and ``frontends`` front ends; ``start()``, then ``stop()`` or ``run()``.
+    """Runs the executor and its front ends; ``start()``, then ``stop()`` or ``run()``.
 
-    ``executor_command`` and ``frontend_command`` are the argv prefixes the protocol arguments
-    are appended to (tests pass stand-in scripts). ``log_stream`` is the binary stream child
-    log lines are forwarded to (default: this process's stderr).
+    ``frontend`` is "native" (one process) or "python" (``frontends`` processes).
+    ``executor_command`` and ``frontend_command`` are the children's command lines (tests pass
+    stand-in scripts); the front end's defaults to the native binary or the Python module.
+    ``log_stream`` is the binary stream child log lines are forwarded to (default: this
+    process's stderr).
     """
 
     def __init__(
         self,
         settings: Settings,
         *,
-        frontends: int,
-        arena_bytes: int = DEFAULT_ARENA_BYTES,
-        log_level: str = "info",
-        log_format: str = "auto",
+        frontend: str = "python",
+        frontends: int = 1,
         executor_command: Sequence[str] = EXECUTOR_COMMAND,
-        frontend_command: Sequence[str] = FRONTEND_COMMAND,
+        frontend_command: Sequence[str] | None = None,
         restart_policy: RestartPolicy | None = None,
         ready_timeout_s: float = 300.0,
         log_stream: BinaryIO | None = None,
     ) -> None:
+        if frontend not in ("native", "python"):
+            raise ValueError(f"frontend must be 'native' or 'python', got {frontend!r}")
         if not isinstance(frontends, int) or frontends < 1:
             raise ValueError(f"frontends must be an int >= 1, got {frontends!r}")
-        ArenaLayout(arena_bytes, frontends)  # refuses an arena too small for the slots
+        if frontend == "native" and frontends != 1:
+            raise ValueError(f"the native front end is one process, got frontends={frontends}")
+        ArenaLayout(settings.arena_size, frontends)  # refuses an arena too small for the slots
         if ready_timeout_s <= 0:
             raise ValueError(f"ready_timeout_s must be > 0, got {ready_timeout_s}")
+        log_level = settings.log_level
         if str(log_level).upper() not in LOG_LEVELS:
             raise ValueError(f"unknown log level, got {log_level!r}")
         self.settings = settings
+        self.frontend = frontend
         self.frontends = frontends
-        self.arena_bytes = arena_bytes
+        self.arena_bytes = settings.arena_size
         self.log_level = log_level
-        self.log_format = log_format
+        self.log_format = settings.log_format
         self.executor_command = list(executor_command)
+        if frontend_command is None:
+            frontend_command = ([str(native.binary())] if frontend == "native"
+                                else FRONTEND_COMMAND)
         self.frontend_command = list(frontend_command)
         self.policy = restart_policy if restart_policy is not None else RestartPolicy()
         self.ready_timeout_s = ready_timeout_s
@@ -226,9 +245,16 @@ class Supervisor:
             self._release()
             self.exit_code = 1
             raise
-        self._env = {**os.environ, **self._metrics.child_env()}
-        self._children = [_Child("executor", None, self._executor_argv())]
-        self._children += [_Child("frontend", slot, self._frontend_argv(slot))
+        if self.frontend == "native":
+            self._metrics.add_native_sources(
+                [self._metrics_socket(slot) for slot in range(self.frontends)])
+        # Tokens reach front ends in their handover only.
+        self._env = {k: v for k, v in {**os.environ, **self._metrics.child_env()}.items()
+                     if k not in TOKEN_ENV.values()}
+        self._children = [_Child("executor", None, self.executor_command,
+                                 self._handover_of_executor())]
+        self._children += [_Child("frontend", slot, self.frontend_command,
+                                  self._handover_of_frontend(slot))
                            for slot in range(self.frontends)]
         self._thread = threading.Thread(target=self._supervise, name="batchgate-supervisor",
                                         daemon=True)
@@ -294,7 +320,8 @@ class Supervisor:
                          model_repository=str(self.settings.model_repository),
                          **self.settings.security())
                 log.info("serving", models=self.models, grpc_port=self.grpc_port,
-                         metrics_port=self.metrics_port, frontends=self.frontends)
+                         metrics_port=self.metrics_port, frontend=self.frontend,
+                         frontends=self.frontends)
             self._started.set()
             if self.serving:
                 self._serve()
@@ -377,6 +404,8 @@ class Supervisor:
                 child.ready_deadline = None
                 if child.role == "executor":
                     self.models = list(info.get("models") or [])
+                elif self.frontend == "native":
+                    self._metrics.native_process(self._metrics_socket(child.slot), proc.pid)
         elif kind == "exit":
             _, child, proc, returncode = event
             if child.proc is not proc:
@@ -469,62 +498,47 @@ class Supervisor:
 
     # -- children ------------------------------------------------------------------------
 
-    def _executor_argv(self) -> list[str]:
-        return [*self.executor_command, *self._arena_args(),
-                "--model-repository", str(self.settings.model_repository),
-                "--drain-timeout-s", str(self.settings.drain_timeout_s),
-                "--switch-interval-s", str(self.settings.switch_interval_s),
-                *device_pool_args(self.settings), *self._log_args()]
+    def _handover_of_executor(self) -> bytes:
+        return _json({
+            "role": EXECUTOR, **self._arena_fields(), "socket": self.socket_name,
+            "settings": self._settings_for(EXECUTOR),
+        })
 
-    def _frontend_argv(self, slot: int) -> list[str]:
-        s = self.settings
-        return [*self.frontend_command, *self._arena_args(), "--slot", str(slot),
-                "--host", s.host, "--grpc-port", str(self.grpc_port),
-                "--max-message-bytes", str(s.max_message_bytes),
-                "--max-request-bytes", str(s.request_bytes_limit),
-                "--max-tensor-elements", str(s.max_tensor_elements),
-                *self._tls_args(),
-                "--drain-timeout-s", str(s.drain_timeout_s),
-                "--switch-interval-s", str(s.switch_interval_s), *self._log_args()]
+    def _handover_of_frontend(self, slot: int) -> bytes:
+        offset, size = ArenaLayout(self.arena_bytes, self.frontends).input_region(slot)
+        return _json({
+            "role": FRONTEND, "slot": slot, **self._arena_fields(),
+            "input_region": [offset, size], "executor_socket": self.socket_name,
+            "metrics_socket": self._metrics_socket(slot), "grpc_port": self.grpc_port,
+            "version": __version__, "extensions": list(SERVER_EXTENSIONS),
+            "seconds_buckets": list(SECONDS_BUCKETS),
+            "settings": self._settings_for(FRONTEND),
+        })
 
-    def _tls_args(self) -> list[str]:
-        s = self.settings
-        paths = {"--tls-cert": s.tls_cert, "--tls-key": s.tls_key,
-                 "--tls-client-ca": s.tls_client_ca}
-        # Absolute: a child could be started from another working directory.
-        return [arg for flag, path in paths.items() if path is not None
-                for arg in (flag, str(path.resolve()))]
+    def _settings_for(self, role: str) -> dict:
+        values = self.settings.handover(role)
+        # Children always log JSON at info at least: the supervisor reads their lines, drops
+        # what is below the level asked for, and renders them for a terminal itself.
+        values["log_level"] = self._child_log_level
+        return values
 
-    def _child_env(self, role: str) -> dict[str, str]:
-        """Front ends get the bearer tokens in their environment (not their command line,
-        which ``ps`` shows); the executor, which serves no RPC, gets none."""
-        env = {k: v for k, v in self._env.items() if k not in TOKEN_ENV.values()}
-        if role == "frontend":
-            for kind, name in TOKEN_ENV.items():
-                token = getattr(self.settings, f"{kind}_token")
-                if token is not None:
-                    env[name] = token
-        return env
+    def _arena_fields(self) -> dict:
+        return {"arena_fd": self._arena.fd, "arena_bytes": self.arena_bytes,
+                "slots": self.frontends}
 
-    def _arena_args(self) -> list[str]:
-        return ["--arena-fd", str(self._arena.fd), "--arena-bytes", str(self.arena_bytes),
-                "--slots", str(self.frontends), "--socket", self.socket_name]
-
-    def _log_args(self) -> list[str]:
-        # Children always log JSON: the supervisor reads their ready lines, and renders them
-        # for a terminal itself when its own format is console.
-        return ["--log-level", self._child_log_level, "--log-format", "json"]
+    def _metrics_socket(self, slot: int) -> str:
+        return f"{self.socket_name}-metrics-{slot}"
 
     def _spawn(self, child: _Child) -> None:
         try:
             proc = subprocess.Popen(
-                child.argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                env=self._child_env(child.role),
+                child.argv, stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=self._env,
                 pass_fds=(self._arena.fd,), start_new_session=True,
                 # Between fork and exec this runs only prctl and getppid: no lock that another
                 # thread could have held at fork time.
                 preexec_fn=_die_with_parent(os.getpid()),  # noqa: PLW1509
             )
+            _hand_over(proc, child.handover)
         except OSError as exc:
             log.error("child_start_failed", role=child.role, slot=child.slot, error=str(exc))
             if self._phase == "starting":
@@ -573,6 +587,25 @@ class Supervisor:
                 self._log_stream.flush()
             except (OSError, ValueError):
                 pass  # our stderr is gone; keep reading so the child never blocks on the pipe
+
+
+def _json(value: dict) -> bytes:
+    return json.dumps(value).encode()
+
+
+def _hand_over(proc: subprocess.Popen, handover: bytes) -> None:
+    """Write the child's handover to its standard input and close it. A few KiB: the pipe's
+    buffer takes it whole, whatever the child is doing. A child that exited at once (it could
+    not start) breaks the pipe: its exit is reported as any other."""
+    try:
+        proc.stdin.write(handover)
+    except BrokenPipeError:
+        pass
+    finally:
+        try:
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
 
 
 def reserve_port(host: str, port: int) -> socket.socket:

