@@ -423,11 +423,15 @@ class ServedModel:
                 self._count_failure("cancelled", [request])
             raise
 
-    def submit(self, request: InferenceRequest) -> asyncio.Future:
+    def submit(self, request: InferenceRequest, future=None) -> asyncio.Future:
         """Queue ``request``; its future resolves to its outputs (on the running loop).
 
         Refusals (unavailable, bad priority, queue full, admission control) raise at once. The
         caller that gives up on the future must call ``cancel(request)`` (``infer`` does).
+        ``future``: the caller's own (anything with ``done``, ``set_result``,
+        ``set_exception`` and ``add_done_callback``), resolved on the loop instead of a new
+        asyncio future: the executor process answers each request from there, saving a loop
+        callback per request.
         """
         if not self._accepting:
             raise ModelUnavailable(f"model '{self._spec.name}' is not serving; retry later")
@@ -454,7 +458,8 @@ class ServedModel:
         if self._admission is not None and deadline is not None:
             self._admit(request)
 
-        future = loop.create_future()
+        if future is None:
+            future = loop.create_future()
         request.future = future
         try:
             self._queue.put(request)

@@ -39,7 +39,6 @@ class InferenceRequest:
         "state",
         "future",
         "on_release",
-        "reply",
     )
 
     def __init__(
@@ -73,9 +72,6 @@ class InferenceRequest:
         # Called on the event loop when a taken request's batch has finished (its inputs may
         # live in shared memory that their owner reuses only after this).
         self.on_release: Callable[[], None] | None = None
-        # Whatever the submitter needs to answer the request (the executor process: which
-        # front end sent it, under which id); the batcher never reads it.
-        self.reply: object = None
 
     @property
     def holds_inputs(self) -> bool:

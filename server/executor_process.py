@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import gc
 import itertools
 import math
@@ -33,12 +32,12 @@ import numpy as np
 import structlog
 
 from batcher.arena import ArenaAllocator, ArenaLayout, SharedArena
-from batcher.errors import BatchgateError, ModelExecutionError, RequestCancelled
+from batcher.errors import BatchgateError, ModelExecutionError
 from batcher.memory import DevicePools, PoolSettings
 from batcher.metrics import BatcherMetrics
 from batcher.model import ServedModel
 from batcher.request import InferenceRequest
-from batcher.spec import ELEMENT_SIZES, NUMPY_DTYPES, ModelSpec
+from batcher.spec import NUMPY_DTYPES, ModelSpec
 from protos import wire_pb2
 from server import wire
 from server.codec import bytes_array, bytes_encoding
@@ -46,7 +45,7 @@ from server.control import ControlPlane
 from server.logs import announce, configure_logging
 from server.repository import READY, ModelIndexEntry, ModelRepository
 from server.settings import Settings, read_handover
-from server.status import Code, status_of
+from server.status import INTERNAL_MESSAGE, Code, status_of
 
 log = structlog.get_logger(__name__)
 
@@ -77,11 +76,29 @@ class _FrontEnd:
         except ConnectionError:
             return None
 
+    def fail(self, rid: int, released: bool, code: int, text: str) -> None:
+        out = self.out()
+        if out is not None:
+            out.failures.add(rid=rid, released=released, code=code, message=text)
+
+    def release(self, rid: int) -> None:
+        """The request's inputs are no longer read (it was answered before its batch ended)."""
+        out = self.out()
+        if out is not None:
+            out.released.append(rid)
+
 
 class _Remote:
-    """One request of a front end, in flight here."""
+    """One request of a front end in flight here, and the future the batcher resolves for it.
 
-    __slots__ = ("front", "rid", "model", "request", "outputs", "answered")
+    Resolving it is answering it, on the spot: a result was described by ``_on_results``
+    just before (the batch's outputs are written once for all its requests); an error goes
+    into the front end's frame as a Failure. No asyncio future, and no loop callback, per
+    request.
+    """
+
+    __slots__ = ("front", "rid", "model", "request", "outputs", "answered", "_done",
+                 "_callbacks")
 
     def __init__(self, front: _FrontEnd, rid: int, model: ServedModel,
                  request: InferenceRequest, outputs: tuple[int, ...]) -> None:
@@ -91,12 +108,62 @@ class _Remote:
         self.request = request
         self.outputs = outputs  # indexes into the model's outputs
         self.answered = False
+        self._done = False
+        self._callbacks: list | None = None
+
+    # -- what the batcher calls (the part of asyncio.Future's interface it uses) ---------------
+
+    def done(self) -> bool:
+        return self._done
+
+    def cancelled(self) -> bool:
+        return False
+
+    def add_done_callback(self, callback) -> None:
+        if self._done:
+            callback(self)
+        elif self._callbacks is None:
+            self._callbacks = [callback]
+        else:
+            self._callbacks.append(callback)
+
+    def set_result(self, _outputs) -> None:
+        if not self.answered:  # results go through _on_results: this is a bug of ours
+            log.error("result_without_batch", request=self.request.id)
+            self.set_exception(ModelExecutionError(INTERNAL_MESSAGE))
+            return
+        self._finish()
+
+    def set_exception(self, error: BaseException) -> None:
+        if not self.answered:
+            self.answered = True
+            if not isinstance(error, BatchgateError):
+                log.error("executor_request_failed", request=self.request.id, exc_info=error)
+                error = ModelExecutionError(INTERNAL_MESSAGE)
+            code, text = status_of(error)
+            request = self.request
+            released = not request.holds_inputs
+            if not released:
+                # Expired or cancelled while its batch runs: the batch may still read the
+                # inputs; the front end reuses them once told.
+                front, rid = self.front, self.rid
+                request.on_release = lambda: front.release(rid)
+            self.front.fail(self.rid, released, code, text)
+        self._finish()
+
+    def _finish(self) -> None:
+        self._done = True
+        self.front.requests.pop(self.rid, None)
+        callbacks, self._callbacks = self._callbacks, None
+        for callback in callbacks or ():
+            callback(self)
 
 
 class ExecutorServer:
     def __init__(self, arena: SharedArena, layout: ArenaLayout,
                  metrics: BatcherMetrics | None = None) -> None:
         self._arena = arena
+        self._buffer = arena.buffer
         self._layout = layout
         self._outputs = ArenaAllocator(*layout.output_region())
         self._references: dict[int, int] = {}  # output block -> references held by front ends
@@ -104,7 +171,8 @@ class ExecutorServer:
         self._in_use = metrics.arena_bytes_in_use.labels("output")
         self._fronts: set[_FrontEnd] = set()
         self._calls: set[asyncio.Task] = set()
-        self._handles: dict[int, ServedModel] = {}  # READY handle -> its model
+        # READY handle -> its model, and its inputs' dtypes
+        self._handles: dict[int, tuple[ServedModel, tuple]] = {}
         self._handle_of: dict[str, tuple[int, ServedModel]] = {}  # name -> current handle
         self._next_handle = itertools.count(1)
         self.repository: ModelRepository | None = None
@@ -138,7 +206,7 @@ class ExecutorServer:
                 self._handles.pop(current[0], None)
             current = (next(self._next_handle), model)
             self._handle_of[name] = current
-            self._handles[current[0]] = model
+            self._handles[current[0]] = (model, _input_dtypes(model.spec))
             model.on_results = self._on_results
         state.handle = current[0]
         _describe(model.spec, state.spec)
@@ -210,16 +278,17 @@ class ExecutorServer:
 
     def _infer(self, front: _FrontEnd, message: wire_pb2.Infer) -> None:
         rid = message.rid
-        model = self._handles.get(message.model)
-        if model is None:
-            self._fail(front, rid, True, Code.UNAVAILABLE, STALE_HANDLE_MESSAGE)
+        served = self._handles.get(message.model)
+        if served is None:
+            front.fail(rid, True, Code.UNAVAILABLE, STALE_HANDLE_MESSAGE)
             return
+        model, dtypes = served
         spec = model.spec
         try:
-            arrays = self._arrays(front, spec, message.inputs)
+            arrays = self._arrays(front, spec, dtypes, message.inputs)
         except ValueError as exc:  # a front end's bug: its descriptors do not fit the model
             log.error("bad_descriptor", slot=front.slot, model=spec.name, error=str(exc))
-            self._fail(front, rid, True, Code.INTERNAL,
+            front.fail(rid, True, Code.INTERNAL,
                        "internal error: the front end described the request's tensors wrongly")
             return
         batching = spec.batching.max_batch_size > 0
@@ -234,94 +303,55 @@ class ExecutorServer:
         )
         remote = _Remote(front, rid, model, request,
                          outputs or tuple(range(len(spec.outputs))))
-        request.reply = remote
         try:
-            future = model.submit(request)
+            model.submit(request, remote)
         except BatchgateError as exc:
-            code, text = status_of(exc)
-            self._fail(front, rid, True, code, text)
+            front.fail(rid, True, *status_of(exc))
             return
         front.requests[rid] = remote
-        # A callback, not a task per request: this loop is on the hot path.
-        future.add_done_callback(functools.partial(self._settled, remote))
 
-    def _arrays(self, front: _FrontEnd, spec: ModelSpec, tensors) -> list[np.ndarray]:
+    def _arrays(self, front: _FrontEnd, spec: ModelSpec, dtypes, tensors) -> list[np.ndarray]:
+        """Views of the request's tensors in the front end's region (BYTES decoded)."""
         if len(tensors) != len(spec.inputs):
             raise ValueError(f"{len(tensors)} tensors for {len(spec.inputs)} inputs")
         start, end = front.region
         arrays = []
-        for tensor, tspec in zip(tensors, spec.inputs):
+        for tensor, (dtype, datatype) in zip(tensors, dtypes):
             offset, nbytes, shape = tensor.offset, tensor.nbytes, tuple(tensor.shape)
             if offset < start or offset + nbytes > end:
                 raise ValueError(f"{nbytes} bytes at {offset} lie outside the front end's "
                                  f"region [{start}, {end})")
-            size = ELEMENT_SIZES.get(tspec.datatype)
-            if size is None:  # BYTES: decoded here, into the numpy object array models take
+            if dtype is None:  # BYTES: decoded here, into the numpy object array models take
                 arrays.append(bytes_array(self._arena.read(offset, nbytes), shape))
                 continue
-            if math.prod(shape) * size != nbytes:
-                raise ValueError(f"shape {list(shape)} of {tspec.datatype} is not {nbytes} bytes")
-            arrays.append(self._arena.array(offset, NUMPY_DTYPES[tspec.datatype], shape))
+            count = math.prod(shape)
+            if count * dtype.itemsize != nbytes or min(shape, default=0) < 0:
+                raise ValueError(f"shape {list(shape)} of {datatype} is not {nbytes} bytes")
+            # The arena's checks, done above once for the whole request.
+            arrays.append(np.frombuffer(self._buffer, dtype, count, offset).reshape(shape))
         return arrays
+
 
     def _cancel(self, front: _FrontEnd, rid: int) -> None:
         remote = front.requests.get(rid)
         if remote is not None:
             remote.model.cancel(remote.request)
 
-    def _settled(self, remote: _Remote, future: asyncio.Future) -> None:
-        """A request's future is done: answer it, unless its batch's results already did."""
-        front = remote.front
-        front.requests.pop(remote.rid, None)
-        if remote.answered or front.closed:
-            return
-        remote.answered = True
-        if future.cancelled():
-            error: BaseException = RequestCancelled("the request was cancelled")
-        else:
-            error = future.exception()
-            if error is None:  # results go through _on_results: this is a bug of ours
-                log.error("result_without_batch", request=remote.request.id)
-                error = ModelExecutionError("internal error in the executor; its log has the "
-                                            "details")
-            elif not isinstance(error, BatchgateError):
-                log.error("executor_request_failed", request=remote.request.id, exc_info=error)
-                error = ModelExecutionError("internal error in the executor; its log has the "
-                                            "details")
-        code, text = status_of(error)
-        request = remote.request
-        released = not request.holds_inputs
-        if not released:
-            # Expired or cancelled while its batch runs: the batch may still read the inputs.
-            rid = remote.rid
-            request.on_release = lambda: self._released(front, rid)
-        self._fail(front, remote.rid, released, code, text)
-
-    def _released(self, front: _FrontEnd, rid: int) -> None:
-        out = front.out()
-        if out is not None:
-            out.released.append(rid)
-
-    def _fail(self, front: _FrontEnd, rid: int, released: bool, code: int, text: str) -> None:
-        out = front.out()
-        if out is not None:
-            out.failures.add(rid=rid, released=released, code=code, message=text)
-
     # -- a batch's results ---------------------------------------------------------------------
 
     def _on_results(self, requests: list[InferenceRequest], outputs: list[np.ndarray],
                     results: list[dict[str, np.ndarray]]) -> None:
         """Write the batch's outputs into the arena once and describe each request's rows."""
-        live = [(index, request.reply) for index, request in enumerate(requests)
-                if not request.future.done() and isinstance(request.reply, _Remote)
-                and not request.reply.front.closed]
+        live = [(index, request.future) for index, request in enumerate(requests)
+                if isinstance(request.future, _Remote) and not request.future.done()
+                and not request.future.front.closed]
         if not live:
             return
         spec = live[0][1].model.spec
-        wanted = sorted({k for _, remote in live for k in remote.outputs})
-        blocks: dict[int, int] = {}
+        wanted = {k for _, remote in live for k in remote.outputs}
+        blocks: dict[int, int] = {}  # output index -> the block holding the whole batch's
         try:
-            for k in wanted:
+            for k in sorted(wanted):
                 if spec.outputs[k].datatype != "BYTES":
                     blocks[k] = self._write(outputs[k])
         except _OutputRegionFull as full:
@@ -329,45 +359,64 @@ class ExecutorServer:
                 self._outputs.free(block)
             self._fail_all(live, full.error)
             return
-        # Where each request's rows start: requests lie in the batch in order.
+        # A request's rows of an output: requests lie in the batch in order, each its rows.
+        split = spec.batching.max_batch_size > 0 and len(requests) > 1
         starts = list(itertools.accumulate((r.batch_size for r in requests), initial=0))
-        batching = spec.batching.max_batch_size > 0
-        references = collections.Counter()
+        row_bytes = {k: outputs[k].nbytes // max(len(outputs[k]), 1) for k in blocks}
+        held: collections.Counter[tuple[_FrontEnd, int]] = collections.Counter()
         for index, remote in live:
             out = remote.front.out()
             if out is None:
                 continue
-            result = out.results.add(rid=remote.rid, released=not remote.request.holds_inputs)
-            for k in remote.outputs:
-                array = outputs[k]
-                if k not in blocks:  # BYTES: each request's own encoding, in its own block
-                    try:
-                        block, nbytes = self._write_bytes(
-                            results[index][spec.outputs[k].name])
-                    except _OutputRegionFull as full:
-                        del out.results[-1]
-                        self._fail(remote.front, remote.rid, True, *full.status)
-                        break
-                    offset, shape = block, results[index][spec.outputs[k].name].shape
-                else:
-                    block = blocks[k]
-                    if batching and len(requests) > 1:
-                        row_bytes = array.nbytes // max(len(array), 1)
-                        rows = remote.request.batch_size
-                        offset = block + starts[index] * row_bytes
-                        nbytes, shape = rows * row_bytes, (rows, *array.shape[1:])
-                    else:
-                        offset, nbytes, shape = block, array.nbytes, array.shape
-                result.outputs.add(block=block, offset=offset, nbytes=nbytes, shape=shape)
-                references[block] += 1
-                remote.front.blocks[block] += 1
+            try:
+                described = self._describe_rows(remote, index, spec, outputs, results, blocks,
+                                                starts if split else None, row_bytes)
+            except _OutputRegionFull as full:
+                remote.answered = True
+                remote.front.fail(remote.rid, not remote.request.holds_inputs, *full.status)
+                continue
+            add = out.results.add(rid=remote.rid,
+                                  released=not remote.request.holds_inputs).outputs.add
+            for block, offset, nbytes, shape in described:
+                add(block=block, offset=offset, nbytes=nbytes, shape=shape)
+                held[remote.front, block] += 1
             remote.answered = True
-        for block in blocks.values():
-            if not references[block]:
-                self._outputs.free(block)
-        for block, count in references.items():
+        referenced = set()
+        for (front, block), count in held.items():
+            front.blocks[block] += count
             self._references[block] = self._references.get(block, 0) + count
+            referenced.add(block)
+        for block in blocks.values():
+            if block not in referenced:
+                self._outputs.free(block)
         self._in_use.set(self._outputs.bytes_in_use)
+
+    def _describe_rows(self, remote: _Remote, index: int, spec: ModelSpec,
+                       outputs: list[np.ndarray], results: list[dict[str, np.ndarray]],
+                       blocks: dict[int, int], starts: list[int] | None,
+                       row_bytes: dict[int, int]) -> list[tuple]:
+        """``(block, offset, nbytes, shape)`` of each output the request asked for. A BYTES
+        output has no fixed rows: the request's own encoding goes into a block of its own."""
+        described = []
+        for k in remote.outputs:
+            block = blocks.get(k)
+            if block is None:
+                array = results[index][spec.outputs[k].name]
+                try:
+                    block, nbytes = self._write_bytes(array)
+                except _OutputRegionFull:
+                    for own in described:
+                        if own[0] not in blocks.values():
+                            self._outputs.free(own[0])
+                    raise
+                described.append((block, block, nbytes, array.shape))
+            elif starts is not None:
+                rows, size = remote.request.batch_size, row_bytes[k]
+                described.append((block, block + starts[index] * size, rows * size,
+                                  (rows, *outputs[k].shape[1:])))
+            else:
+                described.append((block, block, outputs[k].nbytes, outputs[k].shape))
+        return described
 
     def _write(self, array: np.ndarray) -> int:
         block = self._outputs.alloc(array.nbytes)
@@ -388,17 +437,22 @@ class ExecutorServer:
         code, text = status_of(error)
         for _, remote in live:
             remote.answered = True
-            self._fail(remote.front, remote.rid, not remote.request.holds_inputs, code, text)
+            remote.front.fail(remote.rid, not remote.request.holds_inputs, code, text)
 
     def _free(self, front: _FrontEnd, blocks) -> None:
-        for block in blocks:
-            if front.blocks[block] <= 0:
+        # A batch's requests share a block and are usually freed in one frame: one update each.
+        for block, count in collections.Counter(blocks).items():
+            holding = front.blocks.get(block, 0)
+            if holding < count:
                 log.error("bad_free", slot=front.slot, block=block)
-                continue
-            front.blocks[block] -= 1
-            if not front.blocks[block]:
+                count = holding
+                if not count:
+                    continue
+            if holding == count:
                 del front.blocks[block]
-            self._drop_references(block, 1)
+            else:
+                front.blocks[block] = holding - count
+            self._drop_references(block, count)
         self._in_use.set(self._outputs.bytes_in_use)
 
     def _drop_references(self, block: int, count: int) -> None:
@@ -435,6 +489,12 @@ class _OutputRegionFull(Exception):
             f"the executor's shared-memory output region is full ({in_use} bytes in use); "
             "retry later")
         self.status = status_of(self.error)
+
+
+def _input_dtypes(spec: ModelSpec) -> tuple[tuple[np.dtype | None, str], ...]:
+    """Per input, its numpy dtype (None for BYTES) and datatype."""
+    return tuple((None if t.datatype == "BYTES" else NUMPY_DTYPES[t.datatype], t.datatype)
+                 for t in spec.inputs)
 
 
 def _describe(spec: ModelSpec, into: wire_pb2.ModelSpec) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -356,8 +357,9 @@ class Load:
 
 
 class RunningServer:
-    """A server under test: ``mode`` "single" (one process: the server runs on a thread here)
-    or "multi" (the supervisor, an executor process and front-end processes)."""
+    """A server under test: ``mode`` "single" (one process: the server runs on a thread here),
+    "python" (the supervisor, an executor process and Python front-end processes) or "native"
+    (the supervisor, an executor process and the native front end)."""
 
     def __init__(self, mode: str, grpc_port: int, metrics_port: int, gate: Gate, stop) -> None:
         self.mode = mode
@@ -368,6 +370,10 @@ class RunningServer:
         self.gateway: Gateway | None = None  # single mode only
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread: threading.Thread | None = None
+
+    @property
+    def multiprocess(self) -> bool:
+        return self.mode != "single"
 
     @property
     def address(self) -> str:
@@ -499,15 +505,35 @@ class ServeProcess:
             raise
 
 
+def native_or_skip() -> None:
+    """Skip the test, saying why, when the native front end is not built; fail instead where
+    it must be ($BATCHGATE_REQUIRE_NATIVE, which CI sets: a broken build must not pass)."""
+    from server import native
+
+    reason = native.unavailable_reason()
+    if reason is None:
+        return
+    if os.environ.get("BATCHGATE_REQUIRE_NATIVE"):
+        pytest.fail(f"$BATCHGATE_REQUIRE_NATIVE is set and {reason}")
+    pytest.skip(reason)
+
+
 def start_multiprocess_server(repository: Path, gate: Gate | None = None, frontends: int = 2,
                               extra_args: tuple[str, ...] = (),
-                              env: dict[str, str] | None = None) -> RunningServer:
-    """The supervisor with an executor process and ``frontends`` front-end processes;
-    ``extra_args``: further ``serve`` flags; ``env``: the server's whole environment."""
+                              env: dict[str, str] | None = None,
+                              frontend: str = "python") -> RunningServer:
+    """The supervisor with an executor process and its front end: ``frontends`` Python
+    processes, or (``frontend`` "native") the native one; ``extra_args``: further ``serve``
+    flags; ``env``: the server's whole environment."""
+    if frontend == "native":
+        native_or_skip()
+        processes = ["--frontend", "native"]
+    else:
+        processes = ["--frontend", "python", "--frontends", str(frontends)]
     # The supervisor runs apart from the test process on purpose: it forks its children, and a
     # fork of a process whose threads are inside gRPC (the tests' clients) is not safe.
     supervisor = ServeProcess(
-        "serve", "--frontends", str(frontends), "--host", "127.0.0.1", "--grpc-port", "0",
+        "serve", *processes, "--host", "127.0.0.1", "--grpc-port", "0",
         "--metrics-port", "0", "--model-repository", str(repository),
         "--arena-bytes", str(256 << 20), "--drain-timeout-s", "10", "--log-format", "json",
         "--no-gc-freeze", *extra_args, env=env)
@@ -521,7 +547,7 @@ def start_multiprocess_server(repository: Path, gate: Gate | None = None, fronte
         code = supervisor.stop()
         assert code == 0, f"the supervisor exited {code}"
 
-    running = RunningServer("multi", serving["grpc_port"], serving["metrics_port"], gate, stop)
+    running = RunningServer(frontend, serving["grpc_port"], serving["metrics_port"], gate, stop)
     running.supervisor = supervisor
     return running
 
@@ -582,11 +608,22 @@ def model_repository(tmp_path_factory, gate) -> Path:
     return write_test_repository(tmp_path_factory.mktemp("models"), gate.dir)
 
 
-@pytest.fixture(scope="session", params=["single", "multi"])
+SERVER_MODES = ("single", "python", "native")
+
+
+def start_in_mode(mode: str, repository: Path, gate: Gate | None = None,
+                  **overrides) -> RunningServer:
+    """A server of ``mode`` (SERVER_MODES). ``overrides``: settings of the single-process
+    server (``Settings`` fields), or ``extra_args``/``env``/``frontends`` of the others."""
+    if mode == "single":
+        return start_server(repository, gate, **overrides)
+    return start_multiprocess_server(repository, gate, frontend=mode, **overrides)
+
+
+@pytest.fixture(scope="session", params=SERVER_MODES)
 def server(request, model_repository, gate) -> RunningServer:
-    """The server in both modes: every test that uses it runs against each."""
-    start = start_server if request.param == "single" else start_multiprocess_server
-    running = start(model_repository, gate)
+    """The server in every mode: every test that uses it runs against each."""
+    running = start_in_mode(request.param, model_repository, gate)
     yield running
     gate.open()
     running.stop()

@@ -10,13 +10,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import inference_pb2_grpc
-from tests.conftest import poll, start_multiprocess_server, start_server
+from tests.conftest import SERVER_MODES, poll, start_in_mode
 from tests.test_server import infer_request
 
 
-@pytest.mark.parametrize("start", [start_server, start_multiprocess_server], ids=["single", "multi"])
-def test_stop_answers_queued_requests_and_refuses_new_ones(model_repository, gate, start):
-    server = start(model_repository, gate)
+@pytest.mark.parametrize("mode", SERVER_MODES)
+def test_stop_answers_queued_requests_and_refuses_new_ones(model_repository, gate, mode):
+    server = start_in_mode(mode, model_repository, gate)
     stopping = None
     try:
         with grpc.insecure_channel(server.address) as channel:

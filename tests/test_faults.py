@@ -112,7 +112,7 @@ def test_a_hung_batch_fails_with_the_limit_named_and_the_instance_keeps_serving(
             np.testing.assert_array_equal(answer(reply), np.full((1, 2), value + 1))
     finally:
         unhang.touch()
-    if server.mode == "multi":
+    if server.multiprocess:
         # The hung batch's inputs live in the shared arena: freed once its call returned.
         poll(lambda: server.metric("batchgate_arena_bytes_in_use") == 0, WAIT_S,
              "the abandoned batch's arena blocks to be released")

@@ -262,14 +262,14 @@ def check_answer(request: pb.ModelInferRequest, mutations: int, call) -> None:
 @pytest.fixture(scope="module")
 def fuzz_target(server):
     """The server, a channel to it, and valid traffic from other threads the whole time."""
-    restarts = server.metric("batchgate_child_restarts_total") if server.mode == "multi" else 0
+    restarts = server.metric("batchgate_child_restarts_total") if server.multiprocess else 0
     with grpc.insecure_channel(server.address) as channel, \
             Load(server.address, clients=2, max_s=1800) as load:
         yield inference_pb2_grpc.GRPCInferenceServiceStub(channel)
         load.progress(5, 60, "valid traffic after the fuzzing")
     assert load.wrong == 0 and not load.failures, (load.failures, load.failure_details[:3])
     assert load.ok > 0
-    if server.mode == "multi":  # no process died and was started again
+    if server.multiprocess:  # no process died and was started again
         assert server.metric("batchgate_child_restarts_total") == restarts
 
 

@@ -35,6 +35,7 @@ from batcher.spec import BatchingConfig, ModelSpec, TensorSpec
 from clients import BatchgateError, Client
 from tests.conftest import (
     EXAMPLE_MODELS,
+    SERVER_MODES,
     ServeProcess,
     poll,
     reference,
@@ -187,7 +188,7 @@ def log_dir(tmp_path) -> Path:
     return tmp_path
 
 
-@pytest.fixture(scope="module", params=["single", "multi"])
+@pytest.fixture(scope="module", params=SERVER_MODES)
 def gpu_server(request, tmp_path_factory):
     """A server of ``write_gpu_repository``; ``.log_dir`` holds what its test models wrote."""
     log_dir = tmp_path_factory.mktemp(f"gpu-path-logs-{request.param}")
@@ -195,7 +196,7 @@ def gpu_server(request, tmp_path_factory):
     if request.param == "single":
         running = start_server(repository)
     else:
-        running = start_multiprocess_server(repository)
+        running = start_multiprocess_server(repository, frontend=request.param)
     running.log_dir = log_dir
     yield running
     (log_dir / "closed").unlink(missing_ok=True)

@@ -24,7 +24,7 @@ from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
 from server.codec import RequestLimits, decode_request
 from server.errors import MAX_MESSAGE_BYTES, status_of
-from tests.conftest import start_multiprocess_server, start_server
+from tests.conftest import SERVER_MODES, start_multiprocess_server, start_server
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_ELEMENTS = 1000
@@ -157,10 +157,10 @@ def test_limit_settings_are_checked():
         assert done.returncode == 2 and "got 0" in done.stderr, done.stderr
 
 
-# -- a server with small limits, in both modes ------------------------------------------------
+# -- a server with small limits, in every mode ------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["single", "multi"])
+@pytest.fixture(scope="module", params=SERVER_MODES)
 def limited(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("limited")
     (root / "pair" / "1").mkdir(parents=True)
@@ -170,7 +170,7 @@ def limited(request, tmp_path_factory):
         running = start_server(root, max_tensor_elements=MAX_ELEMENTS,
                                max_request_bytes=MAX_REQUEST_BYTES, max_message_bytes=MAX_MESSAGE)
     else:
-        running = start_multiprocess_server(root, frontends=1, extra_args=(
+        running = start_multiprocess_server(root, frontends=1, frontend=request.param, extra_args=(
             "--max-tensor-elements", str(MAX_ELEMENTS),
             "--max-request-bytes", str(MAX_REQUEST_BYTES),
             "--max-message-bytes", str(MAX_MESSAGE)))

@@ -35,7 +35,9 @@ from tests.conftest import (
     EXAMPLE_MODELS,
     FAILING_CONFIG,
     FAILING_MODEL,
+    SERVER_MODES,
     ServeProcess,
+    native_or_skip,
     reference,
     start_server,
 )
@@ -72,18 +74,23 @@ class Secured:
                       root_certificates=self.pki["ca"], token=token, **certs, **kw)
 
 
-@pytest.fixture(scope="module", params=["single", "multi"])
+@pytest.fixture(scope="module", params=SERVER_MODES)
 def secured(request, tmp_path_factory, pki):
     root = tmp_path_factory.mktemp(f"secured-{request.param}")
     repository = small_repository(root / "models")
     token_file = root / "infer-token"
     token_file.write_text(INFER_TOKEN + "\n")
     env = {**os.environ, "BATCHGATE_ADMIN_TOKEN": ADMIN_TOKEN}
+    processes = {"single": ["--frontend", "python", "--frontends", "0"],
+                 "python": ["--frontend", "python", "--frontends", "1",
+                            "--arena-bytes", str(64 << 20)],
+                 "native": ["--frontend", "native", "--arena-bytes", str(64 << 20)]}
+    if request.param == "native":
+        native_or_skip()
     process = ServeProcess(
-        "serve", "--frontends", "0" if request.param == "single" else "1",
+        "serve", *processes[request.param],
         "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0",
         "--model-repository", str(repository),
-        *([] if request.param == "single" else ["--arena-bytes", str(64 << 20)]),
         "--tls-cert", str(pki["server_cert"]), "--tls-key", str(pki["server_key"]),
         "--tls-client-ca", str(pki["ca"]), "--infer-token-file", str(token_file),
         "--log-level", "debug", "--log-format", "json", "--no-gc-freeze",
