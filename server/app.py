@@ -22,6 +22,7 @@ from protos import inference_pb2, inference_pb2_grpc
 from server import auth, tls
 from server.codec import RequestLimits
 from server.control import ControlPlane
+from server.logs import runtime_facts
 from server.metrics import ServerMetrics
 from server.repository import ModelRepository
 from server.service import InferenceService
@@ -112,7 +113,7 @@ class Gateway:
         self.service.set_ready(True)
         await self.health.set("", SERVING)
         await self.health.set(SERVICE_NAME, SERVING)
-        log.info("serving", models=self.repository.ready_models())
+        log.info("serving", models=self.repository.ready_models(), **runtime_facts())
 
     async def stop(self, drain_timeout_s: float | None = None) -> None:
         """Drain and stop: NOT_SERVING first, then finish what was accepted, then close."""

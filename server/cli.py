@@ -24,7 +24,7 @@ import structlog
 
 from server import native
 from server.logs import configure_logging
-from server.settings import TOKEN_ENV, Settings
+from server.settings import TOKEN_ENV, Settings, check_devices
 from server.supervisor import Supervisor
 
 log = structlog.get_logger(__name__)
@@ -149,6 +149,10 @@ async def serve(settings: Settings) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # gRPC core writes its own diagnostics to stderr, in a format of its own (a TLS client
+    # that fails its handshake is an INFO line): only errors, unless asked, so that a JSON log
+    # stays JSON lines. Set before any process of the server loads gRPC; children inherit it.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     if argv[:1] == ["bench"]:
         # Imported here: serve's supervisor must not load grpc (it forks), nor rich.
         from bench.loadgen.cli import main as bench
@@ -169,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         supervisor = None
         if frontends > 0:
             supervisor = Supervisor(settings, frontend=frontend, frontends=frontends)
+        else:
+            check_devices(settings)
     except ValueError as exc:
         parser.error(str(exc))
     if why is not None and settings.frontend == "auto":

@@ -42,9 +42,9 @@ from protos import wire_pb2
 from server import wire
 from server.codec import bytes_array, bytes_encoding
 from server.control import ControlPlane
-from server.logs import announce, configure_logging
+from server.logs import announce, configure_logging, runtime_facts
 from server.repository import READY, ModelIndexEntry, ModelRepository
-from server.settings import Settings, read_handover
+from server.settings import Settings, check_devices, read_handover
 from server.status import INTERNAL_MESSAGE, Code, status_of
 
 log = structlog.get_logger(__name__)
@@ -507,8 +507,13 @@ def _describe(spec: ModelSpec, into: wire_pb2.ModelSpec) -> None:
             target.add(name=tensor.name, datatype=tensor.datatype, dims=tensor.dims)
 
 
-async def run(handover: dict) -> None:
+async def run(handover: dict) -> int:
     settings = Settings.handed_over(handover["settings"])
+    try:
+        check_devices(settings)
+    except ValueError as exc:
+        log.error("settings_refused", error=str(exc))
+        return 2
     arena = SharedArena.attach(handover["arena_fd"], handover["arena_bytes"])
     # On a GPU the arena is the pinned staging area: host-to-device copies start from it.
     if arena.pin():
@@ -529,7 +534,8 @@ async def run(handover: dict) -> None:
         gc.collect()
         gc.freeze()
     ready = [e.name for e in repository.index() if e.state == READY]
-    announce("executor_ready", models=ready, socket=handover["socket"], pid=os.getpid())
+    announce("executor_ready", models=ready, socket=handover["socket"], pid=os.getpid(),
+             **runtime_facts())
 
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -540,14 +546,14 @@ async def run(handover: dict) -> None:
     await repository.close(settings.drain_timeout_s)
     listener.close()
     log.info("executor_stopped")
+    return 0
 
 
 def main() -> int:
     handover = read_handover()
     configure_logging(handover["settings"]["log_level"], "json")
     structlog.contextvars.bind_contextvars(role="executor")
-    asyncio.run(run(handover))
-    return 0
+    return asyncio.run(run(handover))
 
 
 if __name__ == "__main__":

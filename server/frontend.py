@@ -22,7 +22,7 @@ import structlog
 
 from batcher.arena import SharedArena
 from server.app import Gateway
-from server.logs import announce, configure_logging
+from server.logs import announce, configure_logging, runtime_facts
 from server.remote import RemoteRepository
 from server.settings import Settings, read_handover
 
@@ -43,7 +43,8 @@ async def run(handover: dict) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     await gateway.start()
-    announce("frontend_ready", slot=slot, grpc_port=gateway.grpc_port, pid=os.getpid())
+    announce("frontend_ready", slot=slot, grpc_port=gateway.grpc_port, pid=os.getpid(),
+             **runtime_facts())
     await stopping.wait()
     await gateway.stop()
 

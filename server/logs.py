@@ -24,11 +24,14 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
         if fmt == "json"
         else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     )
+    shared = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
     structlog.configure(
         processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            *shared,
             structlog.processors.StackInfoRenderer(),
             structlog.processors.format_exc_info,
             renderer,
@@ -37,7 +40,23 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
-    logging.basicConfig(level=numeric, stream=sys.stderr, format="%(levelname)s %(name)s %(message)s")
+    # Libraries' lines (asyncio, grpc) in the same format: a JSON log stays all JSON.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    structlog.processors.format_exc_info, renderer]))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(numeric)
+
+
+def runtime_facts() -> dict[str, object]:
+    """What this Python process runs with, as the settings made it: in the ready lines, so
+    that tests and operators see the effect, not only the flag."""
+    import gc
+
+    return {"gc_frozen": gc.get_freeze_count() > 0, "switch_interval_s": sys.getswitchinterval()}
 
 
 def announce(event: str, **fields) -> None:

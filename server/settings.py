@@ -330,6 +330,19 @@ class Settings:
         return settings
 
 
+def check_devices(settings: Settings) -> None:
+    """Refuse, in the process that holds the models, the settings its devices cannot act on
+    (ValueError saying why). It imports torch: only a process that serves calls it."""
+    if settings.device_pool_fraction is not None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "--device-pool-fraction sizes the pools of CUDA devices, and this machine has "
+                f"none; give --device-pool-bytes, got --device-pool-fraction "
+                f"{settings.device_pool_fraction}")
+
+
 def fields_for(role: str) -> list[str]:
     """The names of the settings a ``role`` process acts on."""
     return [f.name for f in dataclasses.fields(Settings) if role in f.metadata["roles"]]

@@ -62,9 +62,39 @@ def test_killed_front_end_loses_only_its_requests_and_comes_back(mlp_only):
     assert dev_shm() == before_shm
 
 
-def test_killed_executor_answers_unavailable_then_serves_again(mlp_only):
+def test_killed_native_front_end_is_restarted_and_its_counts_carry_over(mlp_only):
     before_shm = dev_shm()
-    server = start_multiprocess_server(mlp_only, frontends=2)
+    server = start_multiprocess_server(mlp_only, frontend="native")
+    try:
+        [old] = pids(server, "frontend").values()
+        # One front end: while it restarts the port refuses connections; retries bridge that.
+        retry = RetryPolicy(max_attempts=30, initial_backoff_s=0.05, max_backoff_s=0.5)
+        with Load(server.address, retry=retry) as load:
+            poll(lambda: load.answered() > 50, what="load running")
+            counted = server.metric("batchgate_requests_total", model="mlp", status="OK")
+            answered_before = load.answered()  # >= counted: the scrape came first
+            os.kill(old, signal.SIGKILL)
+            poll(lambda: pids(server, "frontend").get(0) not in (None, old), 60,
+                 "the native front end restarted")
+            served = load.answered()
+            poll(lambda: load.answered() > served + 50, 60, "serving after the restart")
+        print(f"native front-end kill: ok={load.ok} failures={dict(load.failures)}")
+        poll(lambda: server.metric("batchgate_arena_bytes_in_use") == 0, 30, "arena empty")
+        assert load.wrong == 0 and not load.failures
+        # What the dead process counted up to the last scrape before it died is kept, beside
+        # everything the new one answered (each answer after the kill came from it).
+        total = server.metric("batchgate_requests_total", model="mlp", status="OK")
+        assert total >= counted + (load.ok - answered_before)
+        assert server.metric("batchgate_child_restarts_total", role="frontend") == 1
+    finally:
+        server.stop()
+    assert dev_shm() == before_shm
+
+
+@pytest.mark.parametrize("frontend", ["python", "native"])
+def test_killed_executor_answers_unavailable_then_serves_again(mlp_only, frontend):
+    before_shm = dev_shm()
+    server = start_multiprocess_server(mlp_only, frontends=2, frontend=frontend)
     try:
         old = pids(server, "executor")[None]
         with Load(server.address) as load, grpc.insecure_channel(server.address) as channel:

@@ -1,0 +1,386 @@
+"""Every ``batchgate serve`` flag has its effect, in every mode — or is refused where the mode
+does not act on it.
+
+One server per mode, started with every flag set away from its default, then each flag's
+effect checked from outside: what the server answers, what it listens on, what its processes
+report they run with (their ready lines read the interpreter's own state), what ``/proc``
+shows. ``CHECKED`` lists the flags the checks cover; a flag added to ``Settings`` and not here
+fails ``test_every_flag_is_checked``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import urllib.request
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from clients import BatchgateError, Client, RetryPolicy
+from protos import inference_pb2 as pb
+from server import cli
+from tests.conftest import SERVER_MODES, ServeProcess, native_or_skip
+
+ROOT = Path(__file__).resolve().parent.parent
+ADMIN_TOKEN = "admin-" + "a" * 26
+INFER_TOKEN = "infer-" + "b" * 26
+MAX_MESSAGE = 1 << 20
+MAX_REQUEST = 8192
+MAX_ELEMENTS = 4096
+POOL_BYTES = 4096
+ARENA_BYTES = 96 << 20
+DRAIN_S = 7.0
+SWITCH_S = 0.002
+THREADS = 3
+NO_RETRY = RetryPolicy(max_attempts=1)
+
+# ``vec``: y = x over any length (limits are tried on it); ``fixed``: y = x + 1 over [256],
+# whose buffers do not fit a 4096-byte pool (the permissive pool allocates them outside).
+VEC_CONFIG = """
+name: "vec"
+backend: "pytorch"
+max_batch_size: 8
+input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] } ]
+parameters { key: "warmup" value: { string_value: "false" } }
+"""
+FIXED_CONFIG = """
+name: "fixed"
+backend: "pytorch"
+max_batch_size: 8
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 256 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 256 ] } ]
+"""
+MODEL = """
+import torch
+
+
+class Plus(torch.nn.Module):
+    def __init__(self, k):
+        super().__init__()
+        self.k = k
+
+    def forward(self, x):
+        return x + self.k
+
+
+def build_model(parameters):
+    return Plus(float(parameters.get("k", "0")))
+"""
+
+# Flag -> what shows it acted (the checks below). Per mode, the flags that mode acts on.
+CHECKED = {
+    "--host": "listens on 127.0.0.1 only",
+    "--grpc-port": "listens on the port given",
+    "--metrics-port": "serves /metrics on the port given",
+    "--model-repository": "serves that repository's models",
+    "--max-message-bytes": "a larger message is RESOURCE_EXHAUSTED",
+    "--max-request-bytes": "larger inputs are RESOURCE_EXHAUSTED, naming the flag",
+    "--max-tensor-elements": "a larger tensor is RESOURCE_EXHAUSTED, naming the flag",
+    "--no-reflection": "reflection is UNIMPLEMENTED",
+    "--tls-cert": "the port speaks TLS",
+    "--tls-key": "the port speaks TLS",
+    "--tls-client-ca": "a client without a certificate is refused",
+    "--admin-token-file": "the index needs the admin token",
+    "--infer-token-file": "inference needs the infer token",
+    "--device-pool-bytes": "the CPU's pool reserves that many bytes",
+    "--device-pool-fraction": "refused on a machine without CUDA",
+    "--device-pool-permissive": "what does not fit the pool is allocated outside it",
+    "--frontend": "the front end processes that run",
+    "--frontends": "how many Python front ends run; refused with the native one",
+    "--frontend-threads": "the native front end's gRPC threads; refused with Python",
+    "--arena-bytes": "the executor's arena size; refused with one process",
+    "--drain-timeout-s": "every process drains with it",
+    "--switch-interval-s": "the Python processes' GIL switch interval",
+    "--no-gc-freeze": "the Python processes' garbage collector is not frozen",
+    "--log-level": "debug lines are written",
+    "--log-format": "every line is JSON",
+}
+
+
+def serve_flags() -> list[str]:
+    parser = argparse.ArgumentParser()
+    cli.add_serve_arguments(parser)
+    return [opt for action in parser._actions for opt in action.option_strings
+            if opt.startswith("--") and opt != "--help"]
+
+
+def test_every_flag_is_checked():
+    assert sorted(serve_flags()) == sorted(CHECKED)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def repository(root: Path) -> Path:
+    for name, config, k in (("vec", VEC_CONFIG, "0"), ("fixed", FIXED_CONFIG, "1")):
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "config.pbtxt").write_text(
+            textwrap.dedent(config)
+            + f'parameters {{ key: "k" value: {{ string_value: "{k}" }} }}\n')
+        (root / name / "1" / "model.py").write_text(MODEL)
+    return root
+
+
+class Running:
+    def __init__(self, mode: str, process: ServeProcess, grpc_port: int, metrics_port: int,
+                 pki: dict) -> None:
+        self.mode, self.process, self.pki = mode, process, pki
+        self.grpc_port, self.metrics_port = grpc_port, metrics_port
+        self.address = f"127.0.0.1:{grpc_port}"
+
+    def client(self, token: str | None = INFER_TOKEN, client_cert: bool = True) -> Client:
+        certs = dict(certificate_chain=self.pki["client_cert"],
+                     private_key=self.pki["client_key"]) if client_cert else {}
+        return Client(self.address, timeout_s=30, retry=NO_RETRY, token=token,
+                      root_certificates=self.pki["ca"], **certs)
+
+    def channel(self) -> grpc.Channel:
+        read = lambda key: Path(self.pki[key]).read_bytes()  # noqa: E731
+        credentials = grpc.ssl_channel_credentials(read("ca"), read("client_key"),
+                                                   read("client_cert"))
+        return grpc.secure_channel(self.address, credentials)
+
+    def ready_lines(self) -> list[dict]:
+        """The lines each process says it is ready with (the single process: ``serving``)."""
+        if self.mode == "single":
+            return [self.process.wait_for("serving")]
+        return [e for e in self.process.events
+                if e.get("event") in ("executor_ready", "frontend_ready")]
+
+
+@pytest.fixture(scope="module", params=SERVER_MODES)
+def running(request, tmp_path_factory, pki):
+    mode = request.param
+    if mode == "native":
+        native_or_skip()
+    root = tmp_path_factory.mktemp(f"settings-{mode}")
+    models = repository(root / "models")
+    for role, token in (("admin", ADMIN_TOKEN), ("infer", INFER_TOKEN)):
+        (root / role).write_text(token)
+    grpc_port, metrics_port = free_port(), free_port()
+    processes = {"single": ["--frontend", "python", "--frontends", "0"],
+                 "python": ["--frontend", "python", "--frontends", "1",
+                            "--arena-bytes", str(ARENA_BYTES)],
+                 "native": ["--frontend", "native", "--frontend-threads", str(THREADS),
+                            "--arena-bytes", str(ARENA_BYTES)]}[mode]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHGATE_")}
+    if os.environ.get("BATCHGATE_NATIVE_FRONTEND"):
+        env["BATCHGATE_NATIVE_FRONTEND"] = os.environ["BATCHGATE_NATIVE_FRONTEND"]
+    process = ServeProcess(
+        "serve", *processes, "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
+        "--metrics-port", str(metrics_port), "--model-repository", str(models),
+        "--max-message-bytes", str(MAX_MESSAGE), "--max-request-bytes", str(MAX_REQUEST),
+        "--max-tensor-elements", str(MAX_ELEMENTS), "--no-reflection",
+        "--tls-cert", str(pki["server_cert"]), "--tls-key", str(pki["server_key"]),
+        "--tls-client-ca", str(pki["ca"]), "--admin-token-file", str(root / "admin"),
+        "--infer-token-file", str(root / "infer"), "--device-pool-bytes", str(POOL_BYTES),
+        "--device-pool-permissive", "--drain-timeout-s", str(DRAIN_S),
+        "--switch-interval-s", str(SWITCH_S), "--no-gc-freeze", "--log-level", "debug",
+        "--log-format", "json", env=env)
+    try:
+        process.wait_for("serving")
+    except BaseException:
+        process.proc.kill()
+        raise
+    yield Running(mode, process, grpc_port, metrics_port, pki)
+    if process.proc.poll() is None:
+        process.stop()
+
+
+def code_of(call) -> grpc.StatusCode | None:
+    try:
+        call()
+    except BatchgateError as exc:
+        return exc.code
+    except grpc.RpcError as exc:
+        return exc.code()
+    return None
+
+
+def test_the_network_flags(running):
+    # --host, --grpc-port, --metrics-port: both ports listen on 127.0.0.1 alone.
+    listening = _listening()
+    assert listening[running.grpc_port] == {"127.0.0.1"}
+    assert listening[running.metrics_port] == {"127.0.0.1"}
+    text = urllib.request.urlopen(f"http://127.0.0.1:{running.metrics_port}/metrics",
+                                  timeout=10).read().decode()
+    assert any(f.name == "batchgate_pool_bytes_reserved"
+               for f in text_string_to_metric_families(text))
+    # --no-reflection.
+    with running.channel() as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        answers = stub.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+            metadata=[("authorization", f"Bearer {INFER_TOKEN}")], timeout=30)
+        assert code_of(lambda: next(answers)) is grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_the_limits(running):
+    with running.client() as client:
+        assert client.infer("vec", {"X": np.ones((1, 8), np.float32)})["Y"].shape == (1, 8)
+        big = np.zeros((1, (MAX_MESSAGE // 4) + 1024), np.float32)
+        assert code_of(lambda: client.infer("vec", {"X": big})) is (
+            grpc.StatusCode.RESOURCE_EXHAUSTED)
+        over_bytes = np.zeros((1, MAX_REQUEST // 4 + 1), np.float32)  # fewer elements than
+        with pytest.raises(BatchgateError) as info:                    # the element limit
+            client.infer("vec", {"X": over_bytes})
+        assert info.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"--max-request-bytes {MAX_REQUEST}" in str(info.value)
+        with pytest.raises(BatchgateError) as info:
+            client.infer("vec", {"X": np.zeros((2, MAX_ELEMENTS // 2 + 1), np.float32)})
+        assert info.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"--max-tensor-elements {MAX_ELEMENTS}" in str(info.value)
+
+
+def test_the_security_flags(running):
+    # --tls-cert / --tls-key: plaintext gets no answer; --tls-client-ca: nor TLS without a
+    # client certificate; --infer-token-file and --admin-token-file: each RPC its token.
+    with grpc.insecure_channel(running.address) as plain:
+        ready = plain.unary_unary("/inference.GRPCInferenceService/ServerReady",
+                                  request_serializer=pb.ServerReadyRequest.SerializeToString,
+                                  response_deserializer=pb.ServerReadyResponse.FromString)
+        assert code_of(lambda: ready(pb.ServerReadyRequest(), timeout=10)) is (
+            grpc.StatusCode.UNAVAILABLE)
+    with running.client(client_cert=False) as uncertified:
+        assert code_of(lambda: uncertified.server_ready()) is grpc.StatusCode.UNAVAILABLE
+    x = {"X": np.ones((1, 4), np.float32)}
+    with running.client(token=None) as anonymous:
+        assert code_of(lambda: anonymous.infer("vec", x)) is grpc.StatusCode.UNAUTHENTICATED
+    with running.client(token=INFER_TOKEN) as inferer:
+        assert code_of(lambda: inferer.infer("vec", x)) is None
+        assert code_of(lambda: inferer.repository_index()) is grpc.StatusCode.PERMISSION_DENIED
+    with running.client(token=ADMIN_TOKEN) as admin:
+        assert {m.name for m in admin.repository_index()} == {"vec", "fixed"}  # the repository
+
+
+def test_the_device_pool_flags(running):
+    # --device-pool-bytes: the CPU's pool; --device-pool-permissive: ``fixed``'s buffers do not
+    # fit it and went outside, counted, instead of refusing the model.
+    samples = _scrape(running)
+    assert samples[("batchgate_pool_bytes_reserved", (("device", "cpu"),))] == POOL_BYTES
+    assert samples[("batchgate_pool_fallbacks_total", (("device", "cpu"),))] > 0
+    with running.client() as client:
+        assert client.model_ready("fixed")
+
+
+def test_the_process_flags(running):
+    ready = running.ready_lines()
+    # --switch-interval-s and --no-gc-freeze, in every Python process that serves.
+    python_lines = [e for e in ready if e.get("role") != "frontend" or running.mode == "python"]
+    python_lines = [e for e in python_lines if "switch_interval_s" in e]
+    assert python_lines and all(e["switch_interval_s"] == SWITCH_S for e in python_lines)
+    assert all(e["gc_frozen"] is False for e in python_lines)
+    if running.mode == "single":
+        return
+    # --frontend, --frontends, --frontend-threads: the processes that run.
+    frontends = running.process.pids("frontend")
+    assert len(frontends) == 1
+    [pid] = frontends.values()
+    command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    if running.mode == "native":
+        assert b"batchgate-frontend" in command
+        workers = [t for t in Path(f"/proc/{pid}/task").iterdir()
+                   if (t / "comm").read_text().startswith("bg-worker")]
+        assert len(workers) == THREADS
+    else:
+        assert b"server.frontend" in command
+    # --arena-bytes: the executor's memfd.
+    [executor] = running.process.pids("executor").values()
+    sizes = {os.stat(f"/proc/{executor}/fd/{fd}").st_size
+             for fd in os.listdir(f"/proc/{executor}/fd")
+             if os.readlink(f"/proc/{executor}/fd/{fd}").startswith("/memfd:batchgate-arena")}
+    assert sizes == {ARENA_BYTES}
+
+
+def test_the_log_flags_and_the_drain(running):
+    with running.client() as client:  # a refusal is logged, at debug only
+        assert code_of(lambda: client.infer("nope", {"X": np.ones((1, 1), np.float32)}))
+    assert running.process.stop() == 0
+    # --log-format json: every line; --log-level debug: debug lines were written.
+    lines = [line for line in running.process.lines if line.strip()]
+    assert len(running.process.events) == len(lines), [
+        line for line in lines if not line.startswith(b"{")]
+    assert any(e.get("level") == "debug" for e in running.process.events)
+    # --drain-timeout-s: each process drained with it.
+    drains = [e for e in running.process.events
+              if e.get("event") in ("draining", "executor_draining")]
+    roles = {e.get("role", "supervisor") for e in drains}
+    assert roles == ({"supervisor"} if running.mode == "single"
+                     else {"supervisor", "executor", "frontend"})
+    assert all(e["drain_timeout_s"] == DRAIN_S for e in drains)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--frontend", "python", "--frontend-threads", "2"], "--frontend-threads sizes the native"),
+    (["--frontend", "native", "--frontends", "2"], "--frontends counts Python front-end"),
+    (["--frontends", "0", "--arena-bytes", str(64 << 20)], "one process (--frontends 0) has none"),
+    (["--frontends", "0", "--device-pool-fraction", "0.5"], "--device-pool-fraction sizes"),
+])
+def test_flags_the_mode_does_not_act_on_are_refused(args, message):
+    if "--device-pool-fraction" in args:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a CUDA device is present: the fraction is acted on")
+    if "native" in args:
+        native_or_skip()
+    done = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--grpc-port", "0",
+                           "--metrics-port", "-1", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert message in done.stderr
+
+
+def test_the_fraction_is_refused_by_the_executor_process_too(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the fraction is acted on")
+    process = ServeProcess("serve", "--frontends", "1", "--grpc-port", "0", "--metrics-port",
+                           "-1", "--model-repository", str(repository(tmp_path / "models")),
+                           "--device-pool-fraction", "0.5", "--log-format", "json")
+    assert process.proc.wait(120) == 1
+    refused = [e for e in process.events if e.get("event") == "settings_refused"]
+    assert refused and "--device-pool-fraction sizes" in refused[0]["error"]
+
+
+def _listening() -> dict[int, set[str]]:
+    """Listening TCP sockets: port -> local addresses (IPv4-mapped IPv6 ones as IPv4: gRPC
+    binds 127.0.0.1 as ::ffff:127.0.0.1)."""
+    found: dict[int, set[str]] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state = fields[1], fields[3]
+            if state != "0A":  # LISTEN
+                continue
+            address, port = local.split(":")
+            raw = bytes.fromhex(address)
+            # /proc prints each 32-bit word in host (little-endian) order.
+            words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            if len(words) == 16 and words[:12] == bytes(10) + b"\xff\xff":
+                words = words[12:]
+            ip = socket.inet_ntop(socket.AF_INET if len(words) == 4 else socket.AF_INET6, words)
+            found.setdefault(int(port, 16), set()).add(ip)
+    return found
+
+
+def _scrape(running: Running) -> dict:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{running.metrics_port}/metrics",
+                                  timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
