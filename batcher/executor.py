@@ -111,7 +111,8 @@ def default_plan(spec: ModelSpec) -> ExecutorPlan:
 
 class Batch:
     __slots__ = ("id", "requests", "reason", "samples", "bucket", "slot", "tensors", "ready",
-                 "done", "staged", "graph", "taken_at", "started_at", "finished_at", "input_ns")
+                 "done", "staged", "graph", "taken_at", "started_at", "finished_at", "input_ns",
+                 "model_cpu_ns")
 
     def __init__(self, batch_id: int, requests: list[InferenceRequest], reason: str) -> None:
         self.id = batch_id
@@ -129,6 +130,7 @@ class Batch:
         self.started_at: float | None = None  # when its compute began (monotonic)
         self.finished_at: float | None = None  # when its answers were handed on (monotonic)
         self.input_ns = 0
+        self.model_cpu_ns = 0  # CPU time of the thread that ran the forward, inside it
 
 
 class Outcome:
@@ -647,6 +649,13 @@ class Executor:
         return host
 
     def _run(self, batch: Batch) -> list[torch.Tensor]:
+        started = time.thread_time_ns()
+        try:
+            return self._run_model(batch)
+        finally:
+            batch.model_cpu_ns += time.thread_time_ns() - started
+
+    def _run_model(self, batch: Batch) -> list[torch.Tensor]:
         rows = batch.samples
         if batch.graph:
             outputs = self._graphs.replay(batch.bucket, batch.tensors)

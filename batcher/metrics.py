@@ -47,6 +47,12 @@ class BatcherMetrics:
             "batchgate_compute_seconds", "Time to run one batch: inputs, model, outputs.",
             ["model"], registry=r, buckets=SECONDS_BUCKETS,
         )
+        self.model_cpu_seconds = Counter(
+            "batchgate_model_cpu_seconds",
+            "CPU time of the executor threads inside the model's forward (on a GPU: the launch "
+            "work); with the process's CPU time, what the server spends outside the model.",
+            ["model"], registry=r,
+        )
         self.batch_size = Histogram(
             "batchgate_batch_size", "Samples per executed batch.",
             ["model"], registry=r, buckets=BATCH_SIZE_BUCKETS,
@@ -172,6 +178,7 @@ class ModelMetrics:
     def __init__(self, metrics: BatcherMetrics, model: str) -> None:
         self.queue_seconds = metrics.queue_seconds.labels(model)
         self.compute_seconds = metrics.compute_seconds.labels(model)
+        self.model_cpu_seconds = metrics.model_cpu_seconds.labels(model)
         self.batch_size = metrics.batch_size.labels(model)
         self.batches = {reason: metrics.batches.labels(model, reason) for reason in DISPATCH_REASONS}
         self.queue_depth = metrics.queue_depth.labels(model)

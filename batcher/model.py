@@ -673,6 +673,7 @@ class ServedModel:
         compute_s = (batch.input_ns + infer_ns + output_ns) / 1e9
         self._publish_profile(self.profile.record(batch.samples, compute_s))
         if metrics is not None:
+            metrics.model_cpu_seconds.inc(batch.model_cpu_ns / 1e9)
             metrics.batch_size.observe(batch.samples)
             metrics.batches[batch.reason].inc()
             metrics.compute_seconds.observe(compute_s)

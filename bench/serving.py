@@ -1,23 +1,30 @@
-"""The serving benchmark: the gateway against the same model in a tight in-process loop.
+"""The serving benchmark: the gateway in each of its modes against the same model in a tight
+in-process loop, in one run.
 
-One run, one machine, the model on one intra-op thread in both:
+One run, one machine, the model on one intra-op thread everywhere:
 
 1. the in-process ceiling (``bench.inprocess``, in a subprocess): samples/s at batch 64 and the
    per-call p50 at batch 1;
-2. the server as a subprocess on loopback, serving only the measured model;
-3. the load generator, closed loop at concurrency 1 and 64: ``batchgate bench`` (the default) or
-   Triton's ``perf_analyzer`` (``--load-generator perf_analyzer``, gRPC, synchronous), with the server's
-   ``/metrics`` and CPU time read around each step;
-4. SIGTERM, checking the server exits 0, then the in-process figures again: the machine is
-   shared, so the ceiling is the mean of before and after and both are shown.
+2. per mode (``--modes``: the native front end, Python front-end processes, one process), the
+   server as a subprocess on loopback, serving only the measured model;
+3. per load generator (``--load-generators``: ``batchgate bench`` and Triton's
+   ``perf_analyzer``, gRPC, synchronous), closed loop at concurrency 1 and 64, with the server's
+   ``/metrics`` and the CPU time of each of its processes and threads (``/proc``) read around
+   each step;
+4. SIGTERM, checking the server exits 0; at the end the in-process figures again: the machine
+   is shared, so the ceiling is the mean of before and after and both are shown.
 
-Figures, as DESIGN.md's "Measuring performance" asks (ratios within one run):
+Figures (ratios within one run):
 
 - ratio: throughput at c=64 ÷ in-process samples/s at batch 64;
 - p99 at c=64;
-- added p50: p50 at c=1 minus the in-process batch-1 time.
+- added p50: p50 at c=1 minus the in-process batch-1 time;
+- CPU per request outside the model at c=64: the server's processes' CPU time less the time the
+  executor threads spent inside the model's forward (``batchgate_model_cpu_seconds_total``),
+  per request answered; the executor's share alone, and the front end's;
+- the front end's threads: how one client channel's load spreads over them.
 
-    python -m bench.serving [--model mlp] [--seconds-per-step 4] [--json FILE]
+    python -m bench.serving [--modes native,python,single] [--seconds-per-step 4] [--json FILE]
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ from bench._perf_analyzer import (
     run_perf_analyzer,
 )
 from protos import inference_pb2, inference_pb2_grpc
+from server import native
 
 __all__ = ["PerfRow", "main", "parse_metrics", "parse_perf_analyzer_csv"]
 
@@ -64,10 +72,31 @@ HIGH_CONCURRENCY = 64
 CEILING_BATCH = 64
 THREADS = 1
 
-# Targets for the single-process serving path on a 2-core machine (the issue's figures).
-TARGET_RATIO = 0.45
-TARGET_P99_MS = 50.0
-TARGET_ADDED_P50_MS = 1.0
+MODES = ("native", "python", "single")
+MODE_ARGS = {
+    "native": ["--frontend", "native"],
+    "python": ["--frontend", "python", "--frontends", "2"],
+    "single": ["--frontend", "python", "--frontends", "0"],
+}
+LOAD_GENERATORS = ("bench", "perf_analyzer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Targets:
+    """What a mode is held to on a 2-core machine."""
+
+    ratio: float
+    p99_ms: float
+    added_p50_ms: float
+    outside_model_us: float | None = None  # server CPU per request outside the model
+    executor_us: float | None = None  # the executor's part of it
+
+
+TARGETS = {
+    "native": Targets(0.7, 35.0, 0.5, outside_model_us=100.0, executor_us=40.0),
+    "python": Targets(0.45, 50.0, 1.0),
+    "single": Targets(0.45, 50.0, 1.0),
+}
 
 SERVER_START_TIMEOUT_S = 120.0
 SERVER_STOP_TIMEOUT_S = 60.0
@@ -98,15 +127,50 @@ def machine() -> dict[str, Any]:
     }
 
 
-def _stat_fields(pid: int) -> list[str]:
-    text = Path(f"/proc/{pid}/stat").read_text()
+def _stat_fields(pid: int, task: Path | None = None) -> list[str]:
+    text = ((task or Path(f"/proc/{pid}")) / "stat").read_text()
     # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
     return text[text.rindex(")") + 2:].split()
 
 
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` and its live descendants (the multi-process
-    server's executor and front ends), all threads, from ``/proc/PID/stat``."""
+def process_tree(pid: int) -> dict[int, str]:
+    """``pid`` and its live descendants, each with its role: supervisor / executor / frontend
+    (the server of one process: "server")."""
+    children = _children()
+    roles, todo = {}, [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            command = Path(f"/proc/{current}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"server.executor_process" in command:
+            roles[current] = "executor"
+        elif b"server.frontend" in command or b"batchgate-frontend" in command:
+            roles[current] = "frontend"
+        else:
+            roles[current] = "supervisor"
+        todo.extend(children.get(current, ()))
+    if len(roles) == 1:
+        roles[pid] = "server"
+    return roles
+
+
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds of each thread of ``pid``, by ``name:tid``."""
+    threads = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = _stat_fields(int(task.name), task)
+            name = (task / "comm").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        threads[f"{name}:{task.name}"] = (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    return threads
+
+
+def _children() -> dict[int, list[int]]:
+    """Every process's children, from ``/proc``."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -114,6 +178,13 @@ def process_cpu_s(pid: int) -> float:
                 children.setdefault(int(_stat_fields(int(entry.name))[1]), []).append(int(entry.name))
             except (OSError, ValueError):
                 continue
+    return children
+
+
+def process_cpu_s(pid: int, descendants: bool = True) -> float:
+    """User + system CPU seconds of ``pid`` (and of its live descendants: the multi-process
+    server's executor and front ends), all threads, from ``/proc/PID/stat``."""
+    children = _children() if descendants else {}
     total, todo = 0.0, [pid]
     while todo:
         current = todo.pop()
@@ -295,11 +366,14 @@ class Step:
     perf: PerfRun  # from either load generator; perf.cpu_s is the load generator's CPU
     batches: float
     samples: float
+    answered: float  # requests the server answered OK during the step
     compute_s: float
+    model_cpu_s: float  # the executor threads' CPU inside the model's forward
     queue_waits: float
     queue_s: float
     reasons: dict[str, float]
-    server_cpu_s: float
+    cpu_s: dict[str, float]  # per role: supervisor, executor, frontend (one process: server)
+    frontend_threads_s: dict[str, float]  # the front end's threads (one front end, or none)
     machine_busy_s: float
 
     @property
@@ -315,6 +389,10 @@ class Step:
         return self.queue_s * 1e3 / self.queue_waits if self.queue_waits else None
 
     @property
+    def server_cpu_s(self) -> float:
+        return sum(self.cpu_s.values())
+
+    @property
     def server_cores(self) -> float:
         return self.server_cpu_s / self.perf.wall_s
 
@@ -327,6 +405,38 @@ class Step:
         """Cores busy with anything but the server and perf_analyzer: the shared machine's noise."""
         return max(0.0, self.machine_busy_s / self.perf.wall_s - self.server_cores - self.perf_analyzer_cores)
 
+    def per_request_us(self, seconds: float) -> float | None:
+        return seconds / self.answered * 1e6 if self.answered else None
+
+    @property
+    def outside_model_us(self) -> float | None:
+        """The server's CPU per request answered, less the model's forward."""
+        return self.per_request_us(self.server_cpu_s - self.model_cpu_s)
+
+    @property
+    def executor_us(self) -> float | None:
+        """The executor process's CPU per request outside the model (multi-process modes)."""
+        if "executor" not in self.cpu_s:
+            return None
+        return self.per_request_us(self.cpu_s["executor"] - self.model_cpu_s)
+
+    @property
+    def frontend_us(self) -> float | None:
+        if "frontend" not in self.cpu_s:
+            return None
+        return self.per_request_us(self.cpu_s["frontend"])
+
+    def thread_spread(self) -> dict[str, Any] | None:
+        """How the front end's CPU spread over its threads: the busy ones (over 5 % of it) and
+        the largest share."""
+        total = sum(self.frontend_threads_s.values())
+        if not total:
+            return None
+        shares = sorted(((v / total, k) for k, v in self.frontend_threads_s.items()), reverse=True)
+        return {"busy_threads": sum(1 for share, _ in shares if share > 0.05),
+                "largest_share": shares[0][0],
+                "shares": {name: round(share, 3) for share, name in shares if share > 0.01}}
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "concurrency": self.concurrency,
@@ -335,13 +445,20 @@ class Step:
             "wall_s": self.perf.wall_s,
             "load_command": self.perf.command,
             "batches": self.batches,
+            "answered": self.answered,
             "mean_batch_size": self.mean_batch,
             "mean_compute_ms": self.mean_compute_ms,
             "mean_queue_ms": self.mean_queue_ms,
             "dispatch_reasons": self.reasons,
+            "cpu_s": self.cpu_s,
+            "model_cpu_s": self.model_cpu_s,
             "server_cores": self.server_cores,
             "load_generator_cores": self.perf_analyzer_cores,
             "other_cores": self.other_cores,
+            "outside_model_us_per_request": self.outside_model_us,
+            "executor_us_per_request": self.executor_us,
+            "frontend_us_per_request": self.frontend_us,
+            "frontend_threads": self.thread_spread(),
         }
 
 
@@ -415,12 +532,22 @@ def run_bench_cli(url: str, model: str, concurrency: int, seconds: float,
     return PerfRun(row=row, stability_percentage=0.0, wall_s=wall_s, cpu_s=cpu_s, command=command)
 
 
-def load_step(server: ServerProcess, concurrency: int, seconds: float, args: argparse.Namespace
-              ) -> Step:
+def load_step(server: ServerProcess, load_generator: str, concurrency: int, seconds: float,
+              args: argparse.Namespace) -> Step:
     name = server.model
     url = f"127.0.0.1:{server.grpc_port}"
-    before, cpu_before, busy_before = server.scrape(), process_cpu_s(server.pid), machine_busy_s()
-    if args.load_generator == "perf_analyzer":
+
+    def cpu() -> tuple[dict[str, float], dict[str, float]]:
+        roles = process_tree(server.pid)
+        by_role: dict[str, float] = {}
+        for pid, role in roles.items():
+            by_role[role] = by_role.get(role, 0.0) + process_cpu_s(pid, descendants=False)
+        frontends = [pid for pid, role in roles.items() if role == "frontend"]
+        threads = thread_cpu_s(frontends[0]) if len(frontends) == 1 else {}
+        return by_role, threads
+
+    before, (cpu_before, threads_before), busy_before = server.scrape(), cpu(), machine_busy_s()
+    if load_generator == "perf_analyzer":
         perf = run_perf_analyzer(
             url=url, model=name, concurrency=concurrency,
             measurement_interval_ms=int(seconds * 1000), perf_analyzer=args.perf_analyzer,
@@ -428,18 +555,21 @@ def load_step(server: ServerProcess, concurrency: int, seconds: float, args: arg
     else:
         perf = run_bench_cli(url, name, concurrency, seconds,
                              f"http://127.0.0.1:{server.metrics_port}/metrics")
-    after, cpu_after, busy_after = server.scrape(), process_cpu_s(server.pid), machine_busy_s()
+    after, (cpu_after, threads_after), busy_after = server.scrape(), cpu(), machine_busy_s()
 
     def delta(key: str) -> float:
         return after.get(key, 0.0) - before.get(key, 0.0)
 
-    # Counted over perf_analyzer's whole run (warm-up and unstable windows included).
+    # Counted over the load generator's whole run (warm-up and unstable windows included),
+    # the same span as the CPU times.
     return Step(
         concurrency=concurrency,
         perf=perf,
         batches=delta("batchgate_batch_size_count"),
         samples=delta("batchgate_batch_size_sum"),
+        answered=delta("batchgate_requests_total{status=OK}"),
         compute_s=delta("batchgate_compute_seconds_sum"),
+        model_cpu_s=delta("batchgate_model_cpu_seconds_total"),
         queue_waits=delta("batchgate_queue_seconds_count"),
         queue_s=delta("batchgate_queue_seconds_sum"),
         reasons={
@@ -447,7 +577,8 @@ def load_step(server: ServerProcess, concurrency: int, seconds: float, args: arg
             for key in sorted(set(before) | set(after))
             if key.startswith(_REASON_PREFIX) and delta(key)
         },
-        server_cpu_s=cpu_after - cpu_before,
+        cpu_s={role: cpu_after.get(role, 0.0) - cpu_before.get(role, 0.0) for role in cpu_after},
+        frontend_threads_s={k: v - threads_before.get(k, 0.0) for k, v in threads_after.items()},
         machine_busy_s=busy_after - busy_before,
     )
 
@@ -462,46 +593,94 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _say(f"in-process ceiling (before), {seconds:g} s per batch size ...")
     before = measure_inprocess(repository, args.model, seconds)
 
-    steps: list[Step] = []
+    modes: dict[str, dict[str, Any]] = {}
+    config = None
     with single_model_repository(repository, args.model, args.parameter) as serving_repository:
-        _say("starting the server ...")
-        server = ServerProcess(serving_repository, args.model, args.server_arg)
-        try:
-            server.wait_serving()
-            config = server.model_config()
-            for concurrency in (1, HIGH_CONCURRENCY):
-                _say(f"{args.load_generator} at concurrency {concurrency}, {seconds:g} s ...")
-                steps.append(load_step(server, concurrency, seconds, args))
-        except BaseException:
-            server.stop()
-            raise
-        exit_code = server.stop()
-    if exit_code != 0:
-        raise BenchError(f"the server exited {exit_code} after SIGTERM:\n{server.log_tail()}")
+        for mode in args.modes:
+            if mode == "native" and native.unavailable_reason() is not None:
+                modes[mode] = {"skipped": native.unavailable_reason()}
+                _say(f"{mode}: skipped: {modes[mode]['skipped']}")
+                continue
+            _say(f"{mode}: starting the server ...")
+            server = ServerProcess(serving_repository, args.model,
+                                   [*MODE_ARGS[mode], *args.server_arg])
+            steps: dict[str, list[Step]] = {}
+            try:
+                server.wait_serving()
+                config = server.model_config()
+                for generator in args.load_generators:
+                    steps[generator] = []
+                    for concurrency in (1, HIGH_CONCURRENCY):
+                        _say(f"{mode}: {generator} at concurrency {concurrency}, {seconds:g} s ...")
+                        steps[generator].append(load_step(server, generator, concurrency,
+                                                          seconds, args))
+            except BaseException:
+                server.stop()
+                raise
+            exit_code = server.stop()
+            if exit_code != 0:
+                raise BenchError(f"the {mode} server exited {exit_code} after SIGTERM:\n"
+                                 f"{server.log_tail()}")
+            modes[mode] = {"steps": steps, "server_command": server.command,
+                           "exit_code": exit_code}
 
     _say("in-process ceiling (after) ...")
     after = measure_inprocess(repository, args.model, seconds)
-    return summarize(args, before, after, steps, config, server, exit_code, time.monotonic() - started)
+    return summarize(args, before, after, modes, config, time.monotonic() - started)
 
 
 def summarize(
     args: argparse.Namespace,
     before: dict[int, dict[str, Any]],
     after: dict[int, dict[str, Any]],
-    steps: list[Step],
+    modes: dict[str, dict[str, Any]],
     config: Any,
-    server: ServerProcess,
-    exit_code: int,
     wall_s: float,
 ) -> dict[str, Any]:
     """Every figure of the run; ``config`` is the model's ModelConfig as the server reports it."""
-    low, high = steps
     ceiling = _mean(before[CEILING_BATCH]["samples_per_s"], after[CEILING_BATCH]["samples_per_s"])
     batch1_ms = _mean(before[1]["batch_p50_ms"], after[1]["batch_p50_ms"])
-    ratio = high.perf.row.throughput_per_s / ceiling
-    added_p50 = low.perf.row.p50_ms - batch1_ms
-    params = {key: value.string_value for key, value in config.parameters.items()}
-    dynamic = config.dynamic_batching if config.HasField("dynamic_batching") else None
+    params = {key: value.string_value for key, value in config.parameters.items()} if config else {}
+    dynamic = config.dynamic_batching if config is not None and config.HasField("dynamic_batching") else None
+    results: dict[str, Any] = {}
+    for mode, measured in modes.items():
+        if "skipped" in measured:
+            results[mode] = measured
+            continue
+        target = TARGETS[mode]
+        by_generator = {}
+        for generator, (low, high) in measured["steps"].items():
+            ratio = high.perf.row.throughput_per_s / ceiling
+            added_p50 = low.perf.row.p50_ms - batch1_ms
+            checks = {
+                "ratio": (ratio, target.ratio, ratio >= target.ratio),
+                "c64_p99_ms": (high.perf.row.p99_ms, target.p99_ms,
+                               high.perf.row.p99_ms <= target.p99_ms),
+                "added_p50_ms": (added_p50, target.added_p50_ms, added_p50 <= target.added_p50_ms),
+            }
+            for key, value, limit in (("outside_model_us", high.outside_model_us,
+                                       target.outside_model_us),
+                                      ("executor_us", high.executor_us, target.executor_us)):
+                if limit is not None and value is not None:
+                    checks[key] = (value, limit, value <= limit)
+            by_generator[generator] = {
+                "steps": [low.as_dict(), high.as_dict()],
+                "figures": {
+                    "c64_throughput_per_s": high.perf.row.throughput_per_s,
+                    "ratio": ratio,
+                    "c64_p99_ms": high.perf.row.p99_ms,
+                    "c1_p50_ms": low.perf.row.p50_ms,
+                    "added_p50_ms": added_p50,
+                    "outside_model_us": high.outside_model_us,
+                    "executor_us": high.executor_us,
+                    "frontend_us": high.frontend_us,
+                },
+                "targets": {key: {"value": v, "target": t, "pass": ok}
+                            for key, (v, t, ok) in checks.items()},
+            }
+        results[mode] = {"load_generators": by_generator,
+                         "server_command": measured["server_command"],
+                         "server_exit_code": measured["exit_code"]}
     return {
         "machine": machine(),
         "model": args.model,
@@ -511,45 +690,26 @@ def summarize(
             "torch": before[CEILING_BATCH]["torch"],
             "inprocess_threads": THREADS,
             "server_intra_op_threads": params.get("INTRA_OP_THREAD_COUNT"),
-            "max_batch_size": config.max_batch_size,
+            "max_batch_size": config.max_batch_size if config else None,
             "preferred_batch_sizes": list(dynamic.preferred_batch_size) if dynamic else None,
             "max_queue_delay_us": dynamic.max_queue_delay_microseconds if dynamic else None,
             "max_inflight_batches": params.get("max_inflight_batches"),
             "server_args": args.server_arg,
-            "load_generator": args.load_generator,
             "seconds_per_step": args.seconds_per_step,
-            "server_command": server.command,
         },
         "inprocess": {"before": before, "after": after},
-        "steps": [s.as_dict() for s in steps],
-        "figures": {
-            "ceiling_samples_per_s": ceiling,
-            "c64_throughput_per_s": high.perf.row.throughput_per_s,
-            "ratio": ratio,
-            "c64_p99_ms": high.perf.row.p99_ms,
-            "c1_p50_ms": low.perf.row.p50_ms,
-            "inprocess_batch1_ms": batch1_ms,
-            "added_p50_ms": added_p50,
-        },
-        "targets": {
-            "ratio": {"target": TARGET_RATIO, "pass": ratio >= TARGET_RATIO},
-            "c64_p99_ms": {"target": TARGET_P99_MS, "pass": high.perf.row.p99_ms <= TARGET_P99_MS},
-            "added_p50_ms": {"target": TARGET_ADDED_P50_MS, "pass": added_p50 <= TARGET_ADDED_P50_MS},
-        },
-        "server_exit_code": exit_code,
+        "ceiling_samples_per_s": ceiling,
+        "inprocess_batch1_ms": batch1_ms,
+        "modes": results,
         "wall_s": wall_s,
     }
 
 
 def render(report: dict[str, Any]) -> str:
-    m, s, f, t = report["machine"], report["settings"], report["figures"], report["targets"]
+    m, s = report["machine"], report["settings"]
     before, after = report["inprocess"]["before"], report["inprocess"]["after"]
-    low, high = report["steps"]
     b64, a64 = before[str(CEILING_BATCH)], after[str(CEILING_BATCH)]
     b1, a1 = before["1"], after["1"]
-
-    def verdict(key: str) -> str:
-        return "pass" if t[key]["pass"] else "short"
 
     def opt(value: float | None, fmt: str) -> str:
         return "n/a" if value is None else format(value, fmt)
@@ -559,37 +719,6 @@ def render(report: dict[str, Any]) -> str:
         f"preferred {s['preferred_batch_sizes']}, max queue delay {delay} µs"
         if delay is not None else "no dynamic batching"
     )
-    rows = [
-        ("ceiling, in-process batch 64", f"{f['ceiling_samples_per_s']:,.0f} samples/s",
-         f"before {b64['samples_per_s']:,.0f}, after {a64['samples_per_s']:,.0f}", ""),
-        ("in-process batch-1 time (p50)", f"{f['inprocess_batch1_ms']:.2f} ms",
-         f"before {b1['batch_p50_ms']:.2f}, after {a1['batch_p50_ms']:.2f}", ""),
-        ("c=64 throughput", f"{f['c64_throughput_per_s']:,.0f} infer/s", "", ""),
-        ("ratio c=64 ÷ ceiling", f"{f['ratio']:.2f}", f"≥ {TARGET_RATIO:.2f}", verdict("ratio")),
-        ("c=64 p99", f"{f['c64_p99_ms']:.1f} ms", f"≤ {TARGET_P99_MS:.0f} ms", verdict("c64_p99_ms")),
-        ("c=64 p50", f"{high['load']['p50_ms']:.1f} ms", "", ""),
-        ("c=1 p50", f"{f['c1_p50_ms']:.2f} ms", "", ""),
-        ("added p50 (c=1 p50 − batch-1 time)", f"{f['added_p50_ms']:+.2f} ms",
-         f"≤ {TARGET_ADDED_P50_MS:.1f} ms", verdict("added_p50_ms")),
-        ("c=64 mean batch size", opt(high["mean_batch_size"], ".1f"),
-         f"c=1: {opt(low['mean_batch_size'], '.2f')}", ""),
-        ("c=64 batches by dispatch reason", _shares(high["dispatch_reasons"]), "", ""),
-        ("c=64 mean compute per batch", f"{opt(high['mean_compute_ms'], '.2f')} ms", "", ""),
-        ("c=64 server queue / infer (per request)",
-         f"{opt(high['load']['server_queue_ms'], '.1f')} / "
-         f"{opt(high['load']['server_compute_infer_ms'], '.1f')} ms", "", ""),
-        ("c=1 server queue / infer (per request)",
-         f"{opt(low['load']['server_queue_ms'], '.2f')} / "
-         f"{opt(low['load']['server_compute_infer_ms'], '.2f')} ms", "", ""),
-        ("CPU at c=64: server / load generator / other",
-         f"{high['server_cores']:.2f} / {high['load_generator_cores']:.2f} / "
-         f"{high['other_cores']:.2f} cores",
-         f"c=1: {low['server_cores']:.2f} / {low['load_generator_cores']:.2f} / "
-         f"{low['other_cores']:.2f}", ""),
-        ("server exit after SIGTERM", str(report["server_exit_code"]), "0",
-         "pass" if report["server_exit_code"] == 0 else "short"),
-    ]
-    widths = [max(len(str(r[i])) for r in rows) for i in range(4)]
     lines = [
         f"machine:  {m['usable_cores']} usable cores of {m['cores']}, {m['cpu_model']}, "
         f"Linux {m['kernel']}, Python {m['python']}, torch {s['torch']}, grpcio {m['grpcio']}",
@@ -597,23 +726,58 @@ def render(report: dict[str, Any]) -> str:
         f"{s['max_batch_size']}, {batching}",
         f"settings: {s['inprocess_threads']} intra-op thread in-process, server "
         f"INTRA_OP_THREAD_COUNT={s['server_intra_op_threads']}, max_inflight_batches="
-        f"{s['max_inflight_batches']}; load: {s['load_generator']}, closed loop on loopback, "
-        f"{s['seconds_per_step']:g} s windows; server flags: "
-        f"{' '.join(s['server_args']) or 'defaults'}",
+        f"{s['max_inflight_batches']}; closed loop on loopback, {s['seconds_per_step']:g} s "
+        f"windows; extra server flags: {' '.join(s['server_args']) or 'none'}",
+        f"ceiling:  in-process batch 64 {report['ceiling_samples_per_s']:,.0f} samples/s (before "
+        f"{b64['samples_per_s']:,.0f}, after {a64['samples_per_s']:,.0f}); batch 1 p50 "
+        f"{report['inprocess_batch1_ms']:.2f} ms (before {b1['batch_p50_ms']:.2f}, after "
+        f"{a1['batch_p50_ms']:.2f})",
         "",
     ]
+    header = ("mode", "load", "c=64 /s", "ratio", "c=64 p99 ms", "added p50 ms",
+              "outside model µs/req", "executor µs/req", "front end µs/req", "c=64 batch",
+              "front-end threads busy (largest share)")
+    rows = [header]
+    verdicts = []
+    for mode, result in report["modes"].items():
+        if "skipped" in result:
+            rows.append((mode, "skipped", result["skipped"], *[""] * (len(header) - 3)))
+            continue
+        for generator, r in result["load_generators"].items():
+            f, t = r["figures"], r["targets"]
+            high = r["steps"][1]
+            spread = high["frontend_threads"]
+
+            def mark(key: str, text: str) -> str:
+                return text if key not in t else f"{text} {'✓' if t[key]['pass'] else '✗'}"
+
+            rows.append((
+                mode, generator, f"{f['c64_throughput_per_s']:,.0f}",
+                mark("ratio", f"{f['ratio']:.2f}"), mark("c64_p99_ms", f"{f['c64_p99_ms']:.1f}"),
+                mark("added_p50_ms", f"{f['added_p50_ms']:+.2f}"),
+                mark("outside_model_us", opt(f["outside_model_us"], ".0f")),
+                mark("executor_us", opt(f["executor_us"], ".0f")),
+                opt(f["frontend_us"], ".0f"), opt(high["mean_batch_size"], ".1f"),
+                "n/a" if spread is None else
+                f"{spread['busy_threads']} ({spread['largest_share']:.0%})",
+            ))
+            for key, check in t.items():
+                verdicts.append(f"{mode}/{generator} {key}: {check['value']:.3g} vs "
+                                f"{check['target']:g}: {'pass' if check['pass'] else 'short'}")
+        if result["server_exit_code"] != 0:
+            verdicts.append(f"{mode}: exit {result['server_exit_code']} after SIGTERM")
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
     for r in rows:
         lines.append("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())
+    lines.append("")
+    lines.append("targets (2-core machine): " + "; ".join(
+        f"{mode} ratio ≥ {t.ratio}, p99 ≤ {t.p99_ms:g} ms, added p50 ≤ {t.added_p50_ms} ms"
+        + (f", outside the model ≤ {t.outside_model_us:g} µs (executor ≤ {t.executor_us:g})"
+           if t.outside_model_us else "")
+        for mode, t in TARGETS.items() if mode in report["modes"]))
+    lines.extend(f"  {v}" for v in verdicts)
     lines.append(f"\nwhole run: {report['wall_s']:.0f} s")
     return "\n".join(lines)
-
-
-def _shares(counts: dict[str, float]) -> str:
-    total = sum(counts.values())
-    if not total:
-        return "n/a"
-    return ", ".join(f"{reason} {100 * n / total:.0f}%" for reason, n in
-                     sorted(counts.items(), key=lambda item: -item[1]))
 
 
 def _mean(a: float, b: float) -> float:
@@ -624,22 +788,37 @@ def _say(message: str) -> None:
     print(f"[bench.serving] {message}", file=sys.stderr, flush=True)
 
 
+def _choices(allowed: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        chosen = [item for item in text.split(",") if item]
+        unknown = [item for item in chosen if item not in allowed]
+        if unknown or not chosen:
+            raise argparse.ArgumentTypeError(
+                f"a comma-separated list of {', '.join(allowed)}, got {text!r}")
+        return chosen
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="mlp", help="model to measure (default: %(default)s)")
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY,
                         help="repository holding the model (default: the example models)")
+    parser.add_argument("--modes", type=_choices(MODES), default=list(MODES),
+                        help="server modes to measure, in order (default: native,python,single;"
+                             " native is skipped, saying why, where it is not built)")
+    parser.add_argument("--load-generators", type=_choices(LOAD_GENERATORS),
+                        default=list(LOAD_GENERATORS),
+                        help="closed-loop load: batchgate bench and/or Triton's perf_analyzer "
+                             "(default: both)")
     parser.add_argument("--seconds-per-step", type=float, default=4.0,
-                        help="in-process seconds per batch size, and perf_analyzer's measurement "
-                             "window (default: %(default)s)")
+                        help="in-process seconds per batch size, and each load step's "
+                             "measurement window (default: %(default)s)")
     parser.add_argument("--json", type=Path, default=None, help="also write the full report here")
-    parser.add_argument("--load-generator", choices=("bench", "perf_analyzer"), default="bench",
-                        help="closed-loop load: batchgate bench, or Triton's perf_analyzer as a "
-                             "cross-check (default: %(default)s)")
     parser.add_argument("--perf-analyzer", type=Path, default=DEFAULT_PERF_ANALYZER,
                         help="perf_analyzer executable (default: scripts/perf_analyzer)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
-                        help="extra flag for the server, repeatable "
+                        help="extra flag for every server, repeatable "
                              "(e.g. --server-arg=--switch-interval-s=0.005)")
     parser.add_argument("--parameter", action="append", default=[], metavar="KEY=VALUE",
                         help="set a config parameter of the served model, repeatable "
