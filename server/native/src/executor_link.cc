@@ -1,5 +1,6 @@
 #include "executor_link.h"
 
+#include <pthread.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -23,6 +24,8 @@ constexpr uint32_t kMaxFrameBytes = 64u << 20;
 constexpr size_t kSplitFrameBytes = 16u << 20;
 constexpr auto kReconnectInterval = std::chrono::milliseconds(50);
 constexpr int kSocketBufferBytes = 4 << 20;
+// How long returned output blocks may wait for a request's frame to carry them.
+constexpr auto kFreeDelay = std::chrono::microseconds(200);
 
 const char* const kRestarted = "the executor process restarted; retry the request";
 const char* const kNotConnected = "the executor process is not connected; retry";
@@ -137,7 +140,7 @@ bool ExecutorLink::SubmitInfer(std::unique_ptr<wire::Infer> infer, std::vector<u
   infer->set_rid(*rid);
   infers_.emplace(*rid, PendingInfer{target, std::move(blocks)});
   pending_.mutable_infer()->AddAllocated(infer.release());
-  Signal(lock);
+  Signal(lock, true);
   return true;
 }
 
@@ -145,7 +148,7 @@ void ExecutorLink::Cancel(uint64_t rid) {
   std::unique_lock<std::mutex> lock(mu_);
   if (!socket_ || !infers_.count(rid)) return;  // answered meanwhile, or the connection is gone
   pending_.add_cancel(rid);
-  Signal(lock);
+  Signal(lock, true);
 }
 
 void ExecutorLink::FreeOutputs(uint64_t generation, const wire::Result& result) {
@@ -154,7 +157,7 @@ void ExecutorLink::FreeOutputs(uint64_t generation, const wire::Result& result) 
   // The output region of an executor that went away started afresh with the next one.
   if (!socket_ || generation != generation_) return;
   for (const wire::Output& output : result.outputs()) pending_.add_free(output.block());
-  Signal(lock);
+  Signal(lock, false);
 }
 
 bool ExecutorLink::SubmitCall(std::unique_ptr<wire::Call> call, AnswerTarget* target,
@@ -174,7 +177,7 @@ bool ExecutorLink::SubmitCall(std::unique_ptr<wire::Call> call, AnswerTarget* ta
   call->set_cid(cid);
   calls_.emplace(cid, target);
   pending_.mutable_call()->AddAllocated(call.release());
-  Signal(lock);
+  Signal(lock, true);
   return true;
 }
 
@@ -183,26 +186,43 @@ size_t ExecutorLink::InFlightInfers() const {
   return infers_.size();
 }
 
-void ExecutorLink::Signal(std::unique_lock<std::mutex>& lock) {
-  // The writer sleeps only while the frame is empty: the first entry wakes it, the others
-  // ride along in the same frame.
-  const bool was_dirty = pending_dirty_;
-  pending_dirty_ = true;
+void ExecutorLink::Signal(std::unique_lock<std::mutex>& lock, bool urgent) {
+  // The first entry wakes the writer, the others ride along in the same frame. Returned output
+  // blocks are not urgent: they wait for the next request's frame, or kFreeDelay at most, so
+  // that answering a request does not cost a frame of its own.
+  bool wake;
+  if (urgent) {
+    wake = !pending_urgent_ && writer_state_ != WriterState::kBusy;
+    pending_urgent_ = true;
+  } else {
+    wake = writer_state_ == WriterState::kIdle;
+    pending_frees_ = true;
+  }
   lock.unlock();
-  if (!was_dirty) wake_writer_.notify_one();
+  if (wake) wake_writer_.notify_one();
 }
 
 void ExecutorLink::WriteLoop() {
+  pthread_setname_np(pthread_self(), "bg-link-write");
   wire::ToExecutor frame;
   std::string buffer;
   while (true) {
     std::shared_ptr<Socket> socket;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      wake_writer_.wait(lock, [&] { return pending_dirty_ || closing_; });
+      while (!closing_ && !pending_urgent_) {
+        if (!pending_frees_) {
+          writer_state_ = WriterState::kIdle;
+          wake_writer_.wait(lock);
+        } else {
+          writer_state_ = WriterState::kHoldingFrees;
+          if (wake_writer_.wait_for(lock, kFreeDelay) == std::cv_status::timeout) break;
+        }
+      }
+      writer_state_ = WriterState::kBusy;
       if (closing_) return;
       frame.Swap(&pending_);
-      pending_dirty_ = false;
+      pending_urgent_ = pending_frees_ = false;
       socket = socket_;
     }
     if (socket) {
@@ -239,6 +259,7 @@ void ExecutorLink::WriteLoop() {
 }
 
 void ExecutorLink::ReadLoop() {
+  pthread_setname_np(pthread_self(), "bg-link-read");
   while (true) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -293,7 +314,7 @@ bool ExecutorLink::Session() {
     welcomed_ = false;
     generation = ++generation_;
     pending_.Clear();
-    pending_dirty_ = false;
+    pending_urgent_ = pending_frees_ = false;
   }
   wire::ToFrontend frame;
   while (true) {
@@ -432,7 +453,7 @@ void ExecutorLink::Lose(bool closing) {
     unreleased.swap(unreleased_);
     calls.swap(calls_);
     pending_.Clear();
-    pending_dirty_ = false;
+    pending_urgent_ = pending_frees_ = false;
   }
   // Nothing reads this front end's input blocks any more: all of them are free again.
   for (const auto& [rid, pending] : infers) FreeBlocks(pending.blocks);

@@ -114,7 +114,8 @@ class ExecutorLink {
   void HandleFrame(wire::ToFrontend& frame, uint64_t generation);
   void Lose(bool closing);
   void FreeBlocks(const std::vector<uint64_t>& blocks);
-  void Signal(std::unique_lock<std::mutex>& lock);
+  // Wakes the writer for a new entry (`urgent`: anything but returned output blocks).
+  void Signal(std::unique_lock<std::mutex>& lock, bool urgent);
 
   const std::string socket_name_;
   const uint32_t slot_;
@@ -131,7 +132,9 @@ class ExecutorLink {
   uint64_t generation_ = 0;         // counts connections
   uint64_t next_id_ = 1;            // rids and cids, unique over every connection
   wire::ToExecutor pending_;        // the next frame
-  bool pending_dirty_ = false;
+  bool pending_urgent_ = false;     // it holds an Infer, cancel or Call
+  bool pending_frees_ = false;      // it holds returned output blocks
+  enum class WriterState { kBusy, kIdle, kHoldingFrees } writer_state_ = WriterState::kBusy;
   std::unordered_map<uint64_t, PendingInfer> infers_;                 // rid -> request
   std::unordered_map<uint64_t, std::vector<uint64_t>> unreleased_;   // rid -> input blocks
   std::unordered_map<uint64_t, AnswerTarget*> calls_;                 // cid -> call

@@ -215,6 +215,12 @@ bool Frontend::Start(std::string* error) {
   builder.SetMaxReceiveMessageSize(static_cast<int>(h.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(h.max_message_bytes));
   builder.RegisterService(&service_);
+  // Reflection is gRPC's synchronous service, which brings its own polling threads; they take
+  // part in the network work of every call, so keep them to one (more are started while one
+  // is busy serving reflection).
+  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::NUM_CQS, 1);
+  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MIN_POLLERS, 1);
+  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS, 1);
   const int threads = h.frontend_threads > 0 ? h.frontend_threads : UsableCpus();
   std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> queues;
   for (int i = 0; i < threads; ++i) queues.push_back(builder.AddCompletionQueue());

@@ -5,6 +5,7 @@
 // welcomed it; drains and exits 0 on SIGTERM or SIGINT; exits 1, with one log line saying why,
 // when it cannot start.
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/signalfd.h>
@@ -47,6 +48,7 @@ class SignalThread {
 
  private:
   void Run(batchgate::Frontend& frontend) {
+    pthread_setname_np(pthread_self(), "bg-signals");
     while (true) {
       pollfd fds[2] = {{signal_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
       if (poll(fds, 2, -1) < 0) {

@@ -1,6 +1,7 @@
 #include "metrics.h"
 
 #include <poll.h>
+#include <pthread.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -172,6 +173,7 @@ void MetricsEndpoint::Stop() {
 }
 
 void MetricsEndpoint::Serve() {
+  pthread_setname_np(pthread_self(), "bg-metrics");
   while (true) {
     pollfd fds[2] = {{listener_, POLLIN, 0}, {wake_, POLLIN, 0}};
     if (poll(fds, 2, -1) < 0) {

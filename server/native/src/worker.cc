@@ -1,6 +1,9 @@
 #include "worker.h"
 
 #include <grpc/support/time.h>
+#include <pthread.h>
+
+#include <string>
 
 #include "calls.h"
 #include "log.h"
@@ -23,6 +26,8 @@ Worker::~Worker() {
 }
 
 void Worker::Run() {
+  const std::string name = "bg-worker-" + std::to_string(index_);
+  pthread_setname_np(pthread_self(), name.c_str());
   ListenForEveryRpc(*this);
   void* tag = nullptr;
   bool ok = false;
