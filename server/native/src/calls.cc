@@ -62,15 +62,16 @@ void UnaryCall::OnStarted(bool ok) {
     Unref();
     return;
   }
-  Ref();  // the done event, which now will come
-  Listen(worker_, rpc_);
+  Arrived(rpc_);
+}
+
+void UnaryCall::Serve() {
   const grpc::Status refusal = worker_.frontend().auth().Check(rpc_.index, context_);
   if (refusal.ok()) {
     Handle();
   } else {
     Fail(refusal);
   }
-  Unref();
 }
 
 void UnaryCall::Handle() {
@@ -257,8 +258,12 @@ void InferCall::OnStarted(bool ok) {
     Unref();
     return;
   }
-  Ref();  // the done event
-  Listen(worker_, rpc_);
+  Arrived(rpc_);
+}
+
+void InferCall::Serve() {
+  if (call_over_) return;  // the client went away while the call was parked: nothing to answer
+  served_ = true;
   Frontend& frontend = worker_.frontend();
   grpc::Status status = frontend.auth().Check(rpc_.index, context_);
   inference::ModelInferRequest request;
@@ -272,7 +277,6 @@ void InferCall::OnStarted(bool ok) {
     answered_ = true;
     Ref();
     responder_.FinishWithError(status, finished_.tag());
-    Unref();
     return;
   }
   model_name_ = request.model_name();
@@ -284,7 +288,6 @@ void InferCall::OnStarted(bool ok) {
   } else {
     Answer(status, nullptr);
   }
-  Unref();
 }
 
 void InferCall::OnExecutorAnswer(ExecutorAnswer answer) {
@@ -331,7 +334,8 @@ void InferCall::Answer(const grpc::Status& status, grpc::ByteBuffer* reply) {
 void InferCall::OnFinished(bool /*ok*/) { Unref(); }
 
 void InferCall::OnDone(bool /*ok*/) {
-  if (context_.IsCancelled() && !answered_) {
+  call_over_ = true;
+  if (context_.IsCancelled() && served_ && !answered_) {
     // The client went away (or its deadline passed) before the answer: counted as Python
     // counts a cancelled handler, and the request leaves the executor's queue.
     answered_ = true;

@@ -39,6 +39,7 @@ class UnaryCall final : public CallBase, public AnswerTarget {
   void OnStarted(bool ok);
   void OnFinished(bool ok);
   void OnDone(bool ok);
+  void Serve() override;
 
   void Handle();
   // Forwards `call` to the executor; its Reply answers this RPC.
@@ -67,6 +68,7 @@ class InferCall final : public CallBase, public AnswerTarget {
   void OnStarted(bool ok);
   void OnFinished(bool ok);
   void OnDone(bool ok);
+  void Serve() override;
 
   // Finishes the call: counted, logged at debug when failed (service.py ModelInfer()).
   void Answer(const grpc::Status& status, grpc::ByteBuffer* reply);
@@ -85,6 +87,8 @@ class InferCall final : public CallBase, public AnswerTarget {
   InferTicket ticket_;
   bool at_executor_ = false;  // an answer is still to come
   bool answered_ = false;     // counted: answered, or the client went away
+  bool served_ = false;       // Serve() ran (not parked, or let go)
+  bool call_over_ = false;    // gRPC's done event came: the call is over
 };
 
 }  // namespace batchgate

@@ -22,6 +22,14 @@ const char* const kServiceName = "inference.GRPCInferenceService";
 const char* const kShuttingDown = "the server is shutting down; retry on another replica";
 // The id a request carries to the executor, for its log lines; the reply echoes the whole one.
 constexpr size_t kMaxForwardedIdBytes = 1024;
+// The drain's parking of new calls before the shutdown (Frontend::Drain): no arrival for this
+// long means the clients are waiting for answers; parking lasts this long at most; the GOAWAY
+// is given this long to reach the clients before the parked calls are answered.
+// A client answered just before the parking began needs the quiet period to send its next call
+// (and have it parked); a GOAWAY needs a round trip and the client's reading to take effect.
+constexpr auto kQuietArrivals = std::chrono::milliseconds(50);
+constexpr auto kMaxParking = std::chrono::milliseconds(1000);
+constexpr auto kGoawayPropagation = std::chrono::milliseconds(250);
 
 struct RpcName {
   Rpc rpc;
@@ -321,31 +329,61 @@ grpc::Status Frontend::StartInfer(const inference::ModelInferRequest& request, i
   return grpc::Status::OK;
 }
 
+void Frontend::NoteArrival() {
+  last_arrival_ns_.store(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                             std::chrono::steady_clock::now().time_since_epoch())
+                             .count(),
+                         std::memory_order_relaxed);
+}
+
 void Frontend::Drain() {
   // server/app.py Gateway.stop(): NOT_SERVING first, new requests UNAVAILABLE, those in flight
   // finish (bounded), then the server stops.
+  using Clock = std::chrono::steady_clock;
   draining_.store(true, std::memory_order_release);
+  for (auto& worker : workers_) worker->ListenDeeper();
   if (health_ != nullptr) health_->Shutdown();
   Log(LogLevel::kInfo, "draining", {LogField("drain_timeout_s", handover_.drain_timeout_s)});
-  const auto grace = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+  const auto grace = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(handover_.drain_timeout_s));
-  const auto deadline = std::chrono::steady_clock::now() + grace;
-  while (link_ && link_->InFlightInfers() > 0 && std::chrono::steady_clock::now() < deadline) {
+  const auto deadline = Clock::now() + grace;
+  while (link_ && link_->InFlightInfers() > 0 && Clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   if (link_ && link_->InFlightInfers() > 0) {
     Log(LogLevel::kWarning, "frontend_drain_timed_out",
         {LogField("slot", handover_.slot), LogField("left", link_->InFlightInfers())});
   }
-  // Streams end once their answers are written, with UNAVAILABLE: open ones would otherwise be
-  // cancelled when the server shuts down.
-  for (auto& worker : workers_) worker->EndStreams();
   // What is still in flight (after a timeout) is answered UNAVAILABLE, as a lost executor.
   if (link_) link_->Close();
-  // Calls that reach the server meanwhile are still taken by the workers and answered
-  // UNAVAILABLE: every worker keeps a request for each RPC outstanding until the server has
-  // shut down, so gRPC never holds a call of ours unmatched (it would cancel that one).
-  if (server_) server_->Shutdown(std::chrono::system_clock::now() + grace);
+
+  // gRPC's shutdown cancels every call that reaches the server after it began and before the
+  // client has heard the GOAWAY it sends: the client would see CANCELLED for a request that
+  // reached the server. So new calls are parked, unanswered, first: a client waiting for its
+  // answer sends no other, and once arrivals have been quiet for a moment the shutdown begins
+  // with (nearly) nothing on its way. The parked calls are answered once the GOAWAY has had
+  // time to reach the clients, who then retry elsewhere. Workers keep many calls of each RPC
+  // requested meanwhile (ListenDeeper), so that no call waits unmatched inside gRPC either.
+  for (auto& worker : workers_) worker->Park();
+  const auto parked_at = Clock::now();
+  const auto park_until = std::min(parked_at + kMaxParking, deadline);
+  while (Clock::now() < park_until) {
+    const auto last = std::max(
+        parked_at, Clock::time_point(std::chrono::nanoseconds(last_arrival_ns_.load())));
+    if (Clock::now() - last >= kQuietArrivals) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  std::thread shutdown([&] {
+    if (server_) server_->Shutdown(std::chrono::system_clock::now() + grace);
+  });
+  std::this_thread::sleep_for(kGoawayPropagation);
+  // Open streams end now, once their answers are written, with UNAVAILABLE (the shutdown would
+  // cancel them): not before, or their clients would open new ones while the GOAWAY travels.
+  for (auto& worker : workers_) {
+    worker->ReleaseParked();
+    worker->EndStreams();
+  }
+  shutdown.join();
   for (auto& worker : workers_) worker->Quit();
   for (auto& thread : threads_) thread.join();
   threads_.clear();

@@ -94,6 +94,9 @@ class Frontend final : public LinkObserver {
   grpc::Status StartInfer(const inference::ModelInferRequest& request, int64_t deadline_ns,
                           AnswerTarget* target, InferTicket* ticket);
 
+  // A call arrived while draining (any worker thread).
+  void NoteArrival();
+
   // LinkObserver, on the link's reader thread.
   void OnConnectionChange(bool connected, size_t models) override;
   void OnModelChange(const std::string& name, bool serving) override;
@@ -121,6 +124,7 @@ class Frontend final : public LinkObserver {
   int grpc_port_ = 0;
 
   std::atomic<bool> draining_{false};
+  std::atomic<int64_t> last_arrival_ns_{0};  // steady clock, while draining
   std::atomic<bool> ready_{false};
   std::mutex mu_;
   std::condition_variable changed_;

@@ -36,8 +36,10 @@ void StreamInferCall::OnStarted(bool ok) {
     Unref();
     return;
   }
-  Ref();  // the done event
-  Listen(worker_, rpc_);
+  Arrived(rpc_);
+}
+
+void StreamInferCall::Serve() {
   worker_.AddStream(this);
   registered_ = true;
   const grpc::Status refusal = worker_.frontend().auth().Check(rpc_.index, context_);
@@ -46,11 +48,12 @@ void StreamInferCall::OnStarted(bool ok) {
     end_status_ = refusal;
     no_more_requests_ = true;
     MaybeFinish();
+  } else if (worker_.ending_streams()) {
+    EndForDrain();  // arrived after the drain ended the streams
   } else {
     deadline_ns_ = DeadlineNs(context_);
     StartRead();
   }
-  Unref();
 }
 
 void StreamInferCall::StartRead() {
@@ -69,6 +72,7 @@ void StreamInferCall::OnRead(bool ok) {
   reading_ = false;
   if (!ok) {  // the client half-closed (or went away)
     no_more_requests_ = true;
+    client_half_closed_ = true;
     MaybeFinish();
     Unref();
     return;
@@ -180,8 +184,10 @@ void StreamInferCall::Abandon() {
 
 void StreamInferCall::EndForDrain() {
   if (finished_called_ || abandoned_) return;
-  end_status_ = grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                             "the server is shutting down; retry on another replica");
+  if (!client_half_closed_) {
+    end_status_ = grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                               "the server is shutting down; retry on another replica");
+  }
   no_more_requests_ = true;
   read_paused_ = false;
   MaybeFinish();
@@ -191,6 +197,9 @@ void StreamInferCall::MaybeFinish() {
   if (finished_called_ || abandoned_ || !no_more_requests_) return;
   if (!abandoned_requests_ && !requests_.empty()) return;
   if (writing_ || !writes_.empty()) return;
+  // While the drain parks calls, a stream's client waits for its end instead of opening the
+  // next stream into gRPC's shutdown (Frontend::Drain); EndForDrain() comes back here after.
+  if (worker_.parking()) return;
   finished_called_ = true;
   Ref();
   stream_.Finish(end_status_, finished_.tag());

@@ -52,6 +52,7 @@ class StreamInferCall final : public CallBase {
   };
 
   void OnStarted(bool ok);
+  void Serve() override;
   void OnRead(bool ok);
   void OnWritten(bool ok);
   void OnFinished(bool ok);
@@ -85,6 +86,7 @@ class StreamInferCall final : public CallBase {
   bool reading_ = false;        // a read is outstanding
   bool read_paused_ = false;    // too much in flight: reading resumes as answers go out
   bool no_more_requests_ = false;
+  bool client_half_closed_ = false;
   bool writing_ = false;
   bool abandoned_ = false;      // the client is gone: nothing more is written
   bool abandoned_requests_ = false;  // a message did not parse: those in flight go unanswered

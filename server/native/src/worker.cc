@@ -10,9 +10,40 @@
 #include "stream_call.h"
 
 namespace batchgate {
+namespace {
+
+// Calls of each RPC a worker keeps requested once the server drains. gRPC holds a call that
+// finds no requested one in a queue of its own, and cancels what it holds there when the server
+// shuts down: the client would see CANCELLED for a request that reached the server. While
+// serving, one per RPC and worker is what spreads a connection's calls over the workers (gRPC
+// hands a call to the connection's own queue first, if it has one requested); while draining,
+// calls are refused at once, and this many leave no call unmatched when the shutdown comes.
+constexpr int kDrainListenDepth = 64;
+
+}  // namespace
 
 void CallBase::Unref() {
   if (--refs_ == 0) worker_.Retire(this);
+}
+
+void CallBase::Arrived(const RpcInfo& rpc) {
+  Ref();  // the done event, which now will come
+  Listen(worker_, rpc);
+  if (worker_.ParkArrival(this)) return;  // keeps the arrival's reference until Resume()
+  Serve();
+  Unref();
+}
+
+void CallBase::Resume() {
+  Serve();
+  Unref();
+}
+
+bool Worker::ParkArrival(CallBase* call) {
+  if (frontend_.draining()) frontend_.NoteArrival();
+  if (!parking_) return false;
+  parked_.push_back(call);
+  return true;
 }
 
 Worker::Worker(Frontend& frontend, int index, std::unique_ptr<grpc::ServerCompletionQueue> cq)
@@ -48,7 +79,13 @@ void Worker::Post(AnswerTarget* target, ExecutorAnswer answer) {
   Enqueue(Mail{Command::kAnswer, target, std::move(answer)});
 }
 
+void Worker::ListenDeeper() { Enqueue(Mail{Command::kListenDeeper, nullptr, {}}); }
+
 void Worker::EndStreams() { Enqueue(Mail{Command::kEndStreams, nullptr, {}}); }
+
+void Worker::Park() { Enqueue(Mail{Command::kPark, nullptr, {}}); }
+
+void Worker::ReleaseParked() { Enqueue(Mail{Command::kReleaseParked, nullptr, {}}); }
 
 void Worker::Quit() { Enqueue(Mail{Command::kQuit, nullptr, {}}); }
 
@@ -82,7 +119,22 @@ void Worker::Deliver(Mail mail) {
     case Command::kAnswer:
       mail.target->OnExecutorAnswer(std::move(mail.answer));
       break;
+    case Command::kListenDeeper:
+      // Every arriving call takes a requested one and requests the next, so the depth stays.
+      for (int i = 1; i < kDrainListenDepth; ++i) ListenForEveryRpc(*this);
+      break;
+    case Command::kPark:
+      parking_ = true;
+      break;
+    case Command::kReleaseParked: {
+      parking_ = false;
+      std::vector<CallBase*> parked;
+      parked.swap(parked_);
+      for (CallBase* call : parked) call->Resume();
+      break;
+    }
     case Command::kEndStreams: {
+      ending_streams_ = true;
       // A copy: ending a stream may finish it and take it out of the set.
       const std::vector<StreamInferCall*> streams(streams_.begin(), streams_.end());
       for (StreamInferCall* stream : streams) stream->EndForDrain();

@@ -23,6 +23,7 @@ namespace batchgate {
 
 class Frontend;
 class StreamInferCall;
+struct RpcInfo;
 
 // A completion-queue tag: what to run when its operation completes.
 class Event {
@@ -55,10 +56,19 @@ class CallBase {
   CallBase(const CallBase&) = delete;
   CallBase& operator=(const CallBase&) = delete;
 
+  // For the worker: a parked call goes on (Serve(), then the arrival's reference goes).
+  void Resume();
+
  protected:
   explicit CallBase(Worker& worker) : worker_(worker) {}
   void Ref() { ++refs_; }
   void Unref();
+
+  // The call arrived (its started event, ok): requests the next call of `rpc`, then serves this
+  // one now, or once the worker lets parked calls go (the end of a drain).
+  void Arrived(const RpcInfo& rpc);
+  // What the call does once it may go on; runs with the arrival's reference held.
+  virtual void Serve() = 0;
 
   Worker& worker_;
 
@@ -77,8 +87,16 @@ class Worker {
 
   // Any thread: `answer` for `target`, run on this worker's thread.
   void Post(AnswerTarget* target, ExecutorAnswer answer);
-  // Any thread: end every open ModelStreamInfer stream once its answers are written (drain).
+  // Any thread, when the drain starts: keep many more calls of each RPC requested (see
+  // kDrainListenDepth in worker.cc).
+  void ListenDeeper();
+  // Any thread: end every open ModelStreamInfer stream once its answers are written (drain);
+  // streams that arrive later end at once.
   void EndStreams();
+  // Any thread: calls that arrive from now on wait, unanswered, until ReleaseParked().
+  void Park();
+  // Any thread: the parked calls go on.
+  void ReleaseParked();
   // Any thread, after the server has shut down: stop, and let Run() return.
   void Quit();
 
@@ -87,6 +105,12 @@ class Worker {
   int index() const { return index_; }
   // Whether new calls may still be requested on this queue.
   bool listening() const { return !quitting_; }
+  // Whether streams are to end as soon as they can (the drain is past its wait).
+  bool ending_streams() const { return ending_streams_; }
+  // Whether calls wait (the drain parks them until the GOAWAY has reached the clients).
+  bool parking() const { return parking_; }
+  // A call arrived: true when it is to wait (parked) instead of being served now.
+  bool ParkArrival(CallBase* call);
 
   // Takes ownership of a new call object (its constructor requested the call).
   void Adopt(std::unique_ptr<CallBase> call);
@@ -97,7 +121,7 @@ class Worker {
   void RemoveStream(StreamInferCall* stream) { streams_.erase(stream); }
 
  private:
-  enum class Command { kAnswer, kEndStreams, kQuit };
+  enum class Command { kAnswer, kListenDeeper, kEndStreams, kPark, kReleaseParked, kQuit };
   struct Mail {
     Command command;
     AnswerTarget* target;
@@ -112,6 +136,9 @@ class Worker {
   const int index_;
   std::unique_ptr<grpc::ServerCompletionQueue> cq_;
   bool quitting_ = false;  // this thread only
+  bool ending_streams_ = false;  // this thread only
+  bool parking_ = false;         // this thread only
+  std::vector<CallBase*> parked_;  // this thread only
   size_t live_calls_ = 0;  // this thread only
   std::unordered_set<StreamInferCall*> streams_;  // this thread only
 
