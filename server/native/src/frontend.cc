@@ -11,6 +11,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "health_names.h"
 #include "log.h"
 #include "text.h"
 #include "worker.h"
@@ -223,6 +224,11 @@ bool Frontend::Start(std::string* error) {
   builder.SetMaxReceiveMessageSize(static_cast<int>(h.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(h.max_message_bytes));
   builder.RegisterService(&service_);
+  {
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+    interceptors.push_back(HealthNameInterceptors());
+    builder.experimental().SetInterceptorCreators(std::move(interceptors));
+  }
   // Reflection is gRPC's synchronous service, which brings its own polling threads; they take
   // part in the network work of every call, so keep them to one (more are started while one
   // is busy serving reflection).

@@ -90,6 +90,17 @@ std::string Quoted(std::string_view text) {
   return out;
 }
 
+bool IsValidUtf8(std::string_view text) {
+  size_t at = 0;
+  while (at < text.size()) {
+    const size_t start = at;
+    if (DecodeUtf8(text, &at) == 0xFFFD && !(at - start == 3 && text.compare(start, 3, "\xEF\xBF\xBD") == 0)) {
+      return false;
+    }
+  }
+  return true;
+}
+
 size_t Utf8PrefixLength(std::string_view text, size_t max_bytes) {
   if (text.size() <= max_bytes) return text.size();
   size_t end = max_bytes;

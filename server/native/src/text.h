@@ -62,6 +62,9 @@ void AppendJsonString(std::string& out, std::string_view text);
 // A Prometheus label value, escaped per the text exposition format (backslash, quote, newline).
 void AppendLabelValue(std::string& out, std::string_view value);
 
+// Whether `text` is well-formed UTF-8 (what protobuf requires of a proto3 string).
+bool IsValidUtf8(std::string_view text);
+
 // The length of the longest prefix of `text` of at most `max_bytes` bytes that ends on a
 // UTF-8 character boundary.
 size_t Utf8PrefixLength(std::string_view text, size_t max_bytes);
