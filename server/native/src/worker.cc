@@ -90,18 +90,21 @@ void Worker::ReleaseParked() { Enqueue(Mail{Command::kReleaseParked, nullptr, {}
 void Worker::Quit() { Enqueue(Mail{Command::kQuit, nullptr, {}}); }
 
 void Worker::Enqueue(Mail mail) {
-  std::lock_guard<std::mutex> lock(mailbox_mu_);
-  if (mailbox_closed_) {
-    // Quit comes after the executor link is closed, which answers everything: never here.
-    Log(LogLevel::kError, "mail_after_quit", {LogField("worker", index_)});
-    return;
-  }
-  mailbox_.push_back(std::move(mail));
-  if (!doorbell_armed_) {
+  bool ring;
+  {
+    std::lock_guard<std::mutex> lock(mailbox_mu_);
+    if (mailbox_closed_) {
+      // Quit comes after the executor link is closed, which answers everything: never here.
+      Log(LogLevel::kError, "mail_after_quit", {LogField("worker", index_)});
+      return;
+    }
+    mailbox_.push_back(std::move(mail));
+    ring = !doorbell_armed_;
     doorbell_armed_ = true;
-    // Under the mailbox's lock, so that the queue cannot be shut down in between.
-    doorbell_.Set(cq_.get(), gpr_now(GPR_CLOCK_MONOTONIC), doorbell_event_.tag());
   }
+  // Outside the lock: the doorbell wakes the worker (a system call). Nothing can shut the queue
+  // down in between: the worker handles mail (Quit included) only once this doorbell rang.
+  if (ring) doorbell_.Set(cq_.get(), gpr_now(GPR_CLOCK_MONOTONIC), doorbell_event_.tag());
 }
 
 void Worker::OnDoorbell(bool /*ok*/) {
