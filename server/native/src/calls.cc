@@ -1,0 +1,349 @@
+#include "calls.h"
+
+#include <grpcpp/support/proto_buffer_reader.h>
+
+#include "log.h"
+#include "metrics.h"
+#include "stream_call.h"
+#include "text.h"
+
+namespace batchgate {
+namespace {
+
+const char* const kSharedMemoryMessage =
+    "shared-memory tensors are not supported by this server yet; send tensors in "
+    "raw_input_contents";
+const char* const kInternalMessage = "internal server error; the server log has the details";
+
+grpc::Status BoundedStatus(const grpc::Status& status) {
+  return grpc::Status(status.error_code(), Bounded(status.error_message()));
+}
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+void ListenForEveryRpc(Worker& worker) {
+  for (const RpcInfo& rpc : worker.frontend().rpcs()) Listen(worker, rpc);
+}
+
+void Listen(Worker& worker, const RpcInfo& rpc) {
+  if (!worker.listening()) return;
+  switch (rpc.rpc) {
+    case Rpc::kModelInfer: worker.Adopt(std::make_unique<InferCall>(worker, rpc)); break;
+    case Rpc::kModelStreamInfer: worker.Adopt(std::make_unique<StreamInferCall>(worker, rpc)); break;
+    default: worker.Adopt(std::make_unique<UnaryCall>(worker, rpc)); break;
+  }
+}
+
+bool ParseRequest(grpc::ByteBuffer* bytes, google::protobuf::Message* message, const RpcInfo& rpc,
+                  grpc::Status* error) {
+  if (grpc::SerializationTraits<google::protobuf::Message>::Deserialize(bytes, message).ok()) {
+    return true;
+  }
+  *error = grpc::Status(grpc::StatusCode::UNKNOWN,
+                        "Unexpected <class 'google.protobuf.message.DecodeError'>: Error parsing "
+                        "message with type '" + rpc.input_type + "'");
+  return false;
+}
+
+// -- UnaryCall ----------------------------------------------------------------------------------
+
+UnaryCall::UnaryCall(Worker& worker, const RpcInfo& rpc) : CallBase(worker), rpc_(rpc) {
+  context_.AsyncNotifyWhenDone(done_.tag());
+  worker.frontend().service().RequestUnary(rpc.index, &context_, &request_, &responder_,
+                                           worker.cq(), started_.tag());
+}
+
+void UnaryCall::OnStarted(bool ok) {
+  if (!ok) {  // the server is shutting down: no call came
+    Unref();
+    return;
+  }
+  Arrived(rpc_);
+}
+
+void UnaryCall::Serve() {
+  const grpc::Status refusal = worker_.frontend().auth().Check(rpc_.index, context_);
+  if (refusal.ok()) {
+    Handle();
+  } else {
+    Fail(refusal);
+  }
+}
+
+void UnaryCall::Handle() {
+  Frontend& frontend = worker_.frontend();
+  grpc::Status error;
+  switch (rpc_.rpc) {
+    case Rpc::kServerLive: {
+      inference::ServerLiveRequest request;
+      if (!ParseRequest(&request_, &request, rpc_, &error)) return Fail(error);
+      inference::ServerLiveResponse response;
+      response.set_live(true);
+      return Reply(Serialize(response));
+    }
+    case Rpc::kServerReady: {
+      inference::ServerReadyRequest request;
+      if (!ParseRequest(&request_, &request, rpc_, &error)) return Fail(error);
+      inference::ServerReadyResponse response;
+      response.set_ready(frontend.ready() && !frontend.draining());
+      return Reply(Serialize(response));
+    }
+    case Rpc::kModelReady: {
+      inference::ModelReadyRequest request;
+      if (!ParseRequest(&request_, &request, rpc_, &error)) return Fail(error);
+      const auto snapshot = frontend.models().Current();
+      std::shared_ptr<const ModelState> model;
+      const bool known =
+          ModelTable::Lookup(*snapshot, request.name(), request.version(), &model).ok();
+      inference::ModelReadyResponse response;
+      response.set_ready(known && snapshot->connected && !frontend.draining());
+      return Reply(Serialize(response));
+    }
+    case Rpc::kServerMetadata: {
+      inference::ServerMetadataRequest request;
+      if (!ParseRequest(&request_, &request, rpc_, &error)) return Fail(error);
+      inference::ServerMetadataResponse response;
+      response.set_name("batchgate");
+      response.set_version(frontend.handover().version);
+      for (const std::string& extension : frontend.handover().extensions) {
+        response.add_extensions(extension);
+      }
+      return Reply(Serialize(response));
+    }
+    case Rpc::kModelMetadata:
+    case Rpc::kModelConfig: {
+      // ModelMetadataRequest and ModelConfigRequest are both {name = 1, version = 2}, but each
+      // parses as its own type, for the parse error to name it.
+      std::string name, version;
+      if (rpc_.rpc == Rpc::kModelMetadata) {
+        inference::ModelMetadataRequest parsed;
+        if (!ParseRequest(&request_, &parsed, rpc_, &error)) return Fail(error);
+        name = parsed.name();
+        version = parsed.version();
+      } else {
+        inference::ModelConfigRequest parsed;
+        if (!ParseRequest(&request_, &parsed, rpc_, &error)) return Fail(error);
+        name = parsed.name();
+        version = parsed.version();
+      }
+      std::shared_ptr<const ModelState> model;
+      const grpc::Status found =
+          ModelTable::Lookup(*frontend.models().Current(), name, version, &model);
+      if (!found.ok()) return Fail(BoundedStatus(found));
+      return Reply(BytesOf(rpc_.rpc == Rpc::kModelMetadata ? model->metadata_response
+                                                            : model->config_response));
+    }
+    case Rpc::kModelStatistics: {
+      auto call = std::make_unique<wire::Call>();
+      auto* request = call->mutable_statistics();
+      if (!ParseRequest(&request_, request, rpc_, &error)) return Fail(error);
+      if (!request->name().empty()) {
+        // remote.py statistics(): a model named must be one this front end serves.
+        std::shared_ptr<const ModelState> model;
+        const grpc::Status found = ModelTable::Lookup(*frontend.models().Current(),
+                                                      request->name(), request->version(), &model);
+        if (!found.ok()) return Fail(BoundedStatus(found));
+      }
+      return Forward(std::move(call));
+    }
+    case Rpc::kRepositoryIndex: {
+      auto call = std::make_unique<wire::Call>();
+      if (!ParseRequest(&request_, call->mutable_index(), rpc_, &error)) return Fail(error);
+      return Forward(std::move(call));
+    }
+    case Rpc::kRepositoryModelLoad: {
+      auto call = std::make_unique<wire::Call>();
+      if (!ParseRequest(&request_, call->mutable_load(), rpc_, &error)) return Fail(error);
+      return Forward(std::move(call));
+    }
+    case Rpc::kRepositoryModelUnload: {
+      auto call = std::make_unique<wire::Call>();
+      if (!ParseRequest(&request_, call->mutable_unload(), rpc_, &error)) return Fail(error);
+      return Forward(std::move(call));
+    }
+    case Rpc::kSystemSharedMemoryStatus:
+    case Rpc::kSystemSharedMemoryRegister:
+    case Rpc::kSystemSharedMemoryUnregister:
+    case Rpc::kCudaSharedMemoryStatus:
+    case Rpc::kCudaSharedMemoryRegister:
+    case Rpc::kCudaSharedMemoryUnregister:
+    case Rpc::kTraceSetting:
+    case Rpc::kLogSettings: {
+      // grpcio parses the request before the handler refuses it: a malformed one gets the
+      // parse error, so parse it as its own type too.
+      const auto* descriptor =
+          google::protobuf::DescriptorPool::generated_pool()->FindMessageTypeByName(rpc_.input_type);
+      std::unique_ptr<google::protobuf::Message> request(
+          google::protobuf::MessageFactory::generated_factory()->GetPrototype(descriptor)->New());
+      if (!ParseRequest(&request_, request.get(), rpc_, &error)) return Fail(error);
+      if (rpc_.rpc == Rpc::kTraceSetting) {
+        return Fail(grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                                 "tracing is not supported by this server"));
+      }
+      if (rpc_.rpc == Rpc::kLogSettings) {
+        return Fail(grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                                 "log settings are fixed at start-up (--log-level, --log-format)"));
+      }
+      return Fail(grpc::Status(grpc::StatusCode::UNIMPLEMENTED, kSharedMemoryMessage));
+    }
+    case Rpc::kModelInfer:
+    case Rpc::kModelStreamInfer:
+      break;  // their own call classes
+  }
+  Fail(grpc::Status(grpc::StatusCode::INTERNAL, kInternalMessage));
+}
+
+void UnaryCall::Forward(std::unique_ptr<wire::Call> call) {
+  Ref();  // the executor's answer
+  grpc::Status refusal;
+  if (!worker_.frontend().link().SubmitCall(std::move(call), this, &refusal)) {
+    Unref();
+    Fail(refusal);
+  }
+}
+
+void UnaryCall::OnExecutorAnswer(ExecutorAnswer answer) {
+  if (!answer.status.ok()) {
+    Fail(answer.status);
+  } else {
+    const wire::Reply& reply = *answer.reply;
+    const auto expected = rpc_.rpc == Rpc::kModelStatistics     ? wire::Reply::kStatistics
+                          : rpc_.rpc == Rpc::kRepositoryIndex   ? wire::Reply::kIndex
+                          : rpc_.rpc == Rpc::kRepositoryModelLoad ? wire::Reply::kLoad
+                                                                  : wire::Reply::kUnload;
+    if (reply.outcome_case() != expected) {
+      Log(LogLevel::kError, "executor_protocol_error",
+          {LogField("error", "a reply of the wrong kind for " + rpc_.name)});
+      Fail(grpc::Status(grpc::StatusCode::INTERNAL, kInternalMessage));
+    } else if (expected == wire::Reply::kStatistics) {
+      Reply(Serialize(reply.statistics()));
+    } else if (expected == wire::Reply::kIndex) {
+      Reply(Serialize(reply.index()));
+    } else if (expected == wire::Reply::kLoad) {
+      Reply(Serialize(reply.load()));
+    } else {
+      Reply(Serialize(reply.unload()));
+    }
+  }
+  Unref();
+}
+
+void UnaryCall::Reply(grpc::ByteBuffer reply) {
+  Ref();
+  responder_.Finish(reply, grpc::Status::OK, finished_.tag());
+}
+
+void UnaryCall::Fail(const grpc::Status& status) {
+  Ref();
+  responder_.FinishWithError(status, finished_.tag());
+}
+
+void UnaryCall::OnFinished(bool /*ok*/) { Unref(); }
+void UnaryCall::OnDone(bool /*ok*/) { Unref(); }
+
+// -- InferCall ----------------------------------------------------------------------------------
+
+InferCall::InferCall(Worker& worker, const RpcInfo& rpc) : CallBase(worker), rpc_(rpc) {
+  context_.AsyncNotifyWhenDone(done_.tag());
+  worker.frontend().service().RequestUnary(rpc.index, &context_, &request_, &responder_,
+                                           worker.cq(), started_.tag());
+}
+
+void InferCall::OnStarted(bool ok) {
+  if (!ok) {
+    Unref();
+    return;
+  }
+  Arrived(rpc_);
+}
+
+void InferCall::Serve() {
+  if (call_over_) return;  // the client went away while the call was parked: nothing to answer
+  served_ = true;
+  Frontend& frontend = worker_.frontend();
+  grpc::Status status = frontend.auth().Check(rpc_.index, context_);
+  inference::ModelInferRequest request;
+  if (status.ok()) {
+    started_at_ = std::chrono::steady_clock::now();
+    ParseRequest(&request_, &request, rpc_, &status);
+  }
+  if (!status.ok()) {
+    // Refused before the handler ran (the token, or a request that does not parse): not an
+    // inference answer, so neither counted nor logged as one.
+    answered_ = true;
+    Ref();
+    responder_.FinishWithError(status, finished_.tag());
+    return;
+  }
+  model_name_ = request.model_name();
+  id_ = request.id();
+  status = frontend.StartInfer(request, DeadlineNs(context_), this, &ticket_);
+  if (status.ok()) {
+    at_executor_ = true;
+    Ref();  // the executor's answer
+  } else {
+    Answer(status, nullptr);
+  }
+}
+
+void InferCall::OnExecutorAnswer(ExecutorAnswer answer) {
+  at_executor_ = false;
+  Frontend& frontend = worker_.frontend();
+  if (answer.status.ok()) {
+    if (!answered_) {
+      grpc::ByteBuffer reply;
+      std::string problem;
+      if (EncodeResponse(*ticket_.model, id_, ticket_.outputs, *answer.result, frontend.arena(),
+                         false, &reply, &problem)) {
+        Answer(grpc::Status::OK, &reply);
+      } else {
+        Log(LogLevel::kError, "executor_protocol_error", {LogField("error", problem)});
+        Answer(grpc::Status(grpc::StatusCode::INTERNAL, kInternalMessage), nullptr);
+      }
+    }
+    // Copied out (or not wanted any more): the executor may reuse the output blocks.
+    frontend.link().FreeOutputs(answer.generation, *answer.result);
+  } else if (!answered_) {
+    Answer(answer.status, nullptr);
+  }
+  Unref();
+}
+
+void InferCall::Answer(const grpc::Status& status, grpc::ByteBuffer* reply) {
+  answered_ = true;
+  Frontend& frontend = worker_.frontend();
+  frontend.metrics().Count(model_name_, status.error_code(), SecondsSince(started_at_));
+  Ref();
+  if (status.ok()) {
+    responder_.Finish(*reply, status, finished_.tag());
+    return;
+  }
+  if (LogEnabled(LogLevel::kDebug)) {
+    Log(LogLevel::kDebug, "request_failed",
+        {LogField("model", model_name_), LogField("request", id_),
+         LogField("code", StatusCodeName(status.error_code())),
+         LogField("error", status.error_message())});
+  }
+  responder_.FinishWithError(status, finished_.tag());
+}
+
+void InferCall::OnFinished(bool /*ok*/) { Unref(); }
+
+void InferCall::OnDone(bool /*ok*/) {
+  call_over_ = true;
+  if (context_.IsCancelled() && served_ && !answered_) {
+    // The client went away (or its deadline passed) before the answer: counted as Python
+    // counts a cancelled handler, and the request leaves the executor's queue.
+    answered_ = true;
+    worker_.frontend().metrics().Count(model_name_, grpc::StatusCode::CANCELLED,
+                                       SecondsSince(started_at_));
+    if (at_executor_) worker_.frontend().link().Cancel(ticket_.rid);
+  }
+  Unref();
+}
+
+}  // namespace batchgate

@@ -1,0 +1,74 @@
+// ModelInferRequest checked against a model's state, and ModelInferResponse built from a Result:
+// server/codec.py's decode_request() and encode_outputs(), for the native front end.
+//
+// The checks, their order and their messages are decode_request()'s, so that the same mistake
+// gets the same status from either front end. Shapes are checked before anything is sized from
+// them (rank, then negative dimensions, then --max-tensor-elements with the product given up as
+// soon as it passes the limit, then the model's dimensions); --max-request-bytes is checked as
+// each input adds to the total. Decoding validates everything and allocates nothing; writing
+// the inputs into the arena comes after, once every check has passed, and cannot fail.
+#pragma once
+
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/status.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model_table.h"
+#include "protos/inference.pb.h"
+#include "protos/wire.pb.h"
+
+namespace batchgate {
+
+class Arena;
+
+struct RequestLimits {
+  uint64_t max_request_bytes = 64u << 20;
+  uint64_t max_tensor_elements = 1u << 26;
+};
+
+// Where one model input comes from in the request, and what it takes in the arena.
+struct InputPlan {
+  int tensor = -1;      // index into request.inputs (and raw_input_contents)
+  bool raw = false;     // raw_input_contents, else typed contents
+  uint64_t nbytes = 0;  // bytes in the arena: raw little-endian, BYTES length-prefixed
+};
+
+struct DecodedRequest {
+  uint64_t priority = 0;
+  uint64_t timeout_us = 0;
+  uint32_t batch_size = 1;
+  std::vector<InputPlan> inputs;  // one per model input, in the model's order
+  std::vector<uint32_t> outputs;  // requested outputs, as indexes into the model's; empty: all
+};
+
+// OK, or INVALID_ARGUMENT / RESOURCE_EXHAUSTED / UNIMPLEMENTED with decode_request()'s message
+// (not yet cut to length).
+grpc::Status DecodeRequest(const inference::ModelInferRequest& request, const ModelState& model,
+                           const RequestLimits& limits, DecodedRequest* decoded);
+
+// Writes input `plan` of `request` (model input `spec`) into `destination`, plan.nbytes long:
+// raw bytes as they are, typed contents converted to little-endian raw bytes, BYTES contents
+// as 4-byte little-endian lengths each followed by its bytes.
+void WriteInput(const inference::ModelInferRequest& request, const InputPlan& plan,
+                const TensorInfo& spec, uint8_t* destination);
+
+// The serialized reply to a request answered with `result`: a ModelInferResponse (a
+// ModelStreamInferResponse holding it, with `for_stream`), each output's bytes copied once,
+// from the arena into the reply. False, with `problem` for the log, when the result does not fit
+// the request (an executor bug).
+bool EncodeResponse(const ModelState& model, const std::string& id,
+                    const std::vector<uint32_t>& requested, const wire::Result& result,
+                    const Arena& arena, bool for_stream, grpc::ByteBuffer* reply,
+                    std::string* problem);
+
+// A serialized ModelStreamInferResponse carrying `error_message`.
+grpc::ByteBuffer StreamError(const std::string& error_message);
+
+// `message` serialized into a ByteBuffer.
+grpc::ByteBuffer Serialize(const google::protobuf::MessageLite& message);
+grpc::ByteBuffer BytesOf(const std::string& serialized);
+
+}  // namespace batchgate

@@ -1,0 +1,489 @@
+#include "executor_link.h"
+
+#include <pthread.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+
+#include "input_region.h"
+#include "log.h"
+#include "model_table.h"
+#include "text.h"
+#include "worker.h"
+
+namespace batchgate {
+namespace {
+
+// wire.proto: a frame larger than this is a protocol error (frames carry descriptors only).
+constexpr uint32_t kMaxFrameBytes = 64u << 20;
+// What the writer aims a frame at when one would pass kMaxFrameBytes.
+constexpr size_t kSplitFrameBytes = 16u << 20;
+constexpr auto kReconnectInterval = std::chrono::milliseconds(50);
+constexpr int kSocketBufferBytes = 4 << 20;
+// How long returned output blocks may wait for a request's frame to carry them.
+constexpr auto kFreeDelay = std::chrono::microseconds(200);
+
+const char* const kRestarted = "the executor process restarted; retry the request";
+const char* const kNotConnected = "the executor process is not connected; retry";
+const char* const kRestarting = "the executor is restarting";
+
+bool SameUser(int fd) {
+  ucred peer{};
+  socklen_t length = sizeof peer;
+  return getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &peer, &length) == 0 && peer.uid == getuid();
+}
+
+bool SendAll(int fd, const char* data, size_t size) {
+  while (size > 0) {
+    const ssize_t n = ::send(fd, data, size, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return false;
+    }
+    data += n;
+    size -= static_cast<size_t>(n);
+  }
+  return true;
+}
+
+bool ReceiveAll(int fd, char* data, size_t size) {
+  while (size > 0) {
+    const ssize_t n = ::recv(fd, data, size, 0);
+    if (n == 0) return false;  // the peer closed the connection
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return false;
+    }
+    data += n;
+    size -= static_cast<size_t>(n);
+  }
+  return true;
+}
+
+// Header and body in one buffer, so that the frame goes out in one system call.
+bool SendFrame(int fd, const google::protobuf::MessageLite& message, std::string& buffer) {
+  const size_t size = message.ByteSizeLong();
+  buffer.resize(4 + size);
+  for (int i = 0; i < 4; ++i) buffer[i] = static_cast<char>((size >> (8 * i)) & 0xFF);
+  message.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(&buffer[4]));
+  return SendAll(fd, buffer.data(), buffer.size());
+}
+
+grpc::StatusCode CodeOf(uint32_t number) {
+  // Numbers gRPC does not define are UNKNOWN (server/errors.py grpc_code()); so is 0, which no
+  // failure can carry.
+  return number >= 1 && number <= 16 ? static_cast<grpc::StatusCode>(number)
+                                     : grpc::StatusCode::UNKNOWN;
+}
+
+}  // namespace
+
+// A connected socket, closed when the last thread using it lets it go.
+struct ExecutorLink::Socket {
+  explicit Socket(int descriptor) : fd(descriptor) {}
+  ~Socket() { close(fd); }
+  Socket(const Socket&) = delete;
+  Socket& operator=(const Socket&) = delete;
+  // Wakes whichever thread blocks in a read or write on it.
+  void Shutdown() const { ::shutdown(fd, SHUT_RDWR); }
+  const int fd;
+};
+
+ExecutorLink::ExecutorLink(std::string socket_name, uint32_t slot, InputRegion& region,
+                           ModelTable& models, LinkObserver& observer)
+    : socket_name_(std::move(socket_name)),
+      slot_(slot),
+      region_(region),
+      models_(models),
+      observer_(observer) {}
+
+ExecutorLink::~ExecutorLink() { Close(); }
+
+void ExecutorLink::Start() {
+  reader_ = std::thread([this] { ReadLoop(); });
+  writer_ = std::thread([this] { WriteLoop(); });
+}
+
+void ExecutorLink::Close() {
+  std::shared_ptr<Socket> socket;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closing_ = true;
+    socket = socket_;
+  }
+  if (socket) socket->Shutdown();
+  wake_reader_.notify_all();
+  wake_writer_.notify_all();
+  if (reader_.joinable()) reader_.join();
+  if (writer_.joinable()) writer_.join();
+}
+
+bool ExecutorLink::SubmitInfer(std::unique_ptr<wire::Infer> infer, std::vector<uint64_t> blocks,
+                               uint64_t model_generation, AnswerTarget* target,
+                               uint64_t* rid, grpc::Status* refusal) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!socket_ || !welcomed_) {
+    *refusal = grpc::Status(grpc::StatusCode::UNAVAILABLE, kNotConnected);
+    return false;
+  }
+  if (model_generation != generation_) {
+    // Checked against a state of the executor process before this one: its handle means
+    // nothing to this one.
+    *refusal = grpc::Status(grpc::StatusCode::UNAVAILABLE, kRestarted);
+    return false;
+  }
+  *rid = next_id_++;
+  infer->set_rid(*rid);
+  infers_.emplace(*rid, PendingInfer{target, std::move(blocks)});
+  pending_.mutable_infer()->AddAllocated(infer.release());
+  Signal(lock, true);
+  return true;
+}
+
+void ExecutorLink::Cancel(uint64_t rid) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!socket_ || !infers_.count(rid)) return;  // answered meanwhile, or the connection is gone
+  pending_.add_cancel(rid);
+  Signal(lock, true);
+}
+
+void ExecutorLink::FreeOutputs(uint64_t generation, const wire::Result& result) {
+  if (result.outputs().empty()) return;
+  std::unique_lock<std::mutex> lock(mu_);
+  // The output region of an executor that went away started afresh with the next one.
+  if (!socket_ || generation != generation_) return;
+  for (const wire::Output& output : result.outputs()) pending_.add_free(output.block());
+  Signal(lock, false);
+}
+
+bool ExecutorLink::SubmitCall(std::unique_ptr<wire::Call> call, AnswerTarget* target,
+                              grpc::Status* refusal) {
+  if (call->ByteSizeLong() > kMaxFrameBytes - 64) {
+    *refusal = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                            "the request is larger than the " + std::to_string(kMaxFrameBytes) +
+                                " bytes a front end forwards to the executor process");
+    return false;
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!socket_ || !welcomed_) {
+    *refusal = grpc::Status(grpc::StatusCode::UNAVAILABLE, kNotConnected);
+    return false;
+  }
+  const uint64_t cid = next_id_++;
+  call->set_cid(cid);
+  calls_.emplace(cid, target);
+  pending_.mutable_call()->AddAllocated(call.release());
+  Signal(lock, true);
+  return true;
+}
+
+size_t ExecutorLink::InFlightInfers() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return infers_.size();
+}
+
+void ExecutorLink::Signal(std::unique_lock<std::mutex>& lock, bool urgent) {
+  // The first entry wakes the writer, the others ride along in the same frame. Returned output
+  // blocks are not urgent: they wait for the next request's frame, or kFreeDelay at most, so
+  // that answering a request does not cost a frame of its own.
+  bool wake;
+  if (urgent) {
+    wake = !pending_urgent_ && writer_state_ != WriterState::kBusy;
+    pending_urgent_ = true;
+  } else {
+    wake = writer_state_ == WriterState::kIdle;
+    pending_frees_ = true;
+  }
+  lock.unlock();
+  if (wake) wake_writer_.notify_one();
+}
+
+void ExecutorLink::WriteLoop() {
+  pthread_setname_np(pthread_self(), "bg-link-write");
+  wire::ToExecutor frame;
+  std::string buffer;
+  while (true) {
+    std::shared_ptr<Socket> socket;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      while (!closing_ && !pending_urgent_) {
+        if (!pending_frees_) {
+          writer_state_ = WriterState::kIdle;
+          wake_writer_.wait(lock);
+        } else {
+          writer_state_ = WriterState::kHoldingFrees;
+          if (wake_writer_.wait_for(lock, kFreeDelay) == std::cv_status::timeout) break;
+        }
+      }
+      writer_state_ = WriterState::kBusy;
+      if (closing_) return;
+      frame.Swap(&pending_);
+      pending_urgent_ = pending_frees_ = false;
+      socket = socket_;
+    }
+    if (socket) {
+      bool sent = true;
+      if (frame.ByteSizeLong() <= kMaxFrameBytes) {
+        sent = SendFrame(socket->fd, frame, buffer);
+      } else {
+        // Only a flood of large calls gets here. Infers and calls go first, in several frames;
+        // cancels last, so that each still finds its Infer already sent.
+        wire::ToExecutor part;
+        const auto flush = [&] {
+          if (part.ByteSizeLong() > 0) sent = sent && SendFrame(socket->fd, part, buffer);
+          part.Clear();
+        };
+        for (auto& infer : *frame.mutable_infer()) {
+          part.add_infer()->Swap(&infer);
+          if (part.ByteSizeLong() > kSplitFrameBytes) flush();
+        }
+        for (auto& call : *frame.mutable_call()) {
+          part.add_call()->Swap(&call);
+          if (part.ByteSizeLong() > kSplitFrameBytes) flush();
+        }
+        flush();
+        part.mutable_cancel()->Swap(frame.mutable_cancel());
+        part.mutable_free()->Swap(frame.mutable_free());
+        flush();
+      }
+      // A failed write means the connection is broken: the reader sees it end and handles the
+      // loss, in one place.
+      if (!sent) socket->Shutdown();
+    }
+    frame.Clear();  // keeps the messages allocated, for the next frames to reuse
+  }
+}
+
+void ExecutorLink::ReadLoop() {
+  pthread_setname_np(pthread_self(), "bg-link-read");
+  while (true) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (closing_) return;
+    }
+    if (!Session()) {
+      std::unique_lock<std::mutex> lock(mu_);
+      wake_reader_.wait_for(lock, kReconnectInterval, [&] { return closing_; });
+    }
+  }
+}
+
+bool ExecutorLink::Session() {
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  if (socket_name_.size() + 1 > sizeof address.sun_path) return false;
+  // Abstract namespace: a leading NUL, and no file anywhere.
+  std::memcpy(address.sun_path + 1, socket_name_.data(), socket_name_.size());
+  const auto length =
+      static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + socket_name_.size());
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&address), length) != 0) {
+    close(fd);
+    return false;
+  }
+  // An abstract socket has no file permissions: only a process of this user may be the
+  // executor, or another user could read what clients sent and answer for the executor.
+  if (!SameUser(fd)) {
+    Log(LogLevel::kDebug, "executor_refused",
+        {LogField("reason", "the socket is served by another user's process")});
+    close(fd);
+    return false;
+  }
+  for (const int option : {SO_SNDBUF, SO_RCVBUF}) {
+    setsockopt(fd, SOL_SOCKET, option, &kSocketBufferBytes, sizeof kSocketBufferBytes);
+  }
+  auto socket = std::make_shared<Socket>(fd);
+  std::string buffer;
+  {
+    // The first frame carries Hello and nothing else; it goes out before the writer can see
+    // this socket.
+    wire::ToExecutor hello;
+    hello.mutable_hello()->set_slot(slot_);
+    if (!SendFrame(fd, hello, buffer)) return true;
+  }
+  uint64_t generation;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closing_) return true;
+    socket_ = socket;
+    welcomed_ = false;
+    generation = ++generation_;
+    pending_.Clear();
+    pending_urgent_ = pending_frees_ = false;
+  }
+  wire::ToFrontend frame;
+  while (true) {
+    char header[4];
+    if (!ReceiveAll(fd, header, sizeof header)) break;
+    uint32_t size = 0;
+    for (int i = 0; i < 4; ++i) size |= static_cast<uint32_t>(static_cast<uint8_t>(header[i])) << (8 * i);
+    if (size > kMaxFrameBytes) {
+      Log(LogLevel::kError, "executor_protocol_error",
+          {LogField("error", "the executor sent a " + std::to_string(size) + "-byte frame")});
+      break;
+    }
+    buffer.resize(size);
+    if (!ReceiveAll(fd, buffer.data(), size)) break;
+    if (!frame.ParseFromArray(buffer.data(), static_cast<int>(size))) {
+      Log(LogLevel::kError, "executor_protocol_error",
+          {LogField("error", "the executor sent a malformed frame")});
+      break;
+    }
+    HandleFrame(frame, generation);
+    frame.Clear();
+  }
+  bool closing;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closing = closing_;
+  }
+  Lose(closing);
+  return true;
+}
+
+void ExecutorLink::HandleFrame(wire::ToFrontend& frame, uint64_t generation) {
+  // 1. models (and the welcome)
+  if (frame.welcome() || frame.models_size() > 0) {
+    bool connected;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (frame.welcome()) welcomed_ = true;
+      connected = welcomed_;
+    }
+    for (const auto& change : models_.Apply(frame.models(), frame.welcome(), connected, generation)) {
+      observer_.OnModelChange(change.name, change.serving);
+    }
+    if (frame.welcome()) {
+      Log(LogLevel::kInfo, "executor_connected",
+          {LogField("slot", static_cast<int>(slot_)), LogField("models", frame.models_size())});
+      observer_.OnConnectionChange(true, static_cast<size_t>(frame.models_size()));
+    }
+  }
+
+  // 2.-3. results and failures: each to its request's worker.
+  std::vector<std::pair<AnswerTarget*, ExecutorAnswer>> answers;
+  std::vector<uint64_t> released;
+  std::vector<std::unique_ptr<wire::Result>> orphans;
+  answers.reserve(static_cast<size_t>(frame.results_size() + frame.failures_size()));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto settle = [&](uint64_t rid, bool inputs_released) -> AnswerTarget* {
+      const auto it = infers_.find(rid);
+      if (it == infers_.end()) return nullptr;
+      AnswerTarget* target = it->second.target;
+      if (inputs_released) {
+        released.insert(released.end(), it->second.blocks.begin(), it->second.blocks.end());
+      } else {
+        unreleased_.emplace(rid, std::move(it->second.blocks));
+      }
+      infers_.erase(it);
+      return target;
+    };
+    // Taken out of the frame in its order, so that a stream answers in the order results came.
+    std::vector<wire::Result*> results(static_cast<size_t>(frame.results_size()));
+    frame.mutable_results()->ExtractSubrange(0, frame.results_size(), results.data());
+    for (wire::Result* released_result : results) {
+      std::unique_ptr<wire::Result> result(released_result);
+      AnswerTarget* target = settle(result->rid(), result->released());
+      if (target == nullptr) {
+        orphans.push_back(std::move(result));
+        continue;
+      }
+      ExecutorAnswer answer;
+      answer.generation = generation;
+      answer.result = std::move(result);
+      answers.emplace_back(target, std::move(answer));
+    }
+    for (const wire::Failure& failure : frame.failures()) {
+      AnswerTarget* target = settle(failure.rid(), failure.released());
+      if (target == nullptr) continue;
+      ExecutorAnswer answer;
+      answer.generation = generation;
+      answer.status = grpc::Status(CodeOf(failure.code()), Bounded(failure.message()));
+      answers.emplace_back(target, std::move(answer));
+    }
+    // 4. released: inputs of requests answered earlier with released false.
+    for (const uint64_t rid : frame.released()) {
+      const auto it = unreleased_.find(rid);
+      if (it == unreleased_.end()) continue;
+      released.insert(released.end(), it->second.begin(), it->second.end());
+      unreleased_.erase(it);
+    }
+    // 5. replies to calls
+    std::vector<wire::Reply*> replies(static_cast<size_t>(frame.replies_size()));
+    frame.mutable_replies()->ExtractSubrange(0, frame.replies_size(), replies.data());
+    for (wire::Reply* released_reply : replies) {
+      std::unique_ptr<wire::Reply> reply(released_reply);
+      const auto it = calls_.find(reply->cid());
+      if (it == calls_.end()) continue;
+      ExecutorAnswer answer;
+      answer.generation = generation;
+      if (reply->has_error()) {
+        answer.status = grpc::Status(CodeOf(reply->error().code()), Bounded(reply->error().message()));
+      } else {
+        answer.reply = std::move(reply);
+      }
+      answers.emplace_back(it->second, std::move(answer));
+      calls_.erase(it);
+    }
+  }
+  FreeBlocks(released);
+  for (const auto& orphan : orphans) {
+    // No request of ours has this rid (an executor bug): still return its output blocks.
+    Log(LogLevel::kWarning, "executor_unknown_request", {LogField("rid", orphan->rid())});
+    FreeOutputs(generation, *orphan);
+  }
+  for (auto& [target, answer] : answers) target->worker().Post(target, std::move(answer));
+}
+
+void ExecutorLink::Lose(bool closing) {
+  std::unordered_map<uint64_t, PendingInfer> infers;
+  std::unordered_map<uint64_t, std::vector<uint64_t>> unreleased;
+  std::unordered_map<uint64_t, AnswerTarget*> calls;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    socket_.reset();
+    welcomed_ = false;
+    infers.swap(infers_);
+    unreleased.swap(unreleased_);
+    calls.swap(calls_);
+    pending_.Clear();
+    pending_urgent_ = pending_frees_ = false;
+  }
+  // Nothing reads this front end's input blocks any more: all of them are free again.
+  for (const auto& [rid, pending] : infers) FreeBlocks(pending.blocks);
+  for (const auto& [rid, blocks] : unreleased) FreeBlocks(blocks);
+  const grpc::Status lost(grpc::StatusCode::UNAVAILABLE, kRestarted);
+  for (const auto& [rid, pending] : infers) {
+    ExecutorAnswer answer;
+    answer.status = lost;
+    pending.target->worker().Post(pending.target, std::move(answer));
+  }
+  for (const auto& [cid, target] : calls) {
+    ExecutorAnswer answer;
+    answer.status = lost;
+    target->worker().Post(target, std::move(answer));
+  }
+  for (const auto& change : models_.Disconnect(kRestarting)) {
+    observer_.OnModelChange(change.name, change.serving);
+  }
+  if (!closing) {
+    Log(LogLevel::kWarning, "executor_lost", {LogField("slot", static_cast<int>(slot_))});
+    observer_.OnConnectionChange(false, 0);
+  }
+}
+
+void ExecutorLink::FreeBlocks(const std::vector<uint64_t>& blocks) {
+  for (const uint64_t offset : blocks) {
+    if (!region_.Free(offset)) {
+      Log(LogLevel::kError, "input_block_unknown", {LogField("offset", offset)});
+    }
+  }
+}
+
+}  // namespace batchgate

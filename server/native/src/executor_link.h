@@ -1,0 +1,146 @@
+// The connection to the executor process: protos/wire.proto's front-end end.
+//
+// One Unix stream socket in the abstract namespace, frames of a 4-byte little-endian length and
+// one serialized message (ToExecutor out, ToFrontend in). Two threads own the socket:
+//
+//   - the writer: gRPC workers append Infer / cancel / free / Call entries to the pending
+//     ToExecutor under the mutex and signal; the writer swaps the whole frame out, then
+//     serializes and writes it outside the lock, so one write carries every entry that was
+//     ready and no lock is ever held across a socket write;
+//   - the reader: connects (again every 50 ms until the executor listens), checks that the
+//     peer runs as this user, sends Hello alone, then reads whole frames and handles each in
+//     one pass in the order wire.proto gives: models, results, failures, released, replies.
+//
+// Answers go to the gRPC worker that owns the request (AnswerTarget::worker()), never handled
+// on the reader thread: building a reply copies the outputs out of the arena, and that work
+// spreads over the workers like the requests do.
+//
+// When the connection is lost every request and call in flight is answered UNAVAILABLE, their
+// input blocks are freed (nothing reads them any more), models turn UNAVAILABLE, and the reader
+// connects again; the next welcome restores everything.
+#pragma once
+
+#include <grpcpp/support/status.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "protos/wire.pb.h"
+
+namespace batchgate {
+
+class InputRegion;
+class ModelTable;
+class Worker;
+
+// What the executor answered to one request or call, as its worker receives it.
+struct ExecutorAnswer {
+  // The connection the answer came over: output blocks are returned only on that one.
+  uint64_t generation = 0;
+  grpc::Status status;                    // the Failure / Reply.error, or a lost connection
+  std::unique_ptr<wire::Result> result;   // an Infer's outputs, when status is OK
+  std::unique_ptr<wire::Reply> reply;     // a Call's reply, when status is OK
+};
+
+// Something waiting for an executor answer: an inference request or a forwarded call.
+class AnswerTarget {
+ public:
+  // The worker whose thread receives the answer (the one the gRPC call lives on).
+  virtual Worker& worker() = 0;
+  // On that worker's thread; exactly once per submitted Infer or Call.
+  virtual void OnExecutorAnswer(ExecutorAnswer answer) = 0;
+
+ protected:
+  ~AnswerTarget() = default;
+};
+
+// What the link tells the rest of the front end, on the reader thread.
+class LinkObserver {
+ public:
+  // The welcome arrived (`connected`, with the number of models) or the connection was lost.
+  virtual void OnConnectionChange(bool connected, size_t models) = 0;
+  // Models whose state changed: health follows.
+  virtual void OnModelChange(const std::string& name, bool serving) = 0;
+
+ protected:
+  ~LinkObserver() = default;
+};
+
+class ExecutorLink {
+ public:
+  ExecutorLink(std::string socket_name, uint32_t slot, InputRegion& region, ModelTable& models,
+               LinkObserver& observer);
+  ~ExecutorLink();
+
+  void Start();
+  // Stops connecting, closes the connection and answers everything still in flight (as a lost
+  // connection does, without the executor_lost warning). Idempotent.
+  void Close();
+
+  // Queues `infer` (inputs already in `blocks`) for `target`, and sets `rid` to the rid it
+  // chose. False with `refusal` when there is no connection, or it is not the one the model
+  // state came over; the blocks are then still the caller's.
+  bool SubmitInfer(std::unique_ptr<wire::Infer> infer, std::vector<uint64_t> blocks,
+                   uint64_t model_generation, AnswerTarget* target, uint64_t* rid,
+                   grpc::Status* refusal);
+  // The client of `rid` went away: the executor drops it from its queue.
+  void Cancel(uint64_t rid);
+  // The outputs of a result that came over connection `generation` were copied out.
+  void FreeOutputs(uint64_t generation, const wire::Result& result);
+  // Queues a control-plane call (its cid set here) for `target`; false with `refusal` when not
+  // connected.
+  bool SubmitCall(std::unique_ptr<wire::Call> call, AnswerTarget* target, grpc::Status* refusal);
+
+  // Inference requests sent and not yet answered.
+  size_t InFlightInfers() const;
+
+ private:
+  struct Socket;
+  struct PendingInfer {
+    AnswerTarget* target;
+    std::vector<uint64_t> blocks;
+  };
+
+  void ReadLoop();
+  void WriteLoop();
+  // One connection, from connect to loss; false when it could not connect.
+  bool Session();
+  void HandleFrame(wire::ToFrontend& frame, uint64_t generation);
+  void Lose(bool closing);
+  void FreeBlocks(const std::vector<uint64_t>& blocks);
+  // Wakes the writer for a new entry (`urgent`: anything but returned output blocks).
+  void Signal(std::unique_lock<std::mutex>& lock, bool urgent);
+
+  const std::string socket_name_;
+  const uint32_t slot_;
+  InputRegion& region_;
+  ModelTable& models_;
+  LinkObserver& observer_;
+
+  mutable std::mutex mu_;
+  std::condition_variable wake_writer_;
+  std::condition_variable wake_reader_;  // interrupts the 50 ms reconnect wait
+  bool closing_ = false;
+  std::shared_ptr<Socket> socket_;  // the current connection; null when none
+  bool welcomed_ = false;           // the welcome of the current connection arrived
+  uint64_t generation_ = 0;         // counts connections
+  uint64_t next_id_ = 1;            // rids and cids, unique over every connection
+  wire::ToExecutor pending_;        // the next frame
+  bool pending_urgent_ = false;     // it holds an Infer, cancel or Call
+  bool pending_frees_ = false;      // it holds returned output blocks
+  enum class WriterState { kBusy, kIdle, kHoldingFrees } writer_state_ = WriterState::kBusy;
+  std::unordered_map<uint64_t, PendingInfer> infers_;                 // rid -> request
+  std::unordered_map<uint64_t, std::vector<uint64_t>> unreleased_;   // rid -> input blocks
+  std::unordered_map<uint64_t, AnswerTarget*> calls_;                 // cid -> call
+
+  std::thread reader_;
+  std::thread writer_;
+};
+
+}  // namespace batchgate

@@ -1,0 +1,402 @@
+#include "frontend.h"
+
+#include <grpc/grpc.h>
+#include <grpc/support/time.h>
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server_builder.h>
+#include <sched.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "health_names.h"
+#include "log.h"
+#include "text.h"
+#include "worker.h"
+
+namespace batchgate {
+namespace {
+
+const char* const kServiceName = "inference.GRPCInferenceService";
+const char* const kShuttingDown = "the server is shutting down; retry on another replica";
+// The id a request carries to the executor, for its log lines; the reply echoes the whole one.
+constexpr size_t kMaxForwardedIdBytes = 1024;
+// The drain's parking of new calls before the shutdown (Frontend::Drain): no arrival for this
+// long means the clients are waiting for answers; parking lasts this long at most; the GOAWAY
+// is given this long to reach the clients before the parked calls are answered.
+// A client answered just before the parking began needs the quiet period to send its next call
+// (and have it parked); a GOAWAY needs a round trip and the client's reading to take effect.
+constexpr auto kQuietArrivals = std::chrono::milliseconds(50);
+constexpr auto kMaxParking = std::chrono::milliseconds(1000);
+constexpr auto kGoawayPropagation = std::chrono::milliseconds(250);
+
+struct RpcName {
+  Rpc rpc;
+  const char* name;
+};
+constexpr RpcName kRpcNames[] = {
+    {Rpc::kServerLive, "ServerLive"},
+    {Rpc::kServerReady, "ServerReady"},
+    {Rpc::kModelReady, "ModelReady"},
+    {Rpc::kServerMetadata, "ServerMetadata"},
+    {Rpc::kModelMetadata, "ModelMetadata"},
+    {Rpc::kModelInfer, "ModelInfer"},
+    {Rpc::kModelStreamInfer, "ModelStreamInfer"},
+    {Rpc::kModelConfig, "ModelConfig"},
+    {Rpc::kModelStatistics, "ModelStatistics"},
+    {Rpc::kRepositoryIndex, "RepositoryIndex"},
+    {Rpc::kRepositoryModelLoad, "RepositoryModelLoad"},
+    {Rpc::kRepositoryModelUnload, "RepositoryModelUnload"},
+    {Rpc::kSystemSharedMemoryStatus, "SystemSharedMemoryStatus"},
+    {Rpc::kSystemSharedMemoryRegister, "SystemSharedMemoryRegister"},
+    {Rpc::kSystemSharedMemoryUnregister, "SystemSharedMemoryUnregister"},
+    {Rpc::kCudaSharedMemoryStatus, "CudaSharedMemoryStatus"},
+    {Rpc::kCudaSharedMemoryRegister, "CudaSharedMemoryRegister"},
+    {Rpc::kCudaSharedMemoryUnregister, "CudaSharedMemoryUnregister"},
+    {Rpc::kTraceSetting, "TraceSetting"},
+    {Rpc::kLogSettings, "LogSettings"},
+};
+
+const google::protobuf::ServiceDescriptor* ServiceDescriptor() {
+  return google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(kServiceName);
+}
+
+bool ReadFile(const std::string& path, std::string* contents) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) return false;
+  std::ostringstream text;
+  text << file.rdbuf();
+  *contents = text.str();
+  return static_cast<bool>(file) || file.eof();
+}
+
+int UsableCpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return 1;
+  return std::max(1, CPU_COUNT(&set));
+}
+
+}  // namespace
+
+// -- the service ------------------------------------------------------------------------------
+
+RawInferenceService::RawInferenceService() {
+  for (int i = 0; i < ServiceDescriptor()->method_count(); ++i) MarkMethodRaw(i);
+}
+
+void RawInferenceService::RequestUnary(int index, grpc::ServerContext* context,
+                                       grpc::ByteBuffer* request,
+                                       grpc::ServerAsyncResponseWriter<grpc::ByteBuffer>* responder,
+                                       grpc::ServerCompletionQueue* cq, void* tag) {
+  RequestAsyncUnary(index, context, request, responder, cq, cq, tag);
+}
+
+void RawInferenceService::RequestBidi(
+    int index, grpc::ServerContext* context,
+    grpc::ServerAsyncReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* stream,
+    grpc::ServerCompletionQueue* cq, void* tag) {
+  RequestAsyncBidiStreaming(index, context, stream, cq, cq, tag);
+}
+
+int64_t DeadlineNs(const grpc::ServerContext& context) {
+  const gpr_timespec deadline = context.raw_deadline();
+  if (deadline.tv_sec == gpr_inf_future(deadline.clock_type).tv_sec) return 0;
+  // gRPC's monotonic clock and CLOCK_MONOTONIC may differ by an offset: carry the time left,
+  // not the instant.
+  const gpr_timespec left =
+      gpr_time_sub(gpr_convert_clock_type(deadline, GPR_CLOCK_MONOTONIC), gpr_now(GPR_CLOCK_MONOTONIC));
+  const int64_t left_ns = left.tv_sec * 1000000000 + left.tv_nsec;
+  const int64_t now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                             std::chrono::steady_clock::now().time_since_epoch())
+                             .count();
+  return std::max<int64_t>(1, now_ns + left_ns);
+}
+
+// -- the front end ----------------------------------------------------------------------------
+
+Frontend::Frontend(Handover handover) : handover_(std::move(handover)) {
+  limits_.max_request_bytes = static_cast<uint64_t>(handover_.max_request_bytes);
+  limits_.max_tensor_elements = static_cast<uint64_t>(handover_.max_tensor_elements);
+}
+
+Frontend::~Frontend() = default;
+
+void Frontend::RequestStop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_requested_ = true;
+  }
+  changed_.notify_all();
+}
+
+int Frontend::Run() {
+  std::string error;
+  if (!Start(&error)) {
+    Log(LogLevel::kError, "frontend_start_failed", {LogField("error", error)});
+    if (server_) {
+      server_->Shutdown(std::chrono::system_clock::now());
+      for (auto& worker : workers_) worker->Quit();
+      for (auto& thread : threads_) thread.join();
+    }
+    return 1;
+  }
+  {
+    // Ready only once the executor has welcomed this front end: before, every request would
+    // get UNAVAILABLE.
+    std::unique_lock<std::mutex> lock(mu_);
+    changed_.wait(lock, [&] { return welcomed_ || stop_requested_; });
+    if (welcomed_ && !stop_requested_) {
+      lock.unlock();
+      Announce("frontend_ready", {LogField("slot", handover_.slot), LogField("grpc_port", grpc_port_),
+                                  LogField("pid", static_cast<int>(getpid()))});
+      lock.lock();
+    }
+    changed_.wait(lock, [&] { return stop_requested_; });
+  }
+  Drain();
+  return 0;
+}
+
+bool Frontend::Start(std::string* error) {
+  const Handover& h = handover_;
+  const auto* service = ServiceDescriptor();
+  for (const RpcName& entry : kRpcNames) {
+    const auto* method = service->FindMethodByName(entry.name);
+    if (method == nullptr) {
+      *error = std::string("protos/inference.proto has no RPC ") + entry.name;
+      return false;
+    }
+    rpcs_.push_back({entry.rpc, entry.name, method->index(), method->input_type()->full_name()});
+  }
+  std::vector<std::string> method_names;
+  for (int i = 0; i < service->method_count(); ++i) method_names.push_back(service->method(i)->name());
+  auth_ = std::make_unique<TokenAuth>(h.admin_token, h.infer_token, method_names);
+
+  if (!arena_.Map(h.arena_fd, h.arena_bytes, error)) return false;
+  close(h.arena_fd);  // the mapping stays; the descriptor is not needed any more
+  if (h.input_region_offset % InputRegion::kAlignment || h.input_region_bytes % InputRegion::kAlignment ||
+      !arena_.Contains(h.input_region_offset, h.input_region_bytes)) {
+    *error = "input_region [" + std::to_string(h.input_region_offset) + ", " +
+             std::to_string(h.input_region_bytes) + "] must be 256-aligned and inside the arena";
+    return false;
+  }
+  region_ = std::make_unique<InputRegion>(h.input_region_offset, h.input_region_bytes);
+  const InputRegion* region = region_.get();
+  metrics_ = std::make_unique<RequestMetrics>(h.seconds_buckets, "input-" + std::to_string(h.slot),
+                                              [region] { return region->bytes_in_use(); });
+  metrics_endpoint_ = std::make_unique<MetricsEndpoint>(*metrics_);
+  if (!metrics_endpoint_->Start(h.metrics_socket, error)) return false;
+
+  // -- the gRPC server
+  grpc::EnableDefaultHealthCheckService(true);
+  if (h.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
+  if (h.tls_cert) {
+    grpc::SslServerCredentialsOptions options(
+        h.tls_client_ca ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                        : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+    grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+    for (const auto& [path, into] : {std::pair{*h.tls_cert, &pair.cert_chain},
+                                     std::pair{*h.tls_key, &pair.private_key}}) {
+      if (!ReadFile(path, into)) {
+        *error = "could not read " + path;
+        return false;
+      }
+    }
+    options.pem_key_cert_pairs.push_back(pair);
+    if (h.tls_client_ca && !ReadFile(*h.tls_client_ca, &options.pem_root_certs)) {
+      *error = "could not read " + *h.tls_client_ca;
+      return false;
+    }
+    credentials = grpc::SslServerCredentials(options);
+  }
+  const std::string address = h.host.find(':') == std::string::npos
+                                  ? h.host + ":" + std::to_string(h.grpc_port)
+                                  : "[" + h.host + "]:" + std::to_string(h.grpc_port);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(address, credentials, &grpc_port_);
+  // The supervisor holds the port with a bound, non-listening SO_REUSEPORT socket; every front
+  // end binds it too and the kernel spreads connections over those that listen.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 1);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(h.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(h.max_message_bytes));
+  builder.RegisterService(&service_);
+  {
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+    interceptors.push_back(HealthNameInterceptors());
+    builder.experimental().SetInterceptorCreators(std::move(interceptors));
+  }
+  // Reflection is gRPC's synchronous service, which brings its own polling threads; they take
+  // part in the network work of every call, so keep them to one (more are started while one
+  // is busy serving reflection).
+  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::NUM_CQS, 1);
+  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MIN_POLLERS, 1);
+  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS, 1);
+  const int threads = h.frontend_threads > 0 ? h.frontend_threads : UsableCpus();
+  std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> queues;
+  for (int i = 0; i < threads; ++i) queues.push_back(builder.AddCompletionQueue());
+  server_ = builder.BuildAndStart();
+  if (!server_ || grpc_port_ == 0) {
+    *error = h.tls_cert ? "could not serve TLS on " + address +
+                              ": if the port is free, the certificate or key is the cause "
+                              "(tls_cert, tls_key: a certificate chain and its own private key, "
+                              "PEM); gRPC's log lines above say which"
+                        : "could not bind the gRPC port " + address;
+    server_.reset();
+    return false;
+  }
+  health_ = server_->GetHealthCheckService();
+  // gRPC's default health service starts with "" SERVING: not before the executor is here.
+  SetHealth("", false);
+  SetHealth(kServiceName, false);
+  for (int i = 0; i < threads; ++i) {
+    workers_.push_back(std::make_unique<Worker>(*this, i, std::move(queues[static_cast<size_t>(i)])));
+  }
+  for (auto& worker : workers_) threads_.emplace_back([w = worker.get()] { w->Run(); });
+
+  link_ = std::make_unique<ExecutorLink>(h.executor_socket, static_cast<uint32_t>(h.slot), *region_,
+                                         models_, *this);
+  link_->Start();
+  return true;
+}
+
+void Frontend::SetHealth(const std::string& service, bool serving) {
+  if (health_ != nullptr) health_->SetServingStatus(service, serving);
+}
+
+void Frontend::OnConnectionChange(bool connected, size_t /*models*/) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (connected) welcomed_ = true;
+  }
+  changed_.notify_all();
+  // A front end's executor came or went: the whole server's health follows it (app.py).
+  if (draining()) return;
+  ready_.store(connected, std::memory_order_release);
+  SetHealth("", connected);
+  SetHealth(kServiceName, connected);
+}
+
+void Frontend::OnModelChange(const std::string& name, bool serving) { SetHealth(name, serving); }
+
+grpc::Status Frontend::StartInfer(const inference::ModelInferRequest& request, int64_t deadline_ns,
+                                  AnswerTarget* target, InferTicket* ticket) {
+  if (draining()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, kShuttingDown);
+  std::shared_ptr<const ModelState> model;
+  grpc::Status status =
+      ModelTable::Lookup(*models_.Current(), request.model_name(), request.model_version(), &model);
+  if (!status.ok()) return grpc::Status(status.error_code(), Bounded(status.error_message()));
+  DecodedRequest decoded;
+  status = DecodeRequest(request, *model, limits_, &decoded);
+  if (!status.ok()) return grpc::Status(status.error_code(), Bounded(status.error_message()));
+
+  auto infer = std::make_unique<wire::Infer>();
+  std::vector<uint64_t> blocks;
+  blocks.reserve(decoded.inputs.size());
+  const auto free_blocks = [&] {
+    for (const uint64_t offset : blocks) region_->Free(offset);
+  };
+  for (size_t i = 0; i < decoded.inputs.size(); ++i) {
+    const InputPlan& plan = decoded.inputs[i];
+    const std::optional<uint64_t> offset = region_->Allocate(plan.nbytes);
+    if (!offset) {
+      const std::string message = "this front end's shared-memory region is full (" +
+                                  std::to_string(region_->bytes_in_use()) +
+                                  " bytes in flight); retry later";
+      free_blocks();
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, message);
+    }
+    blocks.push_back(*offset);
+    WriteInput(request, plan, model->inputs[i], arena_.data() + *offset);
+    auto* tensor = infer->add_inputs();
+    tensor->set_offset(*offset);
+    tensor->set_nbytes(plan.nbytes);
+    *tensor->mutable_shape() = request.inputs(plan.tensor).shape();
+  }
+  infer->set_model(model->handle);
+  infer->set_batch_size(decoded.batch_size);
+  infer->set_priority(decoded.priority);
+  infer->set_deadline_ns(deadline_ns);
+  infer->set_timeout_us(decoded.timeout_us);
+  // Frames are bounded (64 MiB); an id is for log lines there, and the reply echoes it whole.
+  infer->set_id(request.id().substr(0, Utf8PrefixLength(request.id(), kMaxForwardedIdBytes)));
+  for (const uint32_t output : decoded.outputs) infer->add_outputs(output);
+  uint64_t rid = 0;
+  if (!link_->SubmitInfer(std::move(infer), blocks, model->generation, target, &rid, &status)) {
+    free_blocks();
+    return status;
+  }
+  ticket->model = std::move(model);
+  ticket->outputs = std::move(decoded.outputs);
+  ticket->rid = rid;
+  return grpc::Status::OK;
+}
+
+void Frontend::NoteArrival() {
+  last_arrival_ns_.store(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                             std::chrono::steady_clock::now().time_since_epoch())
+                             .count(),
+                         std::memory_order_relaxed);
+}
+
+void Frontend::Drain() {
+  // server/app.py Gateway.stop(): NOT_SERVING first, new requests UNAVAILABLE, those in flight
+  // finish (bounded), then the server stops.
+  using Clock = std::chrono::steady_clock;
+  draining_.store(true, std::memory_order_release);
+  for (auto& worker : workers_) worker->ListenDeeper();
+  if (health_ != nullptr) health_->Shutdown();
+  Log(LogLevel::kInfo, "draining", {LogField("drain_timeout_s", handover_.drain_timeout_s)});
+  const auto grace = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(handover_.drain_timeout_s));
+  const auto deadline = Clock::now() + grace;
+  while (link_ && link_->InFlightInfers() > 0 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  if (link_ && link_->InFlightInfers() > 0) {
+    Log(LogLevel::kWarning, "frontend_drain_timed_out",
+        {LogField("slot", handover_.slot), LogField("left", link_->InFlightInfers())});
+  }
+  // What is still in flight (after a timeout) is answered UNAVAILABLE, as a lost executor.
+  if (link_) link_->Close();
+
+  // gRPC's shutdown cancels every call that reaches the server after it began and before the
+  // client has heard the GOAWAY it sends: the client would see CANCELLED for a request that
+  // reached the server. So new calls are parked, unanswered, first: a client waiting for its
+  // answer sends no other, and once arrivals have been quiet for a moment the shutdown begins
+  // with (nearly) nothing on its way. The parked calls are answered once the GOAWAY has had
+  // time to reach the clients, who then retry elsewhere. Workers keep many calls of each RPC
+  // requested meanwhile (ListenDeeper), so that no call waits unmatched inside gRPC either.
+  for (auto& worker : workers_) worker->Park();
+  const auto parked_at = Clock::now();
+  const auto park_until = std::min(parked_at + kMaxParking, deadline);
+  while (Clock::now() < park_until) {
+    const auto last = std::max(
+        parked_at, Clock::time_point(std::chrono::nanoseconds(last_arrival_ns_.load())));
+    if (Clock::now() - last >= kQuietArrivals) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  std::thread shutdown([&] {
+    if (server_) server_->Shutdown(std::chrono::system_clock::now() + grace);
+  });
+  std::this_thread::sleep_for(kGoawayPropagation);
+  // Open streams end now, once their answers are written, with UNAVAILABLE (the shutdown would
+  // cancel them): not before, or their clients would open new ones while the GOAWAY travels.
+  for (auto& worker : workers_) {
+    worker->ReleaseParked();
+    worker->EndStreams();
+  }
+  shutdown.join();
+  for (auto& worker : workers_) worker->Quit();
+  for (auto& thread : threads_) thread.join();
+  threads_.clear();
+  server_.reset();
+  workers_.clear();
+  if (metrics_endpoint_) metrics_endpoint_->Stop();
+  Log(LogLevel::kInfo, "stopped");
+}
+
+}  // namespace batchgate

@@ -1,0 +1,194 @@
+#include "metrics.h"
+
+#include <poll.h>
+#include <pthread.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <limits>
+
+#include "log.h"
+#include "text.h"
+
+namespace batchgate {
+namespace {
+
+constexpr const char* kStatusNames[] = {
+    "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+    "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+    "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+    "UNAUTHENTICATED"};
+
+bool SameUser(int fd) {
+  ucred peer{};
+  socklen_t length = sizeof peer;
+  return getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &peer, &length) == 0 && peer.uid == getuid();
+}
+
+void WriteAll(int fd, const std::string& text) {
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::send(fd, text.data() + done, text.size() - done, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return;
+    }
+    done += static_cast<size_t>(n);
+  }
+}
+
+}  // namespace
+
+const char* StatusCodeName(grpc::StatusCode code) {
+  const auto index = static_cast<size_t>(code);
+  return index < std::size(kStatusNames) ? kStatusNames[index] : "UNKNOWN";
+}
+
+RequestMetrics::RequestMetrics(std::vector<double> seconds_buckets, std::string region,
+                               std::function<uint64_t()> bytes_in_use)
+    : bounds_(std::move(seconds_buckets)),
+      region_(std::move(region)),
+      bytes_in_use_(std::move(bytes_in_use)) {}
+
+void RequestMetrics::Count(const std::string& model, grpc::StatusCode code, double seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  CounterKey key{model, static_cast<int>(code)};
+  auto it = counter_index_.find(key);
+  if (it == counter_index_.end()) {
+    // Model names come from clients: past the bound, new ones share one label, so a client
+    // sending random names cannot grow this process's memory.
+    if (counter_index_.size() >= kMaxLabelledCounters) {
+      key.model = "_unknown";
+      it = counter_index_.find(key);
+    }
+    if (it == counter_index_.end()) {
+      it = counter_index_.emplace(key, counters_.size()).first;
+      counters_.emplace_back(key, 0);
+    }
+  }
+  ++counters_[it->second].second;
+  if (code != grpc::StatusCode::OK) return;
+  const std::string& label = it->first.model;
+  auto h = histogram_index_.find(label);
+  if (h == histogram_index_.end()) {
+    h = histogram_index_.emplace(label, histograms_.size()).first;
+    histograms_.emplace_back(label, Histogram{});
+    histograms_.back().second.buckets.assign(bounds_.size() + 1, 0);
+  }
+  Histogram& histogram = histograms_[h->second].second;
+  // An observation counts in the first bucket whose bound it does not exceed.
+  const size_t bucket = static_cast<size_t>(
+      std::lower_bound(bounds_.begin(), bounds_.end(), seconds) - bounds_.begin());
+  ++histogram.buckets[bucket];
+  ++histogram.count;
+  histogram.sum += seconds;
+}
+
+std::string RequestMetrics::Exposition() const {
+  std::string out;
+  std::lock_guard<std::mutex> lock(mu_);
+  out += "# HELP batchgate_requests_total Inference requests answered, by model and gRPC status.\n";
+  out += "# TYPE batchgate_requests_total counter\n";
+  for (const auto& [key, count] : counters_) {
+    out += "batchgate_requests_total{model=\"";
+    AppendLabelValue(out, key.model);
+    out += "\",status=\"";
+    out += StatusCodeName(static_cast<grpc::StatusCode>(key.code));
+    out += "\"} ";
+    out += PrometheusFloat(static_cast<double>(count));
+    out += '\n';
+  }
+  out += "# HELP batchgate_request_seconds End-to-end time of an inference request inside the "
+         "server, decode to encode.\n";
+  out += "# TYPE batchgate_request_seconds histogram\n";
+  for (const auto& [model, histogram] : histograms_) {
+    std::string label;
+    AppendLabelValue(label, model);
+    uint64_t cumulative = 0;
+    for (size_t i = 0; i <= bounds_.size(); ++i) {
+      cumulative += histogram.buckets[i];
+      // Labels sorted by name, as prometheus_client writes them: le before model.
+      out += "batchgate_request_seconds_bucket{le=\"";
+      out += i < bounds_.size() ? PrometheusFloat(bounds_[i]) : "+Inf";
+      out += "\",model=\"" + label + "\"} ";
+      out += PrometheusFloat(static_cast<double>(cumulative));
+      out += '\n';
+    }
+    out += "batchgate_request_seconds_count{model=\"" + label + "\"} " +
+           PrometheusFloat(static_cast<double>(histogram.count)) + "\n";
+    out += "batchgate_request_seconds_sum{model=\"" + label + "\"} " +
+           PrometheusFloat(histogram.sum) + "\n";
+  }
+  out += "# HELP batchgate_arena_bytes_in_use Bytes allocated in the shared-memory arena "
+         "(multi-process mode), by region.\n";
+  out += "# TYPE batchgate_arena_bytes_in_use gauge\n";
+  out += "batchgate_arena_bytes_in_use{region=\"";
+  AppendLabelValue(out, region_);
+  out += "\"} " + PrometheusFloat(static_cast<double>(bytes_in_use_())) + "\n";
+  return out;
+}
+
+MetricsEndpoint::~MetricsEndpoint() { Stop(); }
+
+bool MetricsEndpoint::Start(const std::string& name, std::string* error) {
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  if (name.empty() || name.size() + 1 > sizeof address.sun_path) {
+    *error = "metrics_socket must be 1.." + std::to_string(sizeof address.sun_path - 1) +
+             " bytes long";
+    return false;
+  }
+  // Abstract namespace: a leading NUL, and no file anywhere.
+  std::memcpy(address.sun_path + 1, name.data(), name.size());
+  const auto length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  listener_ = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (listener_ < 0 || bind(listener_, reinterpret_cast<sockaddr*>(&address), length) != 0 ||
+      listen(listener_, 16) != 0) {
+    *error = "could not listen on the metrics socket '" + name + "': " + std::strerror(errno);
+    return false;
+  }
+  wake_ = eventfd(0, EFD_CLOEXEC);
+  if (wake_ < 0) {
+    *error = std::string("eventfd: ") + std::strerror(errno);
+    return false;
+  }
+  thread_ = std::thread([this] { Serve(); });
+  return true;
+}
+
+void MetricsEndpoint::Stop() {
+  if (thread_.joinable()) {
+    const uint64_t one = 1;
+    [[maybe_unused]] const ssize_t n = ::write(wake_, &one, sizeof one);
+    thread_.join();
+  }
+  if (listener_ >= 0) close(listener_);
+  if (wake_ >= 0) close(wake_);
+  listener_ = wake_ = -1;
+}
+
+void MetricsEndpoint::Serve() {
+  pthread_setname_np(pthread_self(), "bg-metrics");
+  while (true) {
+    pollfd fds[2] = {{listener_, POLLIN, 0}, {wake_, POLLIN, 0}};
+    if (poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      Log(LogLevel::kError, "metrics_socket_failed", {LogField("error", std::strerror(errno))});
+      return;
+    }
+    if (fds[1].revents) return;
+    if (!(fds[0].revents & POLLIN)) continue;
+    const int client = accept4(listener_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (client < 0) continue;
+    // An abstract socket has no file permissions: only a process of this user may read.
+    if (SameUser(client)) WriteAll(client, metrics_.Exposition());
+    close(client);
+  }
+}
+
+}  // namespace batchgate

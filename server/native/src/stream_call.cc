@@ -1,0 +1,215 @@
+#include "stream_call.h"
+
+#include "calls.h"
+#include "codec.h"
+#include "log.h"
+#include "metrics.h"
+
+namespace batchgate {
+namespace {
+
+// Requests at the executor plus answers not yet written, past which the stream stops reading
+// until answers go out: a client that sends without reading cannot grow this process's memory
+// (HTTP/2 flow control then holds it back).
+constexpr size_t kMaxBacklog = 256;
+
+const char* const kInternalMessage = "internal server error; the server log has the details";
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+StreamInferCall::StreamInferCall(Worker& worker, const RpcInfo& rpc) : CallBase(worker), rpc_(rpc) {
+  context_.AsyncNotifyWhenDone(done_.tag());
+  worker.frontend().service().RequestBidi(rpc.index, &context_, &stream_, worker.cq(),
+                                          started_.tag());
+}
+
+StreamInferCall::~StreamInferCall() {
+  if (registered_) worker_.RemoveStream(this);
+}
+
+void StreamInferCall::OnStarted(bool ok) {
+  if (!ok) {
+    Unref();
+    return;
+  }
+  Arrived(rpc_);
+}
+
+void StreamInferCall::Serve() {
+  worker_.AddStream(this);
+  registered_ = true;
+  const grpc::Status refusal = worker_.frontend().auth().Check(rpc_.index, context_);
+  if (!refusal.ok()) {
+    // Refused without reading a message, as server/auth.py's refusal handlers are.
+    end_status_ = refusal;
+    no_more_requests_ = true;
+    MaybeFinish();
+  } else if (worker_.ending_streams()) {
+    EndForDrain();  // arrived after the drain ended the streams
+  } else {
+    deadline_ns_ = DeadlineNs(context_);
+    StartRead();
+  }
+}
+
+void StreamInferCall::StartRead() {
+  if (reading_ || no_more_requests_ || abandoned_) return;
+  if (Backlog() >= kMaxBacklog) {
+    read_paused_ = true;
+    return;
+  }
+  read_paused_ = false;
+  reading_ = true;
+  Ref();
+  stream_.Read(&incoming_, read_.tag());
+}
+
+void StreamInferCall::OnRead(bool ok) {
+  reading_ = false;
+  if (!ok) {  // the client half-closed (or went away)
+    no_more_requests_ = true;
+    client_half_closed_ = true;
+    MaybeFinish();
+    Unref();
+    return;
+  }
+  if (no_more_requests_ || abandoned_) {  // ended meanwhile (drain): nothing more is taken
+    Unref();
+    return;
+  }
+  inference::ModelInferRequest request;
+  grpc::Status error;
+  if (!ParseRequest(&incoming_, &request, rpc_, &error)) {
+    // grpcio's request iterator raises, which ends service.py's stream at once: OK, with the
+    // answers already queued, and the requests still in flight cancelled.
+    no_more_requests_ = true;
+    for (const auto& [pointer, pending] : requests_) worker_.frontend().link().Cancel(pending->ticket_.rid);
+    abandoned_requests_ = true;
+    MaybeFinish();
+    Unref();
+    return;
+  }
+  HandleRequest(request);
+  StartRead();
+  Unref();
+}
+
+void StreamInferCall::HandleRequest(inference::ModelInferRequest& request) {
+  Frontend& frontend = worker_.frontend();
+  auto pending = std::make_unique<Request>(*this, request.model_name(),
+                                           std::chrono::steady_clock::now(), request.id());
+  const grpc::Status status = frontend.StartInfer(request, deadline_ns_, pending.get(),
+                                                  &pending->ticket_);
+  if (!status.ok()) {
+    frontend.metrics().Count(pending->model_name_, status.error_code(),
+                             SecondsSince(pending->started_));
+    Queue(StreamError(status.error_message()));
+    return;
+  }
+  Ref();  // the executor's answer
+  Request* key = pending.get();
+  requests_.emplace(key, std::move(pending));
+}
+
+void StreamInferCall::OnAnswer(Request* key, ExecutorAnswer answer) {
+  const auto it = requests_.find(key);
+  std::unique_ptr<Request> request = std::move(it->second);
+  requests_.erase(it);
+  Frontend& frontend = worker_.frontend();
+  const bool wanted = !abandoned_ && !abandoned_requests_;
+  if (answer.status.ok()) {
+    if (wanted) {
+      grpc::ByteBuffer reply;
+      std::string problem;
+      if (EncodeResponse(*request->ticket_.model, request->id_, request->ticket_.outputs,
+                         *answer.result, frontend.arena(), true, &reply, &problem)) {
+        frontend.metrics().Count(request->model_name_, grpc::StatusCode::OK,
+                                 SecondsSince(request->started_));
+        Queue(std::move(reply));
+      } else {
+        Log(LogLevel::kError, "executor_protocol_error", {LogField("error", problem)});
+        frontend.metrics().Count(request->model_name_, grpc::StatusCode::INTERNAL,
+                                 SecondsSince(request->started_));
+        Queue(StreamError(kInternalMessage));
+      }
+    }
+    frontend.link().FreeOutputs(answer.generation, *answer.result);
+  } else if (wanted) {
+    frontend.metrics().Count(request->model_name_, answer.status.error_code(),
+                             SecondsSince(request->started_));
+    Queue(StreamError(answer.status.error_message()));
+  }
+  if (read_paused_) StartRead();
+  MaybeFinish();
+  Unref();
+}
+
+void StreamInferCall::Queue(grpc::ByteBuffer message) {
+  if (abandoned_) return;
+  writes_.push_back(std::move(message));
+  StartWrite();
+}
+
+void StreamInferCall::StartWrite() {
+  if (writing_ || writes_.empty() || abandoned_ || finished_called_) return;
+  writing_ = true;
+  Ref();
+  stream_.Write(writes_.front(), written_.tag());
+}
+
+void StreamInferCall::OnWritten(bool ok) {
+  writing_ = false;
+  writes_.pop_front();
+  if (ok) {
+    StartWrite();
+    if (read_paused_) StartRead();
+  } else {
+    Abandon();  // the stream is broken: the client is gone
+  }
+  MaybeFinish();
+  Unref();
+}
+
+void StreamInferCall::Abandon() {
+  if (abandoned_) return;
+  abandoned_ = true;
+  no_more_requests_ = true;
+  writes_.clear();
+  for (const auto& [key, request] : requests_) worker_.frontend().link().Cancel(request->ticket_.rid);
+}
+
+void StreamInferCall::EndForDrain() {
+  if (finished_called_ || abandoned_) return;
+  if (!client_half_closed_) {
+    end_status_ = grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                               "the server is shutting down; retry on another replica");
+  }
+  no_more_requests_ = true;
+  read_paused_ = false;
+  MaybeFinish();
+}
+
+void StreamInferCall::MaybeFinish() {
+  if (finished_called_ || abandoned_ || !no_more_requests_) return;
+  if (!abandoned_requests_ && !requests_.empty()) return;
+  if (writing_ || !writes_.empty()) return;
+  // While the drain parks calls, a stream's client waits for its end instead of opening the
+  // next stream into gRPC's shutdown (Frontend::Drain); EndForDrain() comes back here after.
+  if (worker_.parking()) return;
+  finished_called_ = true;
+  Ref();
+  stream_.Finish(end_status_, finished_.tag());
+}
+
+void StreamInferCall::OnFinished(bool /*ok*/) { Unref(); }
+
+void StreamInferCall::OnDone(bool /*ok*/) {
+  if (context_.IsCancelled()) Abandon();
+  Unref();
+}
+
+}  // namespace batchgate

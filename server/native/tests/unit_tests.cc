@@ -1,0 +1,390 @@
+// Unit tests of the native front end's pure parts, run by ctest: text as Python writes it, the
+// input region allocator, bearer-token parsing, decode_request()'s checks and conversions, the
+// metrics exposition. Expected texts were produced by the Python code they mirror. No framework:
+// a failed check prints where and what, and the exit status counts the failures.
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "auth.h"
+#include "codec.h"
+#include "input_region.h"
+#include "metrics.h"
+#include "model_table.h"
+#include "text.h"
+
+namespace {
+
+int g_failures = 0;
+int g_checks = 0;
+
+#define CHECK(condition)                                                     \
+  do {                                                                       \
+    ++g_checks;                                                              \
+    if (!(condition)) {                                                      \
+      ++g_failures;                                                          \
+      std::fprintf(stderr, "%s:%d: CHECK(%s)\n", __FILE__, __LINE__, #condition); \
+    }                                                                        \
+  } while (0)
+
+#define CHECK_EQ(actual, expected)                                                         \
+  do {                                                                                     \
+    ++g_checks;                                                                            \
+    const auto a_ = (actual);                                                              \
+    const auto e_ = (expected);                                                            \
+    if (!(a_ == e_)) {                                                                     \
+      ++g_failures;                                                                        \
+      std::fprintf(stderr, "%s:%d: %s == %s\n  got:      %s\n  expected: %s\n", __FILE__, \
+                   __LINE__, #actual, #expected, Show(a_).c_str(), Show(e_).c_str());      \
+    }                                                                                      \
+  } while (0)
+
+std::string Show(const std::string& s) { return "\"" + s + "\""; }
+template <typename T>
+std::string Show(const T& v) { return std::to_string(v); }
+
+using batchgate::DataType;
+using batchgate::ModelState;
+
+void TestQuotingAndCutting() {
+  using batchgate::Bounded;
+  using batchgate::Quoted;
+  CHECK_EQ(Quoted("a'b\\c\x01\x7f\xc3\xa9\n"), std::string("'a\\'b\\\\c\\x01\\x7f\xc3\xa9\\x0a'"));
+  CHECK_EQ(Quoted(""), std::string("''"));
+  CHECK_EQ(batchgate::QuotedList(std::vector<std::string>{"a", "b'"}), std::string("['a', 'b\\'']"));
+  CHECK_EQ(batchgate::QuotedList(std::vector<std::string>{}), std::string("[]"));
+  // bounded(): 600 x "é" (1200 bytes) -> 1024 bytes ending in " ... (message cut)".
+  std::string e600;
+  for (int i = 0; i < 600; ++i) e600 += "\xc3\xa9";
+  const std::string cut = Bounded(e600);
+  CHECK_EQ(cut.size(), size_t{1024});
+  CHECK(cut.compare(cut.size() - 18, 18, " ... (message cut)") == 0);
+  // A 4-byte character straddling the cut is dropped whole: Python's result is 1023 bytes.
+  std::string bombs = "a";
+  for (int i = 0; i < 300; ++i) bombs += "\xf0\x9f\x92\xa5";
+  CHECK_EQ(Bounded(bombs).size(), size_t{1023});
+  CHECK_EQ(Bounded("short"), std::string("short"));
+  CHECK_EQ(Bounded(std::string(1024, 'x')).size(), size_t{1024});
+  CHECK(batchgate::IsValidUtf8("\xc3\xa9\xef\xbf\xbd"));
+  CHECK(!batchgate::IsValidUtf8("\xc3\x28"));
+  CHECK(!batchgate::IsValidUtf8("\xed\xa0\x80"));  // a surrogate
+}
+
+void TestShapes() {
+  google::protobuf::RepeatedField<int64_t> shape;
+  CHECK_EQ(batchgate::ShapeText(shape), std::string("[]"));
+  for (int i = 0; i < 8; ++i) shape.Add(i);
+  CHECK_EQ(batchgate::ShapeText(shape), std::string("[0, 1, 2, 3, 4, 5, 6, 7]"));
+  shape.Add(-5);
+  CHECK_EQ(batchgate::ShapeText(shape), std::string("[0, 1, 2, 3, 4, 5, 6, 7, ...] (9 dimensions)"));
+  CHECK_EQ(batchgate::ShapeList(shape), std::string("[0, 1, 2, 3, 4, 5, 6, 7, -5]"));
+}
+
+void TestFloats() {
+  struct Case {
+    double value;
+    const char* repr;
+    const char* go;
+  };
+  // repr(v) and prometheus_client's floatToGoString(v).
+  const Case cases[] = {
+      {0.0001, "0.0001", "0.0001"},
+      {0.00025, "0.00025", "0.00025"},
+      {1.0, "1.0", "1.0"},
+      {10.0, "10.0", "10.0"},
+      {1e-05, "1e-05", "1e-05"},
+      {123456789.0, "123456789.0", "1.23456789e+08"},
+      {1e+16, "1e+16", "1e+16"},
+      {12.5, "12.5", "12.5"},
+      {1e+22, "1e+22", "1e+22"},
+      {3e-07, "3e-07", "3e-07"},
+      {0.30000000000000004, "0.30000000000000004", "0.30000000000000004"},
+      {1234567.0, "1234567.0", "1.234567e+06"},
+      {10000000.0, "10000000.0", "1e+07"},
+      {9007199254740992.0, "9007199254740992.0", "9.007199254740992e+15"},
+      {10000000000.0, "10000000000.0", "1e+10"},
+      {5e-324, "5e-324", "5e-324"},
+      {1.7976931348623157e+308, "1.7976931348623157e+308", "1.7976931348623157e+308"},
+      {0.5, "0.5", "0.5"},
+      {123.456, "123.456", "123.456"},
+      {30.0, "30.0", "30.0"},
+      {0.0, "0.0", "0.0"},
+  };
+  for (const Case& c : cases) {
+    CHECK_EQ(batchgate::PythonFloat(c.value), std::string(c.repr));
+    CHECK_EQ(batchgate::PrometheusFloat(c.value), std::string(c.go));
+  }
+  CHECK_EQ(batchgate::PrometheusFloat(1.0 / 0.0), std::string("+Inf"));
+}
+
+void TestJson() {
+  std::string out;
+  batchgate::AppendJsonString(out, "m\xc3\xa9\xf0\x9f\x92\xa5\x7f\"\\\n\x01");
+  // json.dumps("mé💥\x7f\"\\\n\x01")
+  CHECK_EQ(out, std::string("\"m\\u00e9\\ud83d\\udca5\\u007f\\\"\\\\\\n\\u0001\""));
+  out.clear();
+  batchgate::AppendJsonString(out, "\xff");
+  CHECK_EQ(out, std::string("\"\\ufffd\""));
+}
+
+void TestInputRegion() {
+  using batchgate::InputRegion;
+  InputRegion region(4096, 256 * 64);
+  std::string problem;
+  CHECK(region.CheckInvariants(&problem));
+  const auto a = region.Allocate(0);
+  CHECK(a.has_value());
+  CHECK_EQ(region.bytes_in_use(), uint64_t{256});
+  CHECK(!region.Allocate(256 * 64).has_value());  // one block is taken: the whole does not fit
+  CHECK(region.Free(*a));
+  CHECK(!region.Free(*a));  // a second free of the same block is refused
+  CHECK(region.Allocate(256 * 64).has_value());
+  CHECK(!region.Allocate(1).has_value());
+
+  // Random traffic: the blocks tile the region, never overlap, coalesce when freed.
+  InputRegion busy(0, 1 << 20);
+  std::mt19937 rng(7);
+  std::map<uint64_t, uint64_t> live;  // offset -> requested bytes
+  for (int step = 0; step < 20000; ++step) {
+    if (live.empty() || rng() % 3 != 0) {
+      const uint64_t n = rng() % 20000;
+      const auto offset = busy.Allocate(n);
+      if (offset) {
+        const auto next = live.lower_bound(*offset);
+        CHECK(next == live.end() || next->first >= *offset + n);
+        live.emplace(*offset, n);
+      }
+    } else {
+      auto it = live.begin();
+      std::advance(it, static_cast<long>(rng() % live.size()));
+      CHECK(busy.Free(it->first));
+      live.erase(it);
+    }
+    if (step % 997 == 0) CHECK(busy.CheckInvariants(&problem));
+  }
+  for (const auto& [offset, n] : live) CHECK(busy.Free(offset));
+  CHECK_EQ(busy.bytes_in_use(), uint64_t{0});
+  CHECK(busy.CheckInvariants(&problem));
+  CHECK(busy.Allocate(1 << 20).has_value());  // everything coalesced back into one block
+}
+
+void TestBearerTokens() {
+  using Metadata = std::multimap<grpc::string_ref, grpc::string_ref>;
+  const auto token = [](std::vector<std::pair<std::string, std::string>>* entries) {
+    Metadata m;
+    for (const auto& [k, v] : *entries) m.emplace(grpc::string_ref(k), grpc::string_ref(v));
+    return batchgate::BearerToken(m);
+  };
+  std::vector<std::pair<std::string, std::string>> none;
+  CHECK(!token(&none).has_value());
+  std::vector<std::pair<std::string, std::string>> plain = {{"authorization", "Bearer abc"}};
+  CHECK(token(&plain) == std::optional<std::string_view>("abc"));
+  std::vector<std::pair<std::string, std::string>> lower = {{"authorization", "bEaReR \t abc \x0b"}};
+  CHECK(token(&lower) == std::optional<std::string_view>("abc"));
+  std::vector<std::pair<std::string, std::string>> basic = {{"authorization", "Basic abc"}};
+  CHECK(token(&basic) == std::optional<std::string_view>(""));
+  std::vector<std::pair<std::string, std::string>> bare = {{"authorization", "Bearer"}};
+  CHECK(token(&bare) == std::optional<std::string_view>(""));
+  std::vector<std::pair<std::string, std::string>> first = {{"authorization", "Bearer one"},
+                                                            {"authorization", "Bearer two"}};
+  CHECK(token(&first) == std::optional<std::string_view>("one"));
+  CHECK(batchgate::ConstantTimeEquals("abc", "abc"));
+  CHECK(!batchgate::ConstantTimeEquals("abc", "abd"));
+  CHECK(!batchgate::ConstantTimeEquals("abc", "abcd"));
+  CHECK(!batchgate::ConstantTimeEquals("", "a"));
+}
+
+// The echo-like model of tests/conftest.py: max_batch_size 4, one input per datatype, dims [3].
+std::shared_ptr<const ModelState> EchoModel() {
+  batchgate::wire::ModelState wire;
+  wire.set_name("echo");
+  wire.set_state("READY");
+  wire.set_handle(7);
+  auto* spec = wire.mutable_spec();
+  spec->set_name("echo");
+  spec->set_version("1");
+  spec->set_max_batch_size(4);
+  for (const char* t : {"BOOL", "INT8", "UINT16", "FP32", "BYTES", "FP16"}) {
+    auto* in = spec->add_inputs();
+    in->set_name(std::string("IN_") + t);
+    in->set_datatype(t);
+    in->add_dims(3);
+    auto* out = spec->add_outputs();
+    out->set_name(std::string("OUT_") + t);
+    out->set_datatype(t);
+    out->add_dims(3);
+  }
+  return batchgate::MakeModelState(wire, 1);
+}
+
+inference::ModelInferRequest TypedEchoRequest() {
+  inference::ModelInferRequest r;
+  r.set_model_name("echo");
+  const auto add = [&](const char* name, const char* datatype) {
+    auto* t = r.add_inputs();
+    t->set_name(name);
+    t->set_datatype(datatype);
+    t->add_shape(1);
+    t->add_shape(3);
+    return t->mutable_contents();
+  };
+  auto* b = add("IN_BOOL", "BOOL");
+  b->add_bool_contents(true), b->add_bool_contents(false), b->add_bool_contents(true);
+  auto* i8 = add("IN_INT8", "INT8");
+  i8->add_int_contents(-128), i8->add_int_contents(0), i8->add_int_contents(127);
+  auto* u16 = add("IN_UINT16", "UINT16");
+  u16->add_uint_contents(65535), u16->add_uint_contents(1), u16->add_uint_contents(2);
+  auto* f = add("IN_FP32", "FP32");
+  f->add_fp32_contents(1.5f), f->add_fp32_contents(-2), f->add_fp32_contents(0);
+  auto* s = add("IN_BYTES", "BYTES");
+  s->add_bytes_contents("ab"), s->add_bytes_contents(""), s->add_bytes_contents("xyz");
+  return r;
+}
+
+void TestDecode() {
+  const auto model = EchoModel();
+  batchgate::RequestLimits limits;
+  limits.max_request_bytes = 1 << 20;
+  limits.max_tensor_elements = 1000;
+
+  // Everything but FP16, which has no typed field: "missing inputs ['IN_FP16']".
+  inference::ModelInferRequest r = TypedEchoRequest();
+  batchgate::DecodedRequest decoded;
+  grpc::Status status = batchgate::DecodeRequest(r, *model, limits, &decoded);
+  CHECK_EQ(status.error_message(), std::string("model 'echo': missing inputs ['IN_FP16']"));
+
+  auto* fp16 = r.add_inputs();
+  fp16->set_name("IN_FP16");
+  fp16->set_datatype("FP16");
+  fp16->add_shape(1);
+  fp16->add_shape(3);
+  decoded = {};
+  status = batchgate::DecodeRequest(r, *model, limits, &decoded);
+  CHECK_EQ(status.error_message(),
+           std::string("model 'echo': input 'IN_FP16' is FP16, which has no typed contents field; "
+                       "send it in raw_input_contents"));
+  fp16->mutable_contents()->add_fp32_contents(1);  // typed contents of a raw-only type
+
+  // Raw instead: then every input converts, and the typed ones are written as raw bytes.
+  inference::ModelInferRequest typed = TypedEchoRequest();
+  typed.mutable_inputs()->RemoveLast();  // IN_BYTES
+  const auto state_without = [&] {
+    batchgate::wire::ModelState wire;
+    wire.set_name("echo");
+    wire.set_state("READY");
+    auto* spec = wire.mutable_spec();
+    spec->set_name("echo");
+    spec->set_version("1");
+    spec->set_max_batch_size(4);
+    for (const char* t : {"BOOL", "INT8", "UINT16", "FP32"}) {
+      auto* in = spec->add_inputs();
+      in->set_name(std::string("IN_") + t);
+      in->set_datatype(t);
+      in->add_dims(3);
+    }
+    return batchgate::MakeModelState(wire, 1);
+  }();
+  decoded = {};
+  status = batchgate::DecodeRequest(typed, *state_without, limits, &decoded);
+  CHECK(status.ok());
+  CHECK_EQ(decoded.batch_size, uint32_t{1});
+  const uint64_t sizes[] = {3, 3, 6, 12};
+  for (size_t i = 0; i < 4; ++i) CHECK_EQ(decoded.inputs[i].nbytes, sizes[i]);
+  uint8_t buffer[16];
+  batchgate::WriteInput(typed, decoded.inputs[1], state_without->inputs[1], buffer);
+  CHECK(buffer[0] == 0x80 && buffer[1] == 0 && buffer[2] == 0x7F);
+  batchgate::WriteInput(typed, decoded.inputs[2], state_without->inputs[2], buffer);
+  CHECK(buffer[0] == 0xFF && buffer[1] == 0xFF && buffer[2] == 1 && buffer[3] == 0);
+
+  // A value outside INT8's range.
+  typed.mutable_inputs(1)->mutable_contents()->set_int_contents(1, 128);
+  decoded = {};
+  status = batchgate::DecodeRequest(typed, *state_without, limits, &decoded);
+  CHECK_EQ(status.error_message(),
+           std::string("model 'echo': input 'IN_INT8' has values outside the range of INT8"));
+
+  // BYTES typed contents become the 4-byte-length encoding.
+  const auto bytes_model = [&] {
+    batchgate::wire::ModelState wire;
+    wire.set_name("s");
+    wire.set_state("READY");
+    auto* spec = wire.mutable_spec();
+    spec->set_name("s");
+    spec->set_max_batch_size(0);
+    auto* in = spec->add_inputs();
+    in->set_name("T");
+    in->set_datatype("BYTES");
+    in->add_dims(-1);
+    return batchgate::MakeModelState(wire, 1);
+  }();
+  inference::ModelInferRequest strings;
+  auto* t = strings.add_inputs();
+  t->set_name("T");
+  t->set_datatype("BYTES");
+  t->add_shape(2);
+  t->mutable_contents()->add_bytes_contents("ab");
+  t->mutable_contents()->add_bytes_contents("");
+  decoded = {};
+  CHECK(batchgate::DecodeRequest(strings, *bytes_model, limits, &decoded).ok());
+  CHECK_EQ(decoded.inputs[0].nbytes, uint64_t{10});
+  batchgate::WriteInput(strings, decoded.inputs[0], bytes_model->inputs[0], buffer);
+  CHECK(std::memcmp(buffer, "\x02\0\0\0ab\0\0\0\0", 10) == 0);
+
+  // Shapes: rank first, then negative dimensions, then the element limit (never a product
+  // that passes it), then the model's dimensions.
+  t->clear_shape();
+  t->add_shape(1LL << 62);
+  t->add_shape(1LL << 62);
+  decoded = {};
+  status = batchgate::DecodeRequest(strings, *bytes_model, limits, &decoded);
+  CHECK_EQ(status.error_message(),
+           std::string("model 's': input 'T' must have shape [-1] (-1: any), got [4611686018427387904, "
+                       "4611686018427387904]"));
+  t->clear_shape();
+  t->add_shape(1LL << 62);
+  decoded = {};
+  status = batchgate::DecodeRequest(strings, *bytes_model, limits, &decoded);
+  CHECK(status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
+  CHECK_EQ(status.error_message(),
+           std::string("model 's': input 'T' of shape [4611686018427387904] has more elements than "
+                       "this server allows (--max-tensor-elements 1000)"));
+}
+
+void TestMetrics() {
+  batchgate::RequestMetrics metrics({0.001, 0.01}, "input-3", [] { return uint64_t{512}; });
+  metrics.Count("m\"x", grpc::StatusCode::OK, 0.005);
+  metrics.Count("m\"x", grpc::StatusCode::OK, 0.01);
+  metrics.Count("m\"x", grpc::StatusCode::NOT_FOUND, 0.5);
+  const std::string text = metrics.Exposition();
+  CHECK(text.find("batchgate_requests_total{model=\"m\\\"x\",status=\"OK\"} 2.0\n") != std::string::npos);
+  CHECK(text.find("batchgate_requests_total{model=\"m\\\"x\",status=\"NOT_FOUND\"} 1.0\n") != std::string::npos);
+  CHECK(text.find("batchgate_request_seconds_bucket{le=\"0.001\",model=\"m\\\"x\"} 0.0\n") != std::string::npos);
+  CHECK(text.find("batchgate_request_seconds_bucket{le=\"0.01\",model=\"m\\\"x\"} 2.0\n") != std::string::npos);
+  CHECK(text.find("batchgate_request_seconds_bucket{le=\"+Inf\",model=\"m\\\"x\"} 2.0\n") != std::string::npos);
+  CHECK(text.find("batchgate_request_seconds_count{model=\"m\\\"x\"} 2.0\n") != std::string::npos);
+  CHECK(text.find("batchgate_arena_bytes_in_use{region=\"input-3\"} 512.0\n") != std::string::npos);
+  // Past 4096 (model, status) pairs, new names count under "_unknown".
+  for (int i = 0; i < 5000; ++i) metrics.Count("model" + std::to_string(i), grpc::StatusCode::OK, 0);
+  const std::string full = metrics.Exposition();
+  CHECK(full.find("model=\"_unknown\",status=\"OK\"} 906.0") != std::string::npos);
+  CHECK(full.find("model=\"model4093\"") != std::string::npos);  // the 4096th pair
+  CHECK(full.find("model=\"model4094\"") == std::string::npos);
+}
+
+}  // namespace
+
+int main() {
+  TestQuotingAndCutting();
+  TestShapes();
+  TestFloats();
+  TestJson();
+  TestInputRegion();
+  TestBearerTokens();
+  TestDecode();
+  TestMetrics();
+  std::fprintf(stderr, "%d of %d checks failed\n", g_failures, g_checks);
+  return g_failures ? 1 : 0;
+}
