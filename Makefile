@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test install tools protos check-protos lint clean
+.PHONY: serve test install tools native native-asan protos check-protos lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,10 +23,20 @@ tools: $(STAMP)
 	bash scripts/install-perf-analyzer.sh || echo "perf_analyzer not installed: its test will say why it skipped"
 	bash scripts/install-nginx.sh || echo "nginx not installed: its tests will say why they skipped"
 
-serve: $(STAMP)
+# The native front end (server/native, C++ on Debian's / Ubuntu's gRPC): the script installs the
+# build packages it needs. When it cannot build, this says so once and serve falls back to the
+# Python front end (tests of the native mode say why they skip; CI sets BATCHGATE_REQUIRE_NATIVE).
+native:
+	@bash scripts/build-native.sh || echo "make: the native front end could not be built (the line above says why); batchgate serves with the Python front end"
+
+# The same under AddressSanitizer and UBSan, for the tests that run it (tests/test_native_parity.py).
+native-asan:
+	@bash scripts/build-native.sh --sanitize || echo "make: the sanitizer build of the native front end could not be built (the line above says why); its tests will skip"
+
+serve: $(STAMP) native
 	$(BIN)/batchgate serve $(ARGS)
 
-test: $(STAMP) tools
+test: $(STAMP) tools native native-asan
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 protos: $(STAMP)
@@ -36,4 +46,4 @@ check-protos: $(STAMP)
 	$(BIN)/python -m protos.generate --check
 
 clean:
-	rm -rf $(VENV) .tools .pytest_cache .hypothesis
+	rm -rf $(VENV) .tools .pytest_cache .hypothesis build

@@ -5,10 +5,15 @@ stream's error messages) must be equal. First a matrix of every kind of bad inpu
 the repository and the executor refuse, then seeded random requests. The native front end is
 written apart from the Python code (``server/native/``): this is what holds the two to one
 behaviour.
+
+A fourth server runs the native front end built with AddressSanitizer and UBSan
+(``scripts/build-native.sh --sanitize``): it answers everything here too, then a load, a
+drain, and its log must hold no sanitizer report.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import struct
 
@@ -18,22 +23,50 @@ import pytest
 
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
-from tests.conftest import NUMERIC_TYPES, native_or_skip, start_in_mode
+from server import native
+from tests.conftest import NUMERIC_TYPES, Load, native_or_skip, start_in_mode
 
-MODES = ("single", "python", "native")
+MODES = ("single", "python", "native", "native-asan")
+SANITIZED = native.ROOT / "build" / "native-asan" / "batchgate-frontend"
+# A report stops the process (the supervisor would restart it: the test sees the report in the
+# log either way); LeakSanitizer reports at the drained process's exit.
+SANITIZER_ENV = {"ASAN_OPTIONS": "halt_on_error=1:detect_leaks=1:abort_on_error=0",
+                 "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}
+SANITIZER_REPORTS = (b"ERROR: AddressSanitizer", b"ERROR: LeakSanitizer", b"runtime error:",
+                     b"SUMMARY: UndefinedBehavior")
+
+
+def start_sanitized(model_repository, gate):
+    native_or_skip()
+    if not SANITIZED.is_file():
+        reason = f"the sanitizer build {SANITIZED} is missing (scripts/build-native.sh --sanitize)"
+        if os.environ.get("BATCHGATE_REQUIRE_NATIVE"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    env = {**os.environ, native.ENV_VAR: str(SANITIZED), **SANITIZER_ENV}
+    return start_in_mode("native", model_repository, gate, env=env)
 
 
 @pytest.fixture(scope="module")
-def stubs(model_repository, gate):
-    native_or_skip()
-    servers = [start_in_mode(mode, model_repository, gate) for mode in MODES]
+def servers(model_repository, gate):
+    running = [start_in_mode(mode, model_repository, gate) for mode in MODES[:-1]]
+    running.append(start_sanitized(model_repository, gate))
+    yield running
+    gate.open()
+    for server in running[:-1]:
+        server.stop()
+    # The sanitized one is stopped (drained) by test_sanitizers_report_nothing; if that did
+    # not run, here.
+    if running[-1].supervisor.proc.poll() is None:
+        running[-1].stop()
+
+
+@pytest.fixture(scope="module")
+def stubs(servers):
     channels = [grpc.insecure_channel(s.address) for s in servers]
     yield [inference_pb2_grpc.GRPCInferenceServiceStub(c) for c in channels]
     for channel in channels:
         channel.close()
-    gate.open()
-    for server in servers:
-        server.stop()
 
 
 def answer(stub, rpc: str, request) -> tuple[str, str]:
@@ -241,3 +274,17 @@ def test_random_requests_are_answered_alike(stubs, seed):
         answers = [answer(stub, "ModelInfer", request) for stub in stubs]
         assert answers[1:] == answers[:1] * (len(stubs) - 1), (
             request, dict(zip(MODES, answers)))
+
+
+def test_sanitizers_report_nothing(servers, stubs):
+    """Last in this module: after the matrix and the random requests, a load on the sanitized
+    front end, then its drain; its whole log is free of sanitizer reports."""
+    sanitized = servers[-1]
+    with Load(sanitized.address, clients=8) as load:
+        load.progress(400, 120, "answers under load from the sanitized front end")
+    assert load.wrong == 0 and not load.failures
+    sanitized.stop()
+    log = b"".join(sanitized.supervisor.lines)
+    found = [marker for marker in SANITIZER_REPORTS if marker in log]
+    assert not found, log[log.find(found[0]) - 200:][:4000].decode(errors="replace")
+    assert not any(e.get("event") == "child_exited" for e in sanitized.supervisor.events)

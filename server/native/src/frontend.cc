@@ -3,11 +3,14 @@
 #include <grpc/grpc.h>
 #include <grpc/support/time.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/impl/server_builder_option.h>
+#include <grpcpp/impl/server_builder_plugin.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 #include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
@@ -31,6 +34,21 @@ constexpr size_t kMaxForwardedIdBytes = 1024;
 constexpr auto kQuietArrivals = std::chrono::milliseconds(50);
 constexpr auto kMaxParking = std::chrono::milliseconds(1000);
 constexpr auto kGoawayPropagation = std::chrono::milliseconds(250);
+
+// gRPC's reflection library registers its plugin with every ServerBuilder as soon as the
+// library is loaded (a static initializer), so not calling InitProtoReflectionServerBuilderPlugin
+// is not enough: with reflection off, this option takes the plugin out of the builder again.
+class WithoutReflection final : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    plugins->erase(std::remove_if(plugins->begin(), plugins->end(),
+                                  [](const std::unique_ptr<grpc::ServerBuilderPlugin>& plugin) {
+                                    return plugin->name() == "proto_server_reflection";
+                                  }),
+                   plugins->end());
+  }
+};
 
 struct RpcName {
   Rpc rpc;
@@ -217,6 +235,7 @@ bool Frontend::Start(std::string* error) {
                                   ? h.host + ":" + std::to_string(h.grpc_port)
                                   : "[" + h.host + "]:" + std::to_string(h.grpc_port);
   grpc::ServerBuilder builder;
+  if (!h.reflection) builder.SetOption(std::make_unique<WithoutReflection>());
   builder.AddListeningPort(address, credentials, &grpc_port_);
   // The supervisor holds the port with a bound, non-listening SO_REUSEPORT socket; every front
   // end binds it too and the kernel spreads connections over those that listen.
