@@ -65,7 +65,31 @@ RUN pip install --no-cache-dir -c constraints.txt ".[gpu]" \
     && python -I -c "import server.app, grpc_health.v1.health_pb2"
 
 # ---------------------------------------------------------------------------------------------
-# Runtime: the same base, Python, the venv, the example models; runs as a non-root user.
+# The native front end (server/native): C++ on Ubuntu 24.04's gRPC C++ 1.51 and protobuf 3.21,
+# the versions scripts/build-native.sh builds against on Debian 12. Only the binary leaves this
+# stage; the runtime stage installs the shared libraries it links (libgrpc++1.51t64 pulls in
+# gRPC core, protobuf, abseil, c-ares, re2).
+FROM ${CUDA_IMAGE} AS native
+
+ARG DEBIAN_FRONTEND=noninteractive
+# Not pinned to exact versions, for the reason given in the builder stage.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends cmake make g++ pkg-config protobuf-compiler \
+       protobuf-compiler-grpc libprotobuf-dev libgrpc++-dev \
+    && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /src
+# The protocols are generated at build time from the repository's own .proto files.
+COPY protos/inference.proto protos/model_config.proto protos/wire.proto protos/
+COPY server/native/ server/native/
+RUN cmake -S server/native -B /build -DCMAKE_BUILD_TYPE=Release -DBATCHGATE_WERROR=ON \
+    && cmake --build /build --parallel "$(nproc)" --target batchgate-frontend \
+    && install -D -m 0755 /build/batchgate-frontend /opt/batchgate/bin/batchgate-frontend
+
+# ---------------------------------------------------------------------------------------------
+# Runtime: the same base, Python, the venv, the native front end, the example models; runs as
+# a non-root user.
 FROM ${CUDA_IMAGE} AS runtime
 
 ARG CUDA_IMAGE
@@ -81,21 +105,25 @@ LABEL org.opencontainers.image.title="batchgate" \
       org.opencontainers.image.base.name="${CUDA_IMAGE}"
 
 ARG DEBIAN_FRONTEND=noninteractive
-# The interpreter the venv's python links to (/usr/bin/python3.12); no venv module, no pip.
+# The interpreter the venv's python links to (/usr/bin/python3.12); no venv module, no pip;
+# the native front end's shared libraries.
 # Not pinned to an exact version, for the reason given in the builder stage.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3.12 \
+    && apt-get install -y --no-install-recommends python3.12 libgrpc++1.51t64 \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd --system --gid 10001 batchgate \
     && useradd --system --uid 10001 --gid 10001 --home-dir /home/batchgate --create-home \
        --shell /usr/sbin/nologin batchgate
 
 COPY --from=builder /opt/venv /opt/venv
+COPY --from=native /opt/batchgate/bin/batchgate-frontend /opt/batchgate/bin/batchgate-frontend
 # Owned by root, readable by all: the server only reads its repository. Mount yours over it.
 COPY models/ /models/
 
+# BATCHGATE_NATIVE_FRONTEND: where `--frontend auto` (the default) finds the native front end.
 ENV PATH=/opt/venv/bin:$PATH \
+    BATCHGATE_NATIVE_FRONTEND=/opt/batchgate/bin/batchgate-frontend \
     BATCHGATE_MODEL_REPOSITORY=/models \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1

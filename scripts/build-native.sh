@@ -45,7 +45,8 @@ fi
 
 if [ "$sanitize" = 1 ]; then
   build="$root/build/native-asan"
-  options=(-DBATCHGATE_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo)
+  # Warnings are errors here: CI builds this one, so our code stays -Wall -Wextra clean.
+  options=(-DBATCHGATE_SANITIZE=ON -DBATCHGATE_WERROR=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo)
 else
   build="$root/build/native"
   options=(-DBATCHGATE_SANITIZE=OFF -DCMAKE_BUILD_TYPE=Release)

@@ -400,3 +400,19 @@ def test_healthcheck_gives_up_on_a_silent_server_within_its_timeout(final):
     assert result.returncode != 0
     # Python's start-up plus the RPC's timeout; Docker kills the check at --timeout anyway.
     assert elapsed < seconds(flags["timeout"]) + 5, elapsed
+
+
+def test_the_native_front_end_is_built_apart_and_only_its_binary_shipped(parsed, final):
+    native = next(stage for stage in parsed if stage[0][1].split()[-1] == "native")
+    runs = " ".join(rest for kw, rest in native if kw == "RUN")
+    assert "libgrpc++-dev" in runs and "protobuf-compiler-grpc" in runs
+    assert "cmake -S server/native" in runs and "-DBATCHGATE_WERROR=ON" in runs
+    native_sources = {src for kw, rest in native if kw == "COPY"
+                      for src in copy_sources(rest)[1]}
+    assert {"server/native/", "protos/wire.proto", "protos/inference.proto"} <= native_sources
+    from_native = [copy_sources(rest) for kw, rest in final
+                   if kw == "COPY" and copy_sources(rest)[0].get("from") == "native"]
+    assert [sources for _, sources, _ in from_native] == [["/opt/batchgate/bin/batchgate-frontend"]]
+    assert env_of(final)["BATCHGATE_NATIVE_FRONTEND"] == from_native[0][2]
+    final_runs = " ".join(rest for kw, rest in final if kw == "RUN")
+    assert "libgrpc++1.51t64" in final_runs and "-dev" not in final_runs

@@ -288,3 +288,18 @@ def test_sanitizers_report_nothing(servers, stubs):
     found = [marker for marker in SANITIZER_REPORTS if marker in log]
     assert not found, log[log.find(found[0]) - 200:][:4000].decode(errors="replace")
     assert not any(e.get("event") == "child_exited" for e in sanitized.supervisor.events)
+
+
+def test_the_native_unit_tests_pass():
+    """server/native/tests: the C++ pieces on their own (text, allocator, tokens, codec,
+    metrics), in the release build and in the sanitizer build."""
+    native_or_skip()
+    import subprocess
+
+    for build in ("native", "native-asan"):
+        binary = native.ROOT / "build" / build / "batchgate-native-tests"
+        if not binary.is_file():
+            continue
+        done = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, **SANITIZER_ENV})
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
