@@ -104,7 +104,7 @@ void Worker::Enqueue(Mail mail) {
   }
   // Outside the lock: the doorbell wakes the worker (a system call). Nothing can shut the queue
   // down in between: the worker handles mail (Quit included) only once this doorbell rang.
-  if (ring) doorbell_.Set(cq_.get(), gpr_now(GPR_CLOCK_MONOTONIC), doorbell_event_.tag());
+  if (ring) doorbell_.Set(cq_.get(), gpr_inf_past(GPR_CLOCK_MONOTONIC), doorbell_event_.tag());
 }
 
 void Worker::OnDoorbell(bool /*ok*/) {
