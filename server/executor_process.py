@@ -43,6 +43,7 @@ from server import wire
 from server.codec import bytes_array, bytes_encoding
 from server.control import ControlPlane
 from server.logs import announce, configure_logging, runtime_facts
+from server.multiproc_metrics import read_pid_once
 from server.repository import READY, ModelIndexEntry, ModelRepository
 from server.settings import Settings, check_devices, read_handover
 from server.status import INTERNAL_MESSAGE, Code, status_of
@@ -550,6 +551,7 @@ async def run(handover: dict) -> int:
 
 
 def main() -> int:
+    read_pid_once()
     handover = read_handover()
     configure_logging(handover["settings"]["log_level"], "json")
     structlog.contextvars.bind_contextvars(role="executor")

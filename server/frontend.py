@@ -23,6 +23,7 @@ import structlog
 from batcher.arena import SharedArena
 from server.app import Gateway
 from server.logs import announce, configure_logging, runtime_facts
+from server.multiproc_metrics import read_pid_once
 from server.remote import RemoteRepository
 from server.settings import Settings, read_handover
 
@@ -50,6 +51,7 @@ async def run(handover: dict) -> None:
 
 
 def main() -> int:
+    read_pid_once()
     handover = read_handover()
     configure_logging(handover["settings"]["log_level"], "json")
     # Every line says which process wrote it: the supervisor forwards all children's lines.

@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+from prometheus_client import CollectorRegistry, multiprocess, start_http_server, values
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -109,6 +109,20 @@ class MultiProcessMetrics:
             shutil.rmtree(self.path, ignore_errors=True)
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+
+def read_pid_once() -> None:
+    """Make this process's metric updates skip prometheus_client's per-update ``os.getpid()``.
+
+    In multiprocess mode every ``inc``/``set``/``observe`` asks for the pid (a system call) to
+    notice a fork; in the executor under load that was a seventh of its main thread. Our children
+    are started by exec, so the pid is read once here and again in a forked child. Call it before
+    any metric is made (each keeps the value class it was made with)."""
+    if ENV_VAR not in os.environ:
+        return
+    pid = [os.getpid()]
+    os.register_at_fork(after_in_child=lambda: pid.__setitem__(0, os.getpid()))
+    values.ValueClass = values.MultiProcessValue(process_identifier=lambda: pid[0])
 
 
 def remove_abandoned(parent: Path, min_age_s: float = ABANDONED_AFTER_S) -> list[Path]:
