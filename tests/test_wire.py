@@ -1,0 +1,173 @@
+"""The Python end of the executor wire (server/wire.py) over a real abstract Unix socket: frames
+cut anywhere by reads, several in one read, a large one in many reads, and a peer that breaks
+the framing, which ends the connection and nothing else."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import pytest
+
+from protos import wire_pb2
+from server import wire
+
+
+def _name() -> str:
+    return f"batchgate-test-wire-{os.getpid()}-{os.urandom(4).hex()}"
+
+
+def _frame(message: wire_pb2.ToExecutor) -> bytes:
+    body = message.SerializeToString()
+    return wire.HEADER.pack(len(body)) + body
+
+
+class _Executor:
+    """serve_frontends with a handler that records each frame and answers the first one."""
+
+    def __init__(self) -> None:
+        self.frames: list[wire_pb2.ToExecutor] = []
+        self.ended = asyncio.Event()
+        self.error: BaseException | None = None
+        self.got = asyncio.Event()
+
+    async def handle(self, link: wire.FrontendLink) -> None:
+        try:
+            while True:
+                self.frames.append(await link.receive())
+                self.got.set()
+                if len(self.frames) == 1:
+                    link.out.welcome = True
+        except BaseException as exc:  # recorded for the test to look at
+            self.error = exc
+        finally:
+            link.close()
+            self.ended.set()
+
+    async def wait_frames(self, count: int, timeout_s: float = 10.0) -> None:
+        async def enough() -> None:
+            while len(self.frames) < count:
+                self.got.clear()
+                await self.got.wait()
+
+        await asyncio.wait_for(enough(), timeout_s)
+
+
+async def _connect(name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_unix_connection(wire.socket_address(name))
+
+
+@pytest.mark.asyncio
+async def test_frames_cut_anywhere_and_packed_together_arrive_whole_in_order() -> None:
+    name, executor = _name(), _Executor()
+    server = await wire.serve_frontends(name, executor.handle)
+    try:
+        reader, writer = await _connect(name)
+        frames = [wire_pb2.ToExecutor(cancel=[i, i + 1]) for i in range(1, 40, 2)]
+        data = b"".join(_frame(f) for f in frames)
+        # The first frame byte by byte, then the rest in uneven pieces, one of them spanning
+        # several frames.
+        first = len(_frame(frames[0]))
+        for i in range(first):
+            writer.write(data[i:i + 1])
+            await writer.drain()
+        for start, stop in ((first, first + 3), (first + 3, first + 50), (first + 50, len(data))):
+            writer.write(data[start:stop])
+            await writer.drain()
+        await executor.wait_frames(len(frames))
+        assert [list(f.cancel) for f in executor.frames] == [list(f.cancel) for f in frames]
+        # The executor's answer (written once the handler returned) reaches the peer framed.
+        (length,) = wire.HEADER.unpack(await reader.readexactly(wire.HEADER.size))
+        reply = wire_pb2.ToFrontend.FromString(await reader.readexactly(length))
+        assert reply.welcome
+        writer.close()
+        await asyncio.wait_for(executor.ended.wait(), 10)
+        # The end of the stream reads as ConnectionError, as a broken frame does.
+        assert isinstance(executor.error, ConnectionError)
+        assert "closed" in str(executor.error)
+    finally:
+        server.close()
+
+
+@pytest.mark.asyncio
+async def test_a_large_frame_in_many_reads() -> None:
+    name, executor = _name(), _Executor()
+    server = await wire.serve_frontends(name, executor.handle)
+    try:
+        _, writer = await _connect(name)
+        big = wire_pb2.ToExecutor(free=list(range(1_000_000)))  # ~3 MB: many socket reads
+        small = wire_pb2.ToExecutor(cancel=[7])
+        writer.write(_frame(big) + _frame(small))
+        await writer.drain()
+        await executor.wait_frames(2)
+        assert list(executor.frames[0].free) == list(range(1_000_000))
+        assert list(executor.frames[1].cancel) == [7]
+        writer.close()
+    finally:
+        server.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("garbage", [
+    wire.HEADER.pack(wire.MAX_FRAME_BYTES + 1),  # a length no frame may have
+    wire.HEADER.pack(3) + b"\xff\xff\xff",  # not a ToExecutor
+], ids=["oversized", "malformed"])
+async def test_a_broken_frame_ends_that_connection_only(garbage: bytes) -> None:
+    name, executor = _name(), _Executor()
+    server = await wire.serve_frontends(name, executor.handle)
+    try:
+        reader, writer = await _connect(name)
+        writer.write(_frame(wire_pb2.ToExecutor(cancel=[1])) + garbage)
+        await writer.drain()
+        await asyncio.wait_for(executor.ended.wait(), 10)
+        assert isinstance(executor.error, ConnectionError)
+        assert "closed" not in str(executor.error)  # the frame's fault, not the stream's end
+        assert len(executor.frames) == 1  # what came before the broken frame was handled
+        # The executor closed its end.
+        assert await asyncio.wait_for(_read_to_end(reader), 10)
+        # And it still takes new front ends.
+        other = _Executor()
+        server.close()
+        server = await wire.serve_frontends(name, other.handle)
+        _, writer2 = await _connect(name)
+        writer2.write(_frame(wire_pb2.ToExecutor(cancel=[9])))
+        await writer2.drain()
+        await other.wait_frames(1)
+        writer2.close()
+    finally:
+        server.close()
+
+
+async def _read_to_end(reader: asyncio.StreamReader) -> bool:
+    while await reader.read(65536):
+        pass
+    return True
+
+
+@pytest.mark.asyncio
+async def test_a_front_end_link_reads_what_the_executor_writes() -> None:
+    name = _name()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(wire.socket_address(name))
+    listener.listen(1)
+    listener.setblocking(False)
+    loop = asyncio.get_running_loop()
+    try:
+        link_task = asyncio.ensure_future(wire.connect_to_executor(name))
+        peer, _ = await loop.sock_accept(listener)
+        link = await link_task
+        first = wire_pb2.ToFrontend(welcome=True).SerializeToString()
+        second = wire_pb2.ToFrontend(released=[4, 5]).SerializeToString()
+        data = wire.HEADER.pack(len(first)) + first + wire.HEADER.pack(len(second)) + second
+        await loop.sock_sendall(peer, data[:3])
+        await loop.sock_sendall(peer, data[3:])
+        got = [await asyncio.wait_for(link.receive(), 10) for _ in range(2)]
+        assert got[0].welcome and list(got[1].released) == [4, 5]
+        peer.close()
+        with pytest.raises(ConnectionError):  # the end of the stream
+            await asyncio.wait_for(link.receive(), 10)
+        link.close()
+        assert link.closed
+    finally:
+        listener.close()
