@@ -2,7 +2,7 @@
 
 Front ends decode a request's tensors straight into the arena; the executor reads them through
 numpy views of the same pages (no copy) and writes outputs back into it. What crosses the
-process boundary is only a descriptor naming arena offsets (DESIGN.md, "Processes").
+process boundary is only a descriptor naming arena offsets (``protos/wire.proto``).
 
 ``SharedArena`` is one ``memfd_create`` mapping. A memfd has no name in ``/dev/shm`` or anywhere
 else: the kernel frees its pages when the last descriptor and the last mapping go, so no process

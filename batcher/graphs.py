@@ -1,7 +1,7 @@
 """CUDA graphs per batch bucket, captured at load into one graph memory pool per device.
 
 A captured graph replays a whole forward with one launch, which removes the CPU's kernel-launch
-gaps between small kernels (the "idle GPU" waste of DESIGN.md). Each bucket of a model gets its
+gaps between small kernels, where the GPU sits idle. Each bucket of a model gets its
 graph, captured on the bucket's fixed input buffers (``static_inputs``, in the device memory
 pool) and ending with a copy of the outputs into the bucket's fixed output buffers
 (``static_outputs``, in the pool too), so nothing a replay leaves behind lives in the graph pool.

@@ -1,6 +1,6 @@
 """One reserved device arena per GPU, carved into tensors by the gateway's own allocator.
 
-DESIGN.md ("memory fragmentation"): when models of different sizes share a GPU, only 35-50 % of
+Memory fragmentation: when models of different sizes share a GPU, only 35-50 % of
 device memory typically holds live data. ``DevicePool`` reserves one ``uint8`` buffer per device
 once (``torch.empty`` on ``cuda:N``, or on ``cpu`` where tests and CI run) and hands out typed
 views into it. It does not bring an allocator of its own: it reuses ``batcher.arena``'s

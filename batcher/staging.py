@@ -1,7 +1,7 @@
 """Staging: a queued request's inputs copied to the device while it waits, not when its batch
 closes.
 
-DESIGN.md ("PCIe copies on the critical path"): copied when the batch closes, a batch's inputs
+PCIe copies on the critical path: copied when the batch closes, a batch's inputs
 cross PCIe while the GPU waits for them. ``InputStager`` takes each request as it is queued and,
 on its own thread and copy stream, copies its inputs from host memory — the shared-memory arena,
 which the executor process registers as pinned memory, so the copy is a real asynchronous DMA —

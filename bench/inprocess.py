@@ -4,7 +4,7 @@ The model is loaded exactly as the server loads it (``read_model_config`` →
 ``model_spec_from_config`` → ``load_module`` on the latest version folder) and called on fixed
 inputs of ``batch_size`` rows under ``torch.inference_mode()``, on a thread of its own that sets
 ``torch.set_num_threads(threads)`` itself: OpenMP's thread count is per calling thread, so setting
-it on the main thread would leave the loop on torch's default (PERF-NOTES.md, "Pitfall").
+it on the main thread would leave the loop on torch's default.
 
     python -m bench.inprocess --model mlp --batch 64 --seconds 5
     python -m bench.inprocess --model mlp --batch 64 1 --seconds 3 --json out.json

@@ -115,9 +115,9 @@ def read_pid_once() -> None:
     """Make this process's metric updates skip prometheus_client's per-update ``os.getpid()``.
 
     In multiprocess mode every ``inc``/``set``/``observe`` asks for the pid (a system call) to
-    notice a fork; in the executor under load that was a seventh of its main thread. Our children
-    are started by exec, so the pid is read once here and again in a forked child. Call it before
-    any metric is made (each keeps the value class it was made with)."""
+    notice a fork: several system calls per request in the executor. Our children are started by
+    exec, so the pid is read once here and again in a forked child. Call it before any metric is
+    made (each keeps the value class it was made with)."""
     if ENV_VAR not in os.environ:
         return
     pid = [os.getpid()]

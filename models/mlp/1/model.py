@@ -25,6 +25,6 @@ def build_model(parameters: Mapping[str, str]) -> nn.Module:
             nn.Linear(HIDDEN, WIDTH),
         )
     model.eval()
-    # A traced module releases the GIL for its whole forward (PERF-NOTES.md).
+    # A traced module releases the GIL for its whole forward, not around each op.
     with torch.no_grad():
         return torch.jit.trace(model, torch.zeros(2, WIDTH))
