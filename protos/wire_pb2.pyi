@@ -29,7 +29,7 @@ class Hello(_message.Message):
     def __init__(self, slot: _Optional[int] = ...) -> None: ...
 
 class Infer(_message.Message):
-    __slots__ = ("rid", "model", "inputs", "batch_size", "priority", "deadline_ns", "timeout_us", "id", "outputs")
+    __slots__ = ("rid", "model", "inputs", "batch_size", "priority", "deadline_ns", "timeout_us", "id", "outputs", "placements")
     RID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class Infer(_message.Message):
     TIMEOUT_US_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
     rid: int
     model: int
     inputs: _containers.RepeatedCompositeFieldContainer[Tensor]
@@ -48,31 +49,56 @@ class Infer(_message.Message):
     timeout_us: int
     id: str
     outputs: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, rid: _Optional[int] = ..., model: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., batch_size: _Optional[int] = ..., priority: _Optional[int] = ..., deadline_ns: _Optional[int] = ..., timeout_us: _Optional[int] = ..., id: _Optional[str] = ..., outputs: _Optional[_Iterable[int]] = ...) -> None: ...
+    placements: _containers.RepeatedCompositeFieldContainer[Placement]
+    def __init__(self, rid: _Optional[int] = ..., model: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., batch_size: _Optional[int] = ..., priority: _Optional[int] = ..., deadline_ns: _Optional[int] = ..., timeout_us: _Optional[int] = ..., id: _Optional[str] = ..., outputs: _Optional[_Iterable[int]] = ..., placements: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ...) -> None: ...
+
+class Placement(_message.Message):
+    __slots__ = ("region", "offset", "nbytes")
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    region: str
+    offset: int
+    nbytes: int
+    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class Tensor(_message.Message):
-    __slots__ = ("offset", "nbytes", "shape")
+    __slots__ = ("offset", "nbytes", "shape", "placement")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     offset: int
     nbytes: int
     shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    placement: Placement
+    def __init__(self, offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
 
 class Call(_message.Message):
-    __slots__ = ("cid", "statistics", "index", "load", "unload")
+    __slots__ = ("cid", "statistics", "index", "load", "unload", "system_status", "system_register", "system_unregister", "cuda_status", "cuda_register", "cuda_unregister")
     CID_FIELD_NUMBER: _ClassVar[int]
     STATISTICS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     UNLOAD_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_STATUS_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_REGISTER_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_UNREGISTER_FIELD_NUMBER: _ClassVar[int]
+    CUDA_STATUS_FIELD_NUMBER: _ClassVar[int]
+    CUDA_REGISTER_FIELD_NUMBER: _ClassVar[int]
+    CUDA_UNREGISTER_FIELD_NUMBER: _ClassVar[int]
     cid: int
     statistics: _inference_pb2.ModelStatisticsRequest
     index: _inference_pb2.RepositoryIndexRequest
     load: _inference_pb2.RepositoryModelLoadRequest
     unload: _inference_pb2.RepositoryModelUnloadRequest
-    def __init__(self, cid: _Optional[int] = ..., statistics: _Optional[_Union[_inference_pb2.ModelStatisticsRequest, _Mapping]] = ..., index: _Optional[_Union[_inference_pb2.RepositoryIndexRequest, _Mapping]] = ..., load: _Optional[_Union[_inference_pb2.RepositoryModelLoadRequest, _Mapping]] = ..., unload: _Optional[_Union[_inference_pb2.RepositoryModelUnloadRequest, _Mapping]] = ...) -> None: ...
+    system_status: _inference_pb2.SystemSharedMemoryStatusRequest
+    system_register: _inference_pb2.SystemSharedMemoryRegisterRequest
+    system_unregister: _inference_pb2.SystemSharedMemoryUnregisterRequest
+    cuda_status: _inference_pb2.CudaSharedMemoryStatusRequest
+    cuda_register: _inference_pb2.CudaSharedMemoryRegisterRequest
+    cuda_unregister: _inference_pb2.CudaSharedMemoryUnregisterRequest
+    def __init__(self, cid: _Optional[int] = ..., statistics: _Optional[_Union[_inference_pb2.ModelStatisticsRequest, _Mapping]] = ..., index: _Optional[_Union[_inference_pb2.RepositoryIndexRequest, _Mapping]] = ..., load: _Optional[_Union[_inference_pb2.RepositoryModelLoadRequest, _Mapping]] = ..., unload: _Optional[_Union[_inference_pb2.RepositoryModelUnloadRequest, _Mapping]] = ..., system_status: _Optional[_Union[_inference_pb2.SystemSharedMemoryStatusRequest, _Mapping]] = ..., system_register: _Optional[_Union[_inference_pb2.SystemSharedMemoryRegisterRequest, _Mapping]] = ..., system_unregister: _Optional[_Union[_inference_pb2.SystemSharedMemoryUnregisterRequest, _Mapping]] = ..., cuda_status: _Optional[_Union[_inference_pb2.CudaSharedMemoryStatusRequest, _Mapping]] = ..., cuda_register: _Optional[_Union[_inference_pb2.CudaSharedMemoryRegisterRequest, _Mapping]] = ..., cuda_unregister: _Optional[_Union[_inference_pb2.CudaSharedMemoryUnregisterRequest, _Mapping]] = ...) -> None: ...
 
 class ToFrontend(_message.Message):
     __slots__ = ("welcome", "models", "results", "failures", "released", "replies")
@@ -143,16 +169,18 @@ class Result(_message.Message):
     def __init__(self, rid: _Optional[int] = ..., released: _Optional[bool] = ..., outputs: _Optional[_Iterable[_Union[Output, _Mapping]]] = ...) -> None: ...
 
 class Output(_message.Message):
-    __slots__ = ("block", "offset", "nbytes", "shape")
+    __slots__ = ("block", "offset", "nbytes", "shape", "placed")
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
+    PLACED_FIELD_NUMBER: _ClassVar[int]
     block: int
     offset: int
     nbytes: int
     shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, block: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    placed: bool
+    def __init__(self, block: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., placed: _Optional[bool] = ...) -> None: ...
 
 class Failure(_message.Message):
     __slots__ = ("rid", "released", "code", "message")
@@ -167,20 +195,32 @@ class Failure(_message.Message):
     def __init__(self, rid: _Optional[int] = ..., released: _Optional[bool] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Reply(_message.Message):
-    __slots__ = ("cid", "statistics", "index", "load", "unload", "error")
+    __slots__ = ("cid", "statistics", "index", "load", "unload", "error", "system_status", "system_register", "system_unregister", "cuda_status", "cuda_register", "cuda_unregister")
     CID_FIELD_NUMBER: _ClassVar[int]
     STATISTICS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     UNLOAD_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_STATUS_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_REGISTER_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_UNREGISTER_FIELD_NUMBER: _ClassVar[int]
+    CUDA_STATUS_FIELD_NUMBER: _ClassVar[int]
+    CUDA_REGISTER_FIELD_NUMBER: _ClassVar[int]
+    CUDA_UNREGISTER_FIELD_NUMBER: _ClassVar[int]
     cid: int
     statistics: _inference_pb2.ModelStatisticsResponse
     index: _inference_pb2.RepositoryIndexResponse
     load: _inference_pb2.RepositoryModelLoadResponse
     unload: _inference_pb2.RepositoryModelUnloadResponse
     error: Status
-    def __init__(self, cid: _Optional[int] = ..., statistics: _Optional[_Union[_inference_pb2.ModelStatisticsResponse, _Mapping]] = ..., index: _Optional[_Union[_inference_pb2.RepositoryIndexResponse, _Mapping]] = ..., load: _Optional[_Union[_inference_pb2.RepositoryModelLoadResponse, _Mapping]] = ..., unload: _Optional[_Union[_inference_pb2.RepositoryModelUnloadResponse, _Mapping]] = ..., error: _Optional[_Union[Status, _Mapping]] = ...) -> None: ...
+    system_status: _inference_pb2.SystemSharedMemoryStatusResponse
+    system_register: _inference_pb2.SystemSharedMemoryRegisterResponse
+    system_unregister: _inference_pb2.SystemSharedMemoryUnregisterResponse
+    cuda_status: _inference_pb2.CudaSharedMemoryStatusResponse
+    cuda_register: _inference_pb2.CudaSharedMemoryRegisterResponse
+    cuda_unregister: _inference_pb2.CudaSharedMemoryUnregisterResponse
+    def __init__(self, cid: _Optional[int] = ..., statistics: _Optional[_Union[_inference_pb2.ModelStatisticsResponse, _Mapping]] = ..., index: _Optional[_Union[_inference_pb2.RepositoryIndexResponse, _Mapping]] = ..., load: _Optional[_Union[_inference_pb2.RepositoryModelLoadResponse, _Mapping]] = ..., unload: _Optional[_Union[_inference_pb2.RepositoryModelUnloadResponse, _Mapping]] = ..., error: _Optional[_Union[Status, _Mapping]] = ..., system_status: _Optional[_Union[_inference_pb2.SystemSharedMemoryStatusResponse, _Mapping]] = ..., system_register: _Optional[_Union[_inference_pb2.SystemSharedMemoryRegisterResponse, _Mapping]] = ..., system_unregister: _Optional[_Union[_inference_pb2.SystemSharedMemoryUnregisterResponse, _Mapping]] = ..., cuda_status: _Optional[_Union[_inference_pb2.CudaSharedMemoryStatusResponse, _Mapping]] = ..., cuda_register: _Optional[_Union[_inference_pb2.CudaSharedMemoryRegisterResponse, _Mapping]] = ..., cuda_unregister: _Optional[_Union[_inference_pb2.CudaSharedMemoryUnregisterResponse, _Mapping]] = ...) -> None: ...
 
 class Status(_message.Message):
     __slots__ = ("code", "message")
