@@ -76,7 +76,7 @@ class _SystemRegion:
     size and identity at use, and its mapping."""
 
     __slots__ = ("name", "key", "offset", "byte_size", "fd", "inode", "mapping", "base",
-                 "released", "__weakref__")
+                 "__weakref__")
 
     def __init__(self, name: str, key: str, offset: int, byte_size: int) -> None:
         self.name, self.key, self.offset, self.byte_size = name, key, offset, byte_size
@@ -105,15 +105,13 @@ class _SystemRegion:
         self.fd = fd
         self.inode = (info.st_dev, info.st_ino)
         self.base = offset - start  # the registration's first byte in the mapping
-        self.released = False
         # The descriptor outlives an unregister while requests in flight still check it.
         weakref.finalize(self, os.close, fd)
 
     def check(self, what: str) -> None:
-        """InvalidRequest when the region can no longer be read or written safely."""
-        if self.released:
-            raise InvalidRequest(f"{what}: shared-memory region {quoted(self.name)} was "
-                                 "unregistered while the request was in flight")
+        """InvalidRequest when the file shrank below the registration. Requests in flight
+        when their region is unregistered still read it: the descriptor stays open while
+        anything refers to this registration."""
         size = os.fstat(self.fd).st_size
         if size < self.offset + self.byte_size:
             raise InvalidRequest(
@@ -135,7 +133,6 @@ class _SystemRegion:
                 "and register it again")
 
     def release(self) -> None:
-        self.released = True
         try:
             self.mapping.close()
         except BufferError:
