@@ -150,8 +150,9 @@ def decode_request(
         if len(raw) != n_raw:
             raise InvalidRequest(
                 f"model '{name}': {len(raw)} raw_input_contents for {n_raw} inputs; "
-                "send one raw buffer per input that is not in shared memory, in the order of "
-                "'inputs'"
+                + ("send one raw buffer per input that is not in shared memory, in the order "
+                   "of 'inputs'" if n_raw != n_inputs else
+                   "send one raw buffer per input, in the order of 'inputs'")
             )
     batching = spec.batching.max_batch_size > 0
     arrays: dict[str, np.ndarray | None] = {}
