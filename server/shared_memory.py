@@ -291,6 +291,8 @@ class SharedMemoryRegistry:
         array = np.frombuffer(region.mapping, dtype, count, start).reshape(placement.shape)
         # Read-only: a model that writes to its inputs gets a copy, not the client's memory.
         array.flags.writeable = False
+        if datatype == "BOOL" and array.size and array.view(np.uint8).max() > 1:
+            raise InvalidRequest(f"{what}: a BOOL tensor must hold bytes 0 and 1 only")
         return array
 
     def checker(self, placements) -> object:

@@ -468,3 +468,92 @@ def test_cuda_shared_memory_inputs_and_outputs(shm_server):
         assert out.cpu().tolist() == [[2.5, -1.0]]
     finally:
         stub.CudaSharedMemoryUnregister(pb.CudaSharedMemoryUnregisterRequest(), timeout=30)
+
+
+# -- the registry itself, without a server --------------------------------------------------------
+
+def _registry():
+    from server.shared_memory import SharedMemoryRegistry
+
+    return SharedMemoryRegistry(True)
+
+
+def _register(registry, name, key, byte_size, offset=0):
+    import asyncio
+
+    return asyncio.run(registry.system_register(pb.SystemSharedMemoryRegisterRequest(
+        name=name, key=key, offset=offset, byte_size=byte_size)))
+
+
+def _status_error(call):
+    from batcher.errors import BatchgateError
+    from server.status import status_of
+
+    with pytest.raises(BatchgateError) as info:
+        call()
+    return status_of(info.value)
+
+
+def test_keys_that_leave_dev_shm_or_are_links_are_refused():
+    from server.status import Code
+
+    registry = _registry()
+    target = Region(64)
+    link = "/dev/shm" + target.key + "_link"
+    os.symlink(target.path, link)
+    try:
+        for key in ("/../etc/passwd", "a/b", "", "/", "..", "/" + target.key[1:] + "_link"):
+            code, message = _status_error(lambda: _register(registry, "r", key, 8))
+            assert code in (Code.INVALID_ARGUMENT, Code.NOT_FOUND), (key, message)
+        code, message = _status_error(lambda: _register(registry, "r", target.key + "_link", 8))
+        assert code is Code.INVALID_ARGUMENT and "cannot open" in message  # O_NOFOLLOW
+        _register(registry, "r", target.key, 64)  # the file itself is fine
+    finally:
+        os.unlink(link)
+        registry.close()
+        target.close()
+
+
+def test_a_request_in_flight_keeps_reading_a_region_unregistered_meanwhile():
+    import asyncio
+
+    from server.shared_memory import Placement
+
+    registry = _registry()
+    region = Region(64)
+    region.map[:8] = np.array([1.0, 2.0], np.float32).tobytes()
+    try:
+        _register(registry, "r", region.key, 64)
+        placement = Placement("r", 0, 8, (1, 2))
+        view = registry.input_array(placement, "INPUT__0", "FP32")
+        check = registry.checker([("INPUT__0", placement)])
+        assert not view.flags.writeable
+        asyncio.run(registry.system_unregister(pb.SystemSharedMemoryUnregisterRequest()))
+        check()  # the descriptor is still open for it
+        assert view.tolist() == [[1.0, 2.0]]
+        os.ftruncate(region.fd, 0)
+        from batcher.errors import InvalidRequest
+
+        with pytest.raises(InvalidRequest, match="shrank"):
+            check()
+    finally:
+        registry.close()
+        region.close()
+
+
+def test_bool_inputs_in_shared_memory_hold_only_0_and_1():
+    from batcher.errors import InvalidRequest
+    from server.shared_memory import Placement
+
+    registry = _registry()
+    region = Region(64)
+    region.map[:3] = bytes([0, 1, 2])
+    try:
+        _register(registry, "r", region.key, 64)
+        assert registry.input_array(Placement("r", 0, 2, (1, 2)), "B", "BOOL").tolist() == [
+            [False, True]]
+        with pytest.raises(InvalidRequest, match="bytes 0 and 1 only"):
+            registry.input_array(Placement("r", 0, 3, (1, 3)), "B", "BOOL")
+    finally:
+        registry.close()
+        region.close()
