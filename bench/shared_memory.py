@@ -35,7 +35,7 @@ input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 3, 224, 224 ] } ]
 output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 10 ] } ]
 dynamic_batching { max_queue_delay_microseconds: 0 }
 instance_group [ { kind: KIND_CPU count: 1 } ]
-parameters { key: "intra_op_threads" value: { string_value: "1" } }
+parameters { key: "INTRA_OP_THREAD_COUNT" value: { string_value: "1" } }
 """
 MODULE = """
 import torch

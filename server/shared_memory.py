@@ -38,7 +38,7 @@ import numpy as np
 import structlog
 
 from batcher.errors import InvalidRequest, NotSupported, quoted
-from batcher.spec import ELEMENT_SIZES, NUMPY_DTYPES
+from batcher.spec import NUMPY_DTYPES
 from protos import inference_pb2 as pb
 from server.status import Code, StatusError
 
@@ -387,8 +387,3 @@ def _key_path(key: str) -> str:
             f"shared-memory key {quoted(key)} must be one name in {SHM_ROOT} (as shm_open "
             "takes it: an optional leading '/', no other '/')"))
     return f"{SHM_ROOT}/{name}"
-
-
-def element_bytes(datatype: str) -> int | None:
-    """Bytes per element of a fixed-size datatype; None for BYTES."""
-    return ELEMENT_SIZES.get(datatype)
