@@ -377,6 +377,9 @@ class Executor:
             torch.cuda.set_device(self._device)
         try:
             while True:
+                # The last batch's requests are not kept alive while the next is awaited (their
+                # inputs may map a client's shared memory that is to be unmapped).
+                taken = batch = None
                 slot = self._free_slots.get()
                 taken = self._next_batch(self._busy)
                 if taken is None:
@@ -400,6 +403,7 @@ class Executor:
         self._configure_thread()
         try:
             while True:
+                taken = batch = None  # as in _assemble_loop
                 slot = self._free_slots.get()
                 taken = self._next_batch(None)
                 if taken is None:
@@ -445,6 +449,7 @@ class Executor:
                 self._compute(batch)
                 if not self._cuda:
                     self._retire()
+                batch = None  # as in _assemble_loop
         except InstanceDead as exc:
             self._die(str(exc), None)
         except BaseException as exc:
@@ -460,6 +465,7 @@ class Executor:
         while (item := self._finishing.get()) is not None:
             self._complete(*item)
             self._retire()
+            item = None  # as in _assemble_loop
 
     def _retire(self) -> None:
         with self._running_lock:

@@ -159,6 +159,9 @@ class _Remote:
     def _finish(self) -> None:
         self._done = True
         self.front.requests.pop(self.rid, None)
+        # The request refers to this future: without the cycle it goes (with its views of a
+        # client's shared memory) as soon as its batch lets go of it, not at the next collection.
+        self.request = None
         callbacks, self._callbacks = self._callbacks, None
         for callback in callbacks or ():
             callback(self)

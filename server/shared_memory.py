@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import gc
 import mmap
 import os
 import stat
@@ -132,11 +133,13 @@ class _SystemRegion:
                 "was removed (unlinked) by its owner while registered; unregister the region "
                 "and register it again")
 
-    def release(self) -> None:
+    def release(self) -> bool:
+        """Unmap now (True), or once the views of requests in flight have gone (False)."""
         try:
             self.mapping.close()
         except BufferError:
-            pass  # views of requests in flight: unmapped when the last of them goes
+            return False
+        return True
 
 
 class SharedMemoryRegistry:
@@ -187,11 +190,21 @@ class SharedMemoryRegistry:
         """An unknown name is not an error (Triton's behaviour): the region is not there."""
         self._check_enabled()
         names = [request.name] if request.name else list(self._system)
+        deferred = []
         for name in names:
             region = self._system.pop(name, None)
-            if region is not None:
-                region.release()
-                log.info("shared_memory_unregistered", kind="system", region=name)
+            if region is not None and not region.release():
+                deferred.append(region)
+            elif region is not None:
+                log.info("shared_memory_unregistered", kind="system", region=name, unmapped=True)
+        if deferred:
+            # Finished requests caught in reference cycles may still hold views: collect them
+            # now (a rare control-plane call) rather than keep the client's file mapped until
+            # the collector happens to run. Requests still in flight keep theirs.
+            gc.collect()
+            for region in deferred:
+                log.info("shared_memory_unregistered", kind="system", region=region.name,
+                         unmapped=region.release())
         return pb.SystemSharedMemoryUnregisterResponse()
 
     async def cuda_status(self, request: pb.CudaSharedMemoryStatusRequest

@@ -557,3 +557,50 @@ def test_bool_inputs_in_shared_memory_hold_only_0_and_1():
     finally:
         registry.close()
         region.close()
+
+
+def _executor_holds(pid: int, path: str) -> bool:
+    """Whether process ``pid`` maps ``path`` or has a descriptor of it open."""
+    if path in Path(f"/proc/{pid}/maps").read_text():
+        return True
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            if os.readlink(fd) == path:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def test_unregistering_releases_the_mapping_and_the_descriptor(shm_server):
+    import gc
+    import weakref
+
+    region = Region(4096)
+    region.map[:8] = np.array([[1.0, 2.0]], np.float32).tobytes()
+    stub = _stub(shm_server.address)
+    try:
+        stub.SystemSharedMemoryRegister(pb.SystemSharedMemoryRegisterRequest(
+            name="released", key=region.key, byte_size=4096), timeout=30)
+        if shm_server.mode == "single":  # this process maps the file too: ask the registry
+            held = weakref.ref(shm_server.gateway.shared_memory._system["released"])
+            holds = lambda: held() is not None  # noqa: E731 (its finalizer closes the fd)
+        else:
+            pid = shm_server.supervisor.pids("executor")[None]
+            holds = lambda: _executor_holds(pid, region.path)  # noqa: E731
+        assert holds()
+        request = pb.ModelInferRequest(model_name="failing")
+        tensor = request.inputs.add(name="INPUT__0", datatype="FP32", shape=[1, 2])
+        tensor.parameters["shared_memory_region"].string_param = "released"
+        tensor.parameters["shared_memory_byte_size"].int64_param = 8
+        reply = stub.ModelInfer(request, timeout=30)
+        assert np.frombuffer(reply.raw_output_contents[0], np.float32).tolist() == [2.0, 3.0]
+        stub.SystemSharedMemoryUnregister(pb.SystemSharedMemoryUnregisterRequest(), timeout=30)
+        # No collection is needed: nothing but the registration and requests hold a region.
+        gc.disable()
+        try:
+            poll(lambda: not holds(), 30, "the server let go of the region")
+        finally:
+            gc.enable()
+    finally:
+        region.close()
