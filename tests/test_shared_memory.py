@@ -180,10 +180,14 @@ TRITONCLIENT_SCRIPT = textwrap.dedent('''
 
 
 def run_tritonclient(address: str) -> dict:
-    done = subprocess.run(
-        [sys.executable, "-c", TRITONCLIENT_SCRIPT, address, uuid.uuid4().hex[:12]],
-        capture_output=True, text=True, timeout=120,
-    )
+    tag = uuid.uuid4().hex[:12]
+    try:
+        done = subprocess.run([sys.executable, "-c", TRITONCLIENT_SCRIPT, address, tag],
+                              capture_output=True, text=True, timeout=120)
+    finally:  # what a script that failed half-way left behind
+        for name in os.listdir("/dev/shm"):
+            if name.startswith("bg_") and name.endswith("_" + tag):
+                os.unlink("/dev/shm/" + name)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -283,9 +287,9 @@ def test_a_region_that_shrinks_while_queued_fails_its_request_alone(shm_server, 
     region = Region(4096)
     region.map[:8] = np.full((1, 2), 7.0, np.float32).tobytes()
     stub = _stub(shm_server.address)
-    stub.SystemSharedMemoryRegister(pb.SystemSharedMemoryRegisterRequest(
-        name="shrinking", key=region.key, byte_size=4096), timeout=30)
     try:
+        stub.SystemSharedMemoryRegister(pb.SystemSharedMemoryRegisterRequest(
+            name="shrinking", key=region.key, byte_size=4096), timeout=30)
         gate.close()
         first = stub.ModelInfer.future(_gated_request(1.0), timeout=60)
         gate.wait_entered()
@@ -305,8 +309,8 @@ def test_a_region_that_shrinks_while_queued_fails_its_request_alone(shm_server, 
                              np.float32).tolist() == [6.0, 6.0]
     finally:
         gate.open()
-        stub.SystemSharedMemoryUnregister(pb.SystemSharedMemoryUnregisterRequest(), timeout=30)
         region.close()
+        stub.SystemSharedMemoryUnregister(pb.SystemSharedMemoryUnregisterRequest(), timeout=30)
 
 
 def test_registrations_survive_the_client_and_serve_every_front_end(shm_server):
@@ -335,9 +339,9 @@ def test_registrations_survive_the_client_and_serve_every_front_end(shm_server):
         assert list(reply.outputs[0].shape) == [1, 2]
         assert np.frombuffer(region.map[8:16], np.float32).tolist() == [6.0, 7.0]
     finally:
+        region.close()
         _stub(shm_server.address).SystemSharedMemoryUnregister(
             pb.SystemSharedMemoryUnregisterRequest(name="kept"), timeout=30)
-        region.close()
 
 
 @pytest.mark.parametrize("parameters, message", [
