@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import weakref
 
+import numpy as np
 import torch
 
 from batcher.errors import InvalidRequest, quoted
@@ -67,8 +68,11 @@ class _Memory:
 
 
 def _close(pointer: int, device_id: int) -> None:
-    with torch.cuda.device(device_id):
-        _cudart().cudaIpcCloseMemHandle(ctypes.c_void_p(pointer))
+    try:
+        with torch.cuda.device(device_id):
+            _cudart().cudaIpcCloseMemHandle(ctypes.c_void_p(pointer))
+    except Exception:  # the process is exiting and CUDA is gone: nothing left to close
+        pass
 
 
 class CudaRegion:
@@ -109,8 +113,12 @@ class CudaRegion:
 
     def write(self, offset: int, data: memoryview) -> None:
         """Copy an output's host bytes into the region."""
-        source = torch.frombuffer(data, dtype=torch.uint8)
+        if not data.nbytes:
+            return
+        # A copy the size of the output: torch takes read-only host memory only with a warning.
+        source = torch.from_numpy(np.frombuffer(data, np.uint8).copy())
         self.bytes[offset:offset + source.numel()].copy_(source)
+        # Written before the reply says so.
         torch.cuda.current_stream(self.device_id).synchronize()
 
     def release(self) -> None:
