@@ -514,6 +514,9 @@ async def test_a_failed_files_load_keeps_the_old_version_and_leaves_no_files(clo
     # Named as the client sent it, not where it was written.
     assert str(caught.value).startswith("file:1/model.py: build_model(parameters) raised")
     assert "no weights" in str(caught.value)
+    with pytest.raises(LoadError, match="'double' failed its warm-up"):
+        await repository.load("double", LoadOverride(
+            small_config(), files_of(RAISING_FORWARD_MODEL)))
     with pytest.raises(LoadError, match="no version folder under the load's files holds"):
         await repository.load("double", LoadOverride(
             small_config(), {file_path("warmup/x"): b""}))
