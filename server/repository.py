@@ -427,6 +427,12 @@ class ModelRepository:
             config = model_config_pb2.ModelConfig()
             config.CopyFrom(config_override)
             config.name = name
+            filename = config.default_model_filename
+            # What the operator wrote may point anywhere; what a client sends stays in the folder.
+            if filename and not self._is_plain_name(filename):
+                raise LoadError(
+                    "load parameter 'config': default_model_filename must be a file name in "
+                    f"the version folder, got {quoted(filename)}")
             unsupported = model_config.unsupported_fields(config)
             source = "the load's config parameter"
         if unsupported:

@@ -470,6 +470,9 @@ async def test_an_invalid_override_keeps_the_old_version_serving(closing):
         await repository.load("double", LoadOverride(alone))
     with pytest.raises(InvalidRequest, match="name must be the model's name 'double'"):
         await repository.load("double", LoadOverride(small_config(name="other")))
+    outside = small_config(default_model_filename="../../double/1/model.py")
+    with pytest.raises(LoadError, match="default_model_filename must be a file name"):
+        await repository.load("double", LoadOverride(outside))
     assert repository.get("double") is old
     assert repository.config("double").max_batch_size == 4
     assert harness.entry("double").state == "READY"
