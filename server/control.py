@@ -21,7 +21,8 @@ from batcher.errors import InvalidRequest, ResourceExhausted, quoted
 from batcher.stats import Duration, StatsSnapshot
 from protos import inference_pb2 as pb
 from server import model_config
-from server.repository import LoadOverride, ModelRepository, file_path
+from server.load_override import LoadOverride, file_path
+from server.repository import ModelRepository
 
 CONFIG_PARAMETER = "config"
 FILE_PREFIX = "file:"

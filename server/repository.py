@@ -10,7 +10,7 @@ worker thread, and the model answers requests only once its warm-up is done. Rel
 model builds the new version beside the old one, swaps, then drains and stops the old one: the
 old version keeps serving until the swap, and keeps serving if the new version fails to load.
 
-A load may bring its own config and files (Triton's load parameters, as a ``LoadOverride``):
+A load may bring its own config and files (a ``LoadOverride``, ``server/load_override.py``):
 the config replaces ``config.pbtxt`` for that load; files replace the whole model folder, and are
 written into a private temporary folder (never into the root), which is removed when that
 version stops being served (unloaded, replaced, failed) and when the repository closes. A load
@@ -33,14 +33,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import errno
-import os
-import re
 import shutil
 import tempfile
 import weakref
-from collections.abc import Callable, Mapping
-from pathlib import Path, PurePosixPath
+from collections.abc import Callable
+from pathlib import Path
 
 import structlog
 
@@ -59,6 +56,7 @@ from batcher.model import ServedModel
 from batcher.spec import ModelSpec
 from protos import model_config_pb2
 from server import model_config
+from server.load_override import MAX_NAME_BYTES, LoadOverride, as_sent, write_files
 
 log = structlog.get_logger(__name__)
 
@@ -70,58 +68,6 @@ STATES = (UNAVAILABLE, LOADING, READY, UNLOADING)
 
 # How long a version replaced by a reload may take to finish the requests queued on it.
 RETIRE_DRAIN_TIMEOUT_S = 30.0
-# The longest file name Linux file systems take, in bytes; a longer model name cannot be a folder.
-MAX_NAME_BYTES = 255
-# What a load's files may hold: version folders (numbers without leading zeros, as in Triton)
-# and the warm-up data folder, which are what a load reads.
-_VERSION_FOLDER = re.compile(r"[1-9][0-9]*")
-_FILE_FOLDERS = f"<version>/... or {model_config.WARMUP_FOLDER}/..."
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadOverride:
-    """What one load brings instead of the repository's own (Triton's load parameters).
-
-    ``config`` replaces ``config.pbtxt`` as a whole. ``files`` (paths from :func:`file_path`
-    -> contents), when there are any, are the whole model folder: the repository's folder is
-    not read, and need not exist. Files come with a config: the folder has no other."""
-
-    config: model_config_pb2.ModelConfig | None = None
-    files: Mapping[PurePosixPath, bytes] = dataclasses.field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.files and self.config is None:
-            raise InvalidRequest(
-                "a load's files need its config too: they replace the model's folder, whose "
-                f"{model_config.CONFIG_FILENAME} the config parameter stands for (as in Triton)")
-        paths = set(self.files)
-        for path in paths:
-            for parent in path.parents:
-                if parent in paths:
-                    raise InvalidRequest(
-                        f"file {quoted(str(parent))} of the load is also a folder of "
-                        f"{quoted(str(path))}")
-
-
-def file_path(text: str) -> PurePosixPath:
-    """The path a load's file is written to, inside the model folder: ``<version>/...`` or
-    ``warmup/...``, with no absolute, empty, ``.`` or ``..`` part; InvalidRequest otherwise."""
-    parts = text.split("/")
-    plain = all(
-        part not in ("", ".", "..")
-        and "\x00" not in part
-        and "\\" not in part
-        and len(part.encode("utf-8", "surrogatepass")) <= MAX_NAME_BYTES
-        for part in parts
-    )
-    inside = len(parts) >= 2 and (
-        _VERSION_FOLDER.fullmatch(parts[0]) is not None or parts[0] == model_config.WARMUP_FOLDER)
-    if not (plain and inside):
-        raise InvalidRequest(
-            f"a load's file must be a path inside the model folder, {_FILE_FOLDERS} (no "
-            f"absolute, empty, '.' or '..' parts, no '\\' or NUL, parts of at most "
-            f"{MAX_NAME_BYTES} bytes), got {quoted(text)}")
-    return PurePosixPath(*parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -403,15 +349,16 @@ class ModelRepository:
         if not override.files:
             return self._build_from(model_dir, on_failed, override.config)
         name = model_dir.name
-        files = self._write_files(name, override.files)
+        if self._files_root is None:
+            self._files_root = Path(tempfile.mkdtemp(prefix="batchgate-load-files-"))
+            # Also gone when the process exits without closing the repository.
+            weakref.finalize(self, shutil.rmtree, self._files_root, ignore_errors=True)
+        files = write_files(self._files_root, name, override.files)
         try:
             return self._build_from(files / name, on_failed, override.config, files)
         except LoadError as exc:
             shutil.rmtree(files, ignore_errors=True)
-            # The client named its files "file:<path>": say so, not where they were written.
-            message = str(exc).replace(f"{files / name}/", "file:").replace(
-                str(files / name), "the load's files")
-            raise LoadError(message) from exc
+            raise LoadError(as_sent(str(exc), files / name)) from exc
         except BaseException:
             shutil.rmtree(files, ignore_errors=True)
             raise
@@ -466,33 +413,6 @@ class ModelRepository:
         log.info("model_load_report", model=name, **served.load_report)
         return _Loaded(served, model_config.effective_config(config, served.spec,
                                                              served.load_report), files)
-
-    def _write_files(self, name: str, files: Mapping[PurePosixPath, bytes]) -> Path:
-        """A new private folder holding ``name/<path>`` for each of the load's files."""
-        if self._files_root is None:
-            self._files_root = Path(tempfile.mkdtemp(prefix="batchgate-load-files-"))
-            # Also gone when the process exits without closing the repository.
-            weakref.finalize(self, shutil.rmtree, self._files_root, ignore_errors=True)
-        folder = Path(tempfile.mkdtemp(dir=self._files_root))  # mode 0700
-        relative = None
-        try:
-            for relative, data in sorted(files.items()):
-                path = folder / name / relative
-                path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-                # Every name was checked (file_path) and this process made every folder; no
-                # link can be in the way, and O_NOFOLLOW | O_EXCL say so again.
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                             | os.O_CLOEXEC, 0o600)
-                with os.fdopen(fd, "wb") as out:
-                    out.write(data)
-        except OSError as exc:
-            shutil.rmtree(folder, ignore_errors=True)
-            message = (f"model {quoted(name)}: cannot write the load's file "
-                       f"{quoted(f'file:{relative}')}: {exc.strerror}")
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise ResourceExhausted(message) from None
-            raise LoadError(message) from None
-        return folder
 
     @staticmethod
     def _unexpected(name: str, exc: Exception) -> LoadError:

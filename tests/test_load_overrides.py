@@ -12,10 +12,8 @@ import json
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
 
 from protos import inference_pb2 as pb

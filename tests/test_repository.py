@@ -19,7 +19,8 @@ from batcher import loading
 from batcher.errors import InvalidRequest, LoadError, ModelNotFound, ModelUnavailable
 from batcher.request import InferenceRequest
 from protos import model_config_pb2
-from server.repository import LoadOverride, ModelRepository, file_path
+from server.load_override import LoadOverride, file_path
+from server.repository import ModelRepository
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "models"
 WAIT_S = 30.0  # upper bound for a thread to reach a gate; never reached when things work
