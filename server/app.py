@@ -62,7 +62,8 @@ class Gateway:
         self.repository = repository
         limits = RequestLimits(max_request_bytes=settings.request_bytes_limit,
                                max_tensor_elements=settings.max_tensor_elements)
-        control = ControlPlane(repository) if not self._remote else repository
+        control = (ControlPlane(repository, max_load_files_bytes=settings.max_load_files_bytes)
+                   if not self._remote else repository)
         self.service = InferenceService(self.repository, self.metrics, limits, control)
         self.grpc_port = 0
         self.metrics_port: int | None = None

@@ -527,7 +527,8 @@ async def run(handover: dict) -> int:
     repository = ModelRepository(settings.model_repository, metrics=metrics,
                                  on_state_change=server.on_state_change, pools=pools)
     server.repository = repository
-    server.control = ControlPlane(repository)
+    server.control = ControlPlane(repository,
+                                  max_load_files_bytes=settings.max_load_files_bytes)
     sys.setswitchinterval(settings.switch_interval_s)
     listener = await wire.serve_frontends(handover["socket"], server.handle)
     await repository.load_all()

@@ -35,6 +35,8 @@ from server.status import StatusError
 log = structlog.get_logger(__name__)
 
 RECONNECT_INTERVAL_S = 0.05
+# A Call's bytes in a frame beyond its request's (its cid, the tags): the native front end's margin.
+CALL_OVERHEAD_BYTES = 64
 EXECUTOR_LOST_MESSAGE = "the executor process restarted; retry the request"
 
 
@@ -243,6 +245,18 @@ class RemoteRepository:
         link = self._link
         if link is None:
             raise ModelUnavailable("the executor process is not connected; retry")
+        # The executor drops a link whose frame passes MAX_FRAME_BYTES, and every request on it
+        # with the link: a call that large is refused (as the native front end refuses it),
+        # and one that would make the frame being filled too large waits for the next frame.
+        size = request.ByteSize() + CALL_OVERHEAD_BYTES
+        if size > wire.MAX_FRAME_BYTES:
+            raise ResourceExhausted(
+                f"the request is larger than the {wire.MAX_FRAME_BYTES} bytes a front end "
+                "forwards to the executor process")
+        while link.pending_bytes + size > wire.MAX_FRAME_BYTES:
+            await asyncio.sleep(0)  # the frame being filled is written before this resumes
+            if link is not self._link:
+                raise ModelUnavailable("the executor process is not connected; retry")
         cid = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[cid] = future
