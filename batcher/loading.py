@@ -18,7 +18,9 @@ order unless ``config.pbtxt`` names the file with ``default_model_filename``:
       batchgate's own keys included, so a model can read settings of its own from there;
     - the module it returns takes the model's inputs as positional tensors, in the order of
       ``config.pbtxt``'s ``input`` list, and returns one tensor or a tuple of tensors in the
-      order of the ``output`` list;
+      order of the ``output`` list; BYTES inputs arrive as numpy object arrays of ``bytes``,
+      and a BYTES output is a numpy object/``bytes_``/``str_`` array or a list with one entry
+      per row (``batcher.tensors.bytes_tensor``); only a ``model.py`` can have BYTES outputs;
     - build it on the CPU; the loader moves it to the model's device and puts it in eval mode;
     - seed any random weights locally (``torch.random.fork_rng`` or a ``torch.Generator``):
       several models are built in one process.

@@ -83,7 +83,7 @@ def bytes_tensor(value: Any, dims: tuple[int, ...], batched: bool) -> np.ndarray
             raise TypeError(f"as a numpy {value.dtype} array: {_BYTES_FORMS}")
         array = value
     elif isinstance(value, (list, tuple)):
-        array = _from_rows(value, dims, batched)
+        return _as_bytes(_from_rows(value, dims, batched), rows=True)
     elif isinstance(value, torch.Tensor):
         raise TypeError(f"as a {value.dtype} tensor: {_BYTES_FORMS}")
     else:
@@ -96,24 +96,29 @@ _BYTES_FORMS = ("a BYTES output must be a numpy object, bytes_ or str_ array, or
 _NOT_UTF8 = "with a str element that cannot be encoded as UTF-8 (a lone surrogate)"
 
 
+_RAGGED = "as a list whose rows differ in shape: each row must have the output's dims"
+
+
 def _from_rows(rows: list | tuple, dims: tuple[int, ...], batched: bool) -> np.ndarray:
     try:
         array = np.array(rows, dtype=object)
-    except ValueError:  # ragged: rows of different shapes
-        raise TypeError("as a list whose rows differ in shape: each row must have the "
-                        "output's dims") from None
+    except ValueError:  # numpy could not tell the nesting apart
+        raise TypeError(_RAGGED) from None
     if batched and array.ndim == 1 and dims:
         array = array.reshape(len(rows), *(1 for _ in dims))  # rows of one element each
     return array
 
 
-def _as_bytes(array: np.ndarray) -> np.ndarray:
-    """``array`` when every element is bytes, else a copy with ``str`` elements encoded."""
+def _as_bytes(array: np.ndarray, rows: bool = False) -> np.ndarray:
+    """``array`` when every element is bytes, else a copy with ``str`` elements encoded.
+    ``rows``: ``array`` was made of a list's rows (a sequence left in it means they were ragged)."""
     flat = array.reshape(-1)
     kinds = set(map(type, flat))  # one pass in C; the usual answer is {bytes}
     if kinds <= {bytes}:
         return array
     for kind in kinds:
+        if rows and issubclass(kind, (list, tuple, np.ndarray)):
+            raise TypeError(_RAGGED)
         if not issubclass(kind, (bytes, str)):
             raise TypeError(f"with an element of type {kind.__name__}: BYTES elements must "
                             "be bytes or str")

@@ -12,7 +12,9 @@ is refused at load, with the output named.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import pickle
 import shutil
 import subprocess
@@ -26,8 +28,13 @@ import numpy as np
 import pytest
 import torch
 
+from batcher.errors import ModelExecutionError
+from batcher.model import ServedModel
+from batcher.request import InferenceRequest
+from batcher.spec import BatchingConfig, ModelSpec, TensorSpec
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
+from server.codec import bytes_encoding, bytes_row_offsets
 
 OUTPUTS = ("UPPER", "SWAPPED", "JOINED", "LENGTH")
 FAULTS = ("int", "float", "short", "unbatched", "object")
@@ -230,3 +237,100 @@ def test_a_compiled_model_with_a_bytes_output_is_refused_at_load(server, model_r
             assert entry.state == "UNAVAILABLE" and reason in entry.reason
     finally:
         shutil.rmtree(folder)
+
+
+# -- the rules, through the batch loop with fake models (no server) ---------------------------------
+
+def _spec(output_dims=(1,), max_batch_size=4, output_type="BYTES") -> ModelSpec:
+    return ModelSpec(
+        name="fake", version="1", platform="test",
+        inputs=(TensorSpec("x", "FP32", (2,)),),
+        outputs=(TensorSpec("y", output_type, output_dims),),
+        batching=BatchingConfig(max_batch_size=max_batch_size), warmup=False)
+
+
+async def _infer(module, spec: ModelSpec | None = None, rows: int = 2) -> np.ndarray:
+    spec = spec or _spec()
+    model = ServedModel(spec, module)
+    model.start()
+    try:
+        shape = (rows, 2) if spec.batching.max_batch_size else (2,)
+        x = np.arange(math.prod(shape), dtype=np.float32).reshape(shape)
+        return (await model.infer(InferenceRequest([x], batch_size=rows)))["y"]
+    finally:
+        model.stop(drain_timeout_s=5)
+
+
+def _rows(x: torch.Tensor) -> list[str]:
+    return [f"{v:g}é" for v in x[:, 0].tolist()]
+
+
+@pytest.mark.parametrize("module", [
+    lambda x: (np.array(_rows(x)).reshape(-1, 1),),  # a numpy str_ array
+    lambda x: (np.array([r.encode() for r in _rows(x)]).reshape(-1, 1),),  # bytes_
+    lambda x: np.array([[r.encode()] for r in _rows(x)], dtype=object),  # alone, not in a tuple
+    lambda x: (_rows(x),),  # a list: one str per row
+    lambda x: {"y": [[r] for r in _rows(x)]},  # a list of rows, each a list
+    lambda x: ([np.array([r], dtype=object) for r in _rows(x)],),  # a list of arrays
+], ids=["str_", "bytes_", "object", "list", "nested", "arrays"])
+async def test_every_form_of_bytes_output_becomes_an_object_array_of_bytes(module):
+    got = await _infer(module)
+    assert got.dtype == object and got.shape == (2, 1)
+    assert got.tolist() == [["0é".encode()], ["2é".encode()]]
+
+
+async def test_a_model_without_batching_returns_its_declared_dims():
+    got = await _infer(lambda x: (["a", b"b", "c"],), _spec((3,), max_batch_size=0), rows=1)
+    assert got.tolist() == [b"a", b"b", b"c"]
+
+
+async def test_a_bytes_output_next_to_fixed_numeric_inputs_is_split_per_request():
+    model = ServedModel(_spec(), lambda x: (_rows(x),))
+    model.start()
+    try:
+        requests = [InferenceRequest([np.full((rows, 2), v, np.float32)], batch_size=rows)
+                    for v, rows in ((1.0, 1), (2.0, 3))]
+        got = await asyncio.gather(*(model.infer(r) for r in requests))
+    finally:
+        model.stop(drain_timeout_s=5)
+    assert [g["y"].tolist() for g in got] == [[["1é".encode()]], [["2é".encode()]] * 3]
+
+
+@pytest.mark.parametrize("module, spec, message", [
+    (lambda x: ([["a"], ["b", "c"]],), _spec(),
+     "returned BYTES output 'y' as a list whose rows differ in shape"),
+    (lambda x: ([b"a", 3],), _spec(),
+     "returned BYTES output 'y' with an element of type int: BYTES elements must be bytes or str"),
+    (lambda x: (["\ud800", "b"],), _spec(),
+     "returned BYTES output 'y' with a str element that cannot be encoded as UTF-8"),
+    (lambda x: ([["a", "b"], ["c", "d"]],), _spec(),
+     "returned BYTES output 'y' with shape (2, 2) for a batch of 2: its configuration "
+     "declares dims [1]"),
+    (lambda x: (np.array(["a", "b"]),), _spec(),
+     "returned BYTES output 'y' with shape (2,) for a batch of 2: its configuration "
+     "declares dims [1]"),
+    (lambda x: (["a", "b", "c"],), _spec(),
+     "returned output 'y' with shape (3, 1) for a batch of 2: the batch dimension must be kept"),
+    (lambda x: (np.zeros(2, np.float64),), _spec(),
+     "returned BYTES output 'y' as a numpy float64 array: a BYTES output must be"),
+    (lambda x: (None,), _spec(), "returned BYTES output 'y' as NoneType"),
+    (lambda x: (np.array([["a"], ["b"]], dtype=object),), _spec(output_type="FP32"),
+     "returned FP32 output 'y' as a numpy object array: only a BYTES (TYPE_STRING) output"),
+    (lambda x: (np.array(["a"]),), _spec((1,), max_batch_size=0, output_type="FP32"),
+     "returned FP32 output 'y' as a numpy <U1 array: only a BYTES (TYPE_STRING) output"),
+], ids=["ragged", "int", "surrogate", "dims", "flat", "rows", "float", "none", "object",
+        "unbatched-str"])
+async def test_what_a_bytes_output_cannot_be_fails_the_batch_saying_what_it_was(module, spec,
+                                                                                  message):
+    with pytest.raises(ModelExecutionError) as err:
+        await _infer(module, spec, rows=1 if not spec.batching.max_batch_size else 2)
+    assert str(err.value).startswith("model 'fake' ")
+    assert message in str(err.value)
+
+
+def test_bytes_row_offsets_slice_a_batch_encoding_into_each_request_rows():
+    batch = np.array([[b"ab", b""], [b"xyz", b"q"], [b"", b"\x00"]], dtype=object)
+    data, offsets = bytes_encoding(batch), bytes_row_offsets(batch)
+    assert offsets.tolist() == [0, 10, 22, 31] and offsets[-1] == len(data)
+    for first, rows in ((0, 1), (1, 2), (0, 3)):
+        assert data[offsets[first]:offsets[first + rows]] == bytes_encoding(batch[first:first + rows])
