@@ -62,6 +62,13 @@ def host_array(tensor: torch.Tensor) -> np.ndarray:
     return tensor.numpy()
 
 
+# The ends of the messages bytes_tensor raises (after "returned BYTES output 'NAME' ").
+_BYTES_FORMS = ("a BYTES output must be a numpy object, bytes_ or str_ array, or a list with "
+                "one entry per row")
+_NOT_UTF8 = "with a str element that cannot be encoded as UTF-8 (a lone surrogate)"
+_RAGGED = "as a list whose rows differ in shape: each row must have the output's dims"
+
+
 def bytes_tensor(value: Any, dims: tuple[int, ...], batched: bool) -> np.ndarray:
     """The numpy object array of ``bytes`` a BYTES output is sent as, from what a model returned:
     a numpy object, ``bytes_`` or ``str_`` array, or (``batched``) a list with one entry per
@@ -89,14 +96,6 @@ def bytes_tensor(value: Any, dims: tuple[int, ...], batched: bool) -> np.ndarray
     else:
         raise TypeError(f"as {type(value).__name__}: {_BYTES_FORMS}")
     return _as_bytes(array)
-
-
-_BYTES_FORMS = ("a BYTES output must be a numpy object, bytes_ or str_ array, or a list with "
-                "one entry per row")
-_NOT_UTF8 = "with a str element that cannot be encoded as UTF-8 (a lone surrogate)"
-
-
-_RAGGED = "as a list whose rows differ in shape: each row must have the output's dims"
 
 
 def _from_rows(rows: list | tuple, dims: tuple[int, ...], batched: bool) -> np.ndarray:

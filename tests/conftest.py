@@ -3,7 +3,8 @@
 The server runs on its own thread with its own event loop, as in production it runs in its own
 process; tests talk to it over real gRPC on loopback. Test models live in a temporary
 repository: ``gated`` (y = 2x, can be held by a gate so queues can be observed), ``failing``
-(raises on the value 13), ``wrongbatch`` (drops the batch dimension).
+(raises on the value 13), ``wrongbatch`` (drops the batch dimension), ``strings`` (BYTES in and
+out), among others below.
 """
 
 from __future__ import annotations
