@@ -29,7 +29,7 @@ from batcher.spec import NUMPY_DTYPES, BatchingConfig, ModelSpec, TensorSpec
 from protos import inference_pb2 as pb
 from protos import model_config_pb2, wire_pb2
 from server import wire
-from server.codec import bytes_array, bytes_encoding
+from server.codec import EncodedBytes, bytes_encoding
 from server.status import StatusError
 
 log = structlog.get_logger(__name__)
@@ -64,7 +64,8 @@ class RemoteModel:
     def ready(self) -> bool:
         return self._repository.connected
 
-    async def infer(self, request: InferenceRequest) -> dict[str, np.ndarray]:
+    async def infer(self, request: InferenceRequest) -> dict[str, np.ndarray | EncodedBytes]:
+        """Each output as an array, or a BYTES one as its wire encoding (``EncodedBytes``)."""
         return await self._repository.infer(self, request)
 
 
@@ -276,7 +277,7 @@ class RemoteRepository:
     # -- inference -----------------------------------------------------------------------------
 
     async def infer(self, model: RemoteModel, request: InferenceRequest
-                    ) -> dict[str, np.ndarray]:
+                    ) -> dict[str, np.ndarray | EncodedBytes]:
         link = self._link
         if link is None:
             raise ModelUnavailable("the executor process is not connected; retry")
@@ -328,8 +329,8 @@ class RemoteRepository:
             # One copy, into bytes the reply will carry as they are (codec.encode_outputs).
             data = bytes(self._arena.read(output.offset, output.nbytes))
             shape = tuple(output.shape)
-            if datatype == "BYTES":
-                arrays[name] = bytes_array(data, shape)
+            if datatype == "BYTES":  # already the reply's encoding: not decoded to re-encode
+                arrays[name] = EncodedBytes(data, shape)
             else:
                 arrays[name] = np.frombuffer(data, dtype=NUMPY_DTYPES[datatype]).reshape(shape)
         frees = [output.block for output in result.outputs]

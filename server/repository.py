@@ -399,7 +399,8 @@ class ModelRepository:
         warmup = model_config.warmup_inputs(config, spec, model_dir)
         parameters = {key: value.string_value for key, value in config.parameters.items()}
         module = loading.load_module(
-            version_dir, filename=filename, parameters=parameters, device=spec.device
+            version_dir, filename=filename, parameters=parameters, device=spec.device,
+            bytes_outputs=[o.name for o in spec.outputs if o.datatype == "BYTES"],
         )
         served = ServedModel(
             spec, module, metrics=self._metrics, warmup_inputs=warmup, pools=self._pools,
