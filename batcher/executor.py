@@ -45,7 +45,7 @@ import queue as queue_module
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import structlog
@@ -64,7 +64,7 @@ from batcher.errors import (
 from batcher.request import InferenceRequest
 from batcher.spec import ModelSpec, TensorSpec
 from batcher.staging import InputStager, Staged
-from batcher.tensors import TORCH_DTYPES, host_array, host_input, to_numpy, to_torch
+from batcher.tensors import TORCH_DTYPES, bytes_tensor, host_array, host_input, to_numpy, to_torch
 from batcher.watchdog import ExecutionTimeout, TimedRunner, TooManyHungCalls
 
 log = structlog.get_logger(__name__)
@@ -210,6 +210,7 @@ class Executor:
         self._compute_stream = torch.cuda.Stream(self._device) if self._cuda else None
         self._input_types = [t.datatype for t in spec.inputs]
         self._output_specs: Sequence[TensorSpec] = spec.outputs
+        self._bytes_outputs = tuple(i for i, o in enumerate(spec.outputs) if o.datatype == "BYTES")
         self._graphs: cuda_graphs.BucketGraphs | None = None
         self._warming = False
         # Storages of our buffers, for the alias check; grows when a slot is replaced.
@@ -652,6 +653,9 @@ class Executor:
             outputs = self._run(batch)
             host = []
             for tensor, spec in zip(outputs, self._output_specs):
+                if not isinstance(tensor, torch.Tensor):  # BYTES: already on the host
+                    host.append(tensor)
+                    continue
                 pinned = torch.empty(tensor.shape, dtype=TORCH_DTYPES[spec.datatype],
                                      pin_memory=True)
                 pinned.copy_(tensor, non_blocking=True)
@@ -704,7 +708,8 @@ class Executor:
         parts = [self._eager([t[start:min(start + size, rows)] for t in tensors],
                              min(size, rows - start))
                  for start in range(0, rows, size)]
-        return [torch.cat(column) for column in zip(*parts)]
+        return [np.concatenate(column) if isinstance(column[0], np.ndarray) else torch.cat(column)
+                for column in zip(*parts)]
 
     def _forward(self, tensors: Sequence[Any], rows: int, *, capturing: bool = False
                  ) -> list[torch.Tensor]:
@@ -718,7 +723,8 @@ class Executor:
     def _owned(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``, copied if it is a view of our buffers (a model that returns its input,
         or a view of it): the slot is reused while the answer is still being sent."""
-        if tensor.untyped_storage().data_ptr() in self._owned_storage:
+        if (isinstance(tensor, torch.Tensor)
+                and tensor.untyped_storage().data_ptr() in self._owned_storage):
             return tensor.clone()
         return tensor
 
@@ -798,7 +804,7 @@ class Executor:
 
     def _outputs_of(self, returned: Any, rows: int) -> list[torch.Tensor]:
         specs = self._output_specs
-        if isinstance(returned, torch.Tensor):
+        if isinstance(returned, (torch.Tensor, np.ndarray)):
             returned = (returned,)
         if isinstance(returned, dict):
             missing = [o.name for o in specs if o.name not in returned]
@@ -816,14 +822,52 @@ class Executor:
             raise ModelExecutionError(
                 f"model '{self._spec.name}' returned {type(returned).__name__}, "
                 "expected a tensor, a tuple of tensors or a dict of tensors")
-        if self._batching:
-            for tensor, o in zip(tensors, specs):
-                if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or tensor.shape[0] != rows:
-                    got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-                    raise ModelExecutionError(
-                        f"model '{self._spec.name}' returned output '{o.name}' with shape "
-                        f"{got} for a batch of {rows}: the batch dimension must be kept")
+        for i in self._bytes_outputs:
+            tensors[i] = self._bytes_output(tensors[i], specs[i], rows)
+        for tensor, o in zip(tensors, specs):
+            if isinstance(tensor, torch.Tensor):
+                if self._batching and (tensor.dim() == 0 or tensor.shape[0] != rows):
+                    self._lost_batch(tuple(tensor.shape), o, rows)
+            elif o.datatype != "BYTES":
+                self._not_a_tensor(tensor, o, rows)
         return tensors
+
+    def _lost_batch(self, got: Any, o: TensorSpec, rows: int) -> NoReturn:
+        raise ModelExecutionError(
+            f"model '{self._spec.name}' returned output '{o.name}' with shape {got} for a "
+            f"batch of {rows}: the batch dimension must be kept")
+
+    def _not_a_tensor(self, returned: Any, o: TensorSpec, rows: int) -> NoReturn:
+        if isinstance(returned, np.ndarray) and returned.dtype.kind in "OSU":
+            raise ModelExecutionError(
+                f"model '{self._spec.name}' returned {o.datatype} output '{o.name}' as a numpy "
+                f"{returned.dtype} array: only a BYTES (TYPE_STRING) output may hold bytes or "
+                "str; return a tensor")
+        if not self._batching:
+            raise ModelExecutionError(
+                f"model '{self._spec.name}' returned output '{o.name}' as "
+                f"{type(returned).__name__}, expected a tensor")
+        self._lost_batch(type(returned).__name__, o, rows)
+
+    def _bytes_output(self, returned: Any, o: TensorSpec, rows: int) -> np.ndarray:
+        """The object array of bytes a BYTES output is sent as (``bytes_tensor``), with the
+        batch dimension kept and the declared dims."""
+        try:
+            array = bytes_tensor(returned, o.dims, self._batching)
+        except TypeError as exc:
+            raise ModelExecutionError(
+                f"model '{self._spec.name}' returned BYTES output '{o.name}' {exc}") from None
+        shape = array.shape
+        if self._batching:
+            if not shape or shape[0] != rows:
+                self._lost_batch(shape, o, rows)
+            shape = shape[1:]
+        if len(shape) != len(o.dims) or any(d >= 0 and n != d for n, d in zip(shape, o.dims)):
+            batch = f" for a batch of {rows}" if self._batching else ""
+            raise ModelExecutionError(
+                f"model '{self._spec.name}' returned BYTES output '{o.name}' with shape "
+                f"{array.shape}{batch}: its configuration declares dims {list(o.dims)}")
+        return array
 
     def _split(self, requests: list[InferenceRequest], host: list[np.ndarray]
                ) -> list[dict[str, np.ndarray]]:

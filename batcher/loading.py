@@ -18,7 +18,9 @@ order unless ``config.pbtxt`` names the file with ``default_model_filename``:
       batchgate's own keys included, so a model can read settings of its own from there;
     - the module it returns takes the model's inputs as positional tensors, in the order of
       ``config.pbtxt``'s ``input`` list, and returns one tensor or a tuple of tensors in the
-      order of the ``output`` list;
+      order of the ``output`` list; BYTES inputs arrive as numpy object arrays of ``bytes``,
+      and a BYTES output is a numpy object/``bytes_``/``str_`` array or a list with one entry
+      per row (``batcher.tensors.bytes_tensor``); only a ``model.py`` can have BYTES outputs;
     - build it on the CPU; the loader moves it to the model's device and puts it in eval mode;
     - seed any random weights locally (``torch.random.fork_rng`` or a ``torch.Generator``):
       several models are built in one process.
@@ -43,7 +45,7 @@ import re
 import sys
 import threading
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import structlog
@@ -98,12 +100,23 @@ def load_module(
     filename: str | None,
     parameters: Mapping[str, str],
     device: str,
+    bytes_outputs: Sequence[str] = (),
 ) -> torch.nn.Module:
-    """Load the model artifact in ``version_dir``, in eval mode, on ``device``."""
+    """Load the model artifact in ``version_dir``, in eval mode, on ``device``.
+
+    ``bytes_outputs``: the outputs the config declares BYTES. Only a ``model.py`` can return
+    them (torch has no string tensor), so any other artifact is refused before it is loaded.
+    """
     path = find_artifact(version_dir, filename)
     if path is None:
         wanted = filename or " or ".join(ARTIFACT_FILENAMES)
         raise LoadError(f"{version_dir}: no model artifact ({wanted}) in the version folder")
+    if bytes_outputs and path.suffix != ".py":
+        kind = "an exported program" if path.suffix == ".pt2" else "TorchScript"
+        names = ", ".join(repr(name) for name in bytes_outputs)
+        which = f"output {names} is" if len(bytes_outputs) == 1 else f"outputs {names} are"
+        raise LoadError(f"{path}: {path.name} is {kind}, which cannot return BYTES: {which} "
+                        "declared TYPE_STRING; serve this model from a model.py")
     if path.suffix == ".pt2":
         module = _load_exported(path, device)
     elif path.suffix == ".py":

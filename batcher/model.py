@@ -232,10 +232,11 @@ class ServedModel:
         with torch.inference_mode(), precisions.autocast(precision, device.type):
             returned = module(*precisions.cast_inputs(tensors, precision))
         if isinstance(returned, torch.Tensor):
-            return [returned]
-        if isinstance(returned, dict):
-            return [returned[o.name] for o in self._spec.outputs]
-        return list(returned)[: len(self._spec.outputs)]
+            returned = [returned]
+        elif isinstance(returned, dict):
+            returned = [returned[o.name] for o in self._spec.outputs]
+        # BYTES outputs have no precision: the check compares the numeric ones.
+        return [t for t, o in zip(returned, self._spec.outputs) if o.datatype != "BYTES"]
 
     def _graph_plan(self) -> tuple[tuple[int, ...], str]:
         """The buckets to capture CUDA graphs for, and what to report when there are none."""

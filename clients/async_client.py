@@ -236,7 +236,9 @@ class AsyncClient(_calls.ClientBase):
         files: Mapping[str, bytes] | None = None,
         timeout_s: float | None = None,
     ) -> None:
-        """Load (or reload) a model; `config` is a JSON model configuration. Never retried."""
+        """Load (or reload) a model. Never retried. `config`: a JSON model configuration, in
+        place of the model's config.pbtxt (whole); `files`: the model folder's files by path
+        ("1/model.py" -> contents), sent as Triton's "file:<path>" parameters, with `config`."""
         await self._run(_calls.load_model(name, config, files), timeout_s)
 
     async def unload_model(self, name: str, *, timeout_s: float | None = None) -> None:

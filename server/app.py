@@ -63,7 +63,8 @@ class Gateway:
         self.repository = repository
         limits = RequestLimits(max_request_bytes=settings.request_bytes_limit,
                                max_tensor_elements=settings.max_tensor_elements)
-        control = ControlPlane(repository) if not self._remote else repository
+        control = (ControlPlane(repository, max_load_files_bytes=settings.max_load_files_bytes)
+                   if not self._remote else repository)
         # Registrations live where the models run: here, or in the executor process.
         self.shared_memory = (SharedMemoryRegistry(settings.shared_memory)
                               if not self._remote else None)

@@ -455,7 +455,7 @@ def _from_contents(model: str, tspec: TensorSpec, shape: tuple, count: int,
 def encode_outputs(
     response: pb.ModelInferResponse,
     spec: ModelSpec,
-    outputs: Mapping[str, np.ndarray],
+    outputs: Mapping[str, np.ndarray | EncodedBytes | Placed],
     requested: tuple[str, ...] | None,
 ) -> pb.ModelInferResponse:
     """Fill ``response`` with the requested outputs (all when none were named) as raw bytes."""
@@ -470,6 +470,8 @@ def encode_outputs(
             # Written into the client's region: an empty entry keeps raw_output_contents
             # aligned with outputs, as clients index them together (Triton does the same).
             raws.append(b"")
+        elif isinstance(array, EncodedBytes):
+            raws.append(array.data)
         elif datatype == "BYTES":
             raws.append(bytes_encoding(array))
         elif isinstance(array.base, bytes) and len(array.base) == array.nbytes:
@@ -477,6 +479,30 @@ def encode_outputs(
         else:
             raws.append(array.tobytes())
     return response
+
+
+class EncodedBytes:
+    """A BYTES output still in its wire encoding (as an executor process wrote it), which a
+    reply carries as it is."""
+
+    __slots__ = ("data", "shape")
+
+    def __init__(self, data: bytes, shape: tuple[int, ...]) -> None:
+        self.data = data
+        self.shape = shape
+
+
+def bytes_row_offsets(array: np.ndarray) -> np.ndarray:
+    """Where each row of ``array`` (batch dimension first, ``bytes`` elements) starts in its
+    :func:`bytes_encoding`, and where the last ends: ``len(array) + 1`` offsets, so a request's
+    rows of a batch's encoding are one slice of it."""
+    rows = len(array)
+    flat = array.reshape(-1)
+    lengths = np.fromiter(map(len, flat), dtype=np.int64, count=flat.size)
+    per_row = lengths.reshape(rows, -1).sum(axis=1) + _LENGTH.size * (flat.size // max(rows, 1))
+    offsets = np.zeros(rows + 1, dtype=np.int64)
+    np.cumsum(per_row, out=offsets[1:])
+    return offsets
 
 
 def bytes_encoding(array: np.ndarray) -> bytes:

@@ -6,21 +6,38 @@ calls it from its handlers; the executor process calls it for every ``Call`` a f
 forwards over the wire (``protos/wire.proto``), so front ends pass these RPCs on as the client
 sent them, whatever language they are written in, and the answer is built in one place.
 
+Load and unload parameters are Triton's, and any other is refused (INVALID_ARGUMENT), never
+ignored: a load takes ``config`` (a string: the ``ModelConfig`` as JSON, in place of
+``config.pbtxt``) and ``file:<path>`` (bytes: a file of the model folder, which the files then
+make up whole; they need ``config``); an unload takes ``unload_dependents`` (a bool: batchgate
+has no ensembles, so no model depends on another and there is nothing more to unload).
+
 Errors are ``batcher.errors`` exceptions, as everywhere below the transport.
 """
 
 from __future__ import annotations
 
+from batcher.errors import InvalidRequest, ResourceExhausted, quoted
 from batcher.stats import Duration, StatsSnapshot
 from protos import inference_pb2 as pb
+from server import model_config
+from server.load_override import LoadOverride, file_path
 from server.repository import ModelRepository
+
+CONFIG_PARAMETER = "config"
+FILE_PREFIX = "file:"
+UNLOAD_DEPENDENTS = "unload_dependents"
+DEFAULT_MAX_LOAD_FILES_BYTES = 64 * 1024 * 1024  # Settings.max_load_files_bytes
 
 
 class ControlPlane:
-    def __init__(self, repository: ModelRepository, drain_timeout_s: float = 30.0) -> None:
-        """``drain_timeout_s``: how long an unloaded model's queued requests may take."""
+    def __init__(self, repository: ModelRepository, drain_timeout_s: float = 30.0,
+                 max_load_files_bytes: int = DEFAULT_MAX_LOAD_FILES_BYTES) -> None:
+        """``drain_timeout_s``: how long an unloaded model's queued requests may take;
+        ``max_load_files_bytes``: the most bytes of ``file:`` contents one load may bring."""
         self._repository = repository
         self._drain_timeout_s = drain_timeout_s
+        self._max_load_files_bytes = max_load_files_bytes
 
     async def statistics(self, request: pb.ModelStatisticsRequest) -> pb.ModelStatisticsResponse:
         stats = await self._repository.statistics(request.name, request.version)
@@ -37,13 +54,60 @@ class ControlPlane:
         ])
 
     async def load(self, request: pb.RepositoryModelLoadRequest) -> pb.RepositoryModelLoadResponse:
-        await self._repository.load(request.model_name)
+        override = self._load_override(request.parameters) if request.parameters else None
+        await self._repository.load(request.model_name, override)
         return pb.RepositoryModelLoadResponse()
 
     async def unload(self, request: pb.RepositoryModelUnloadRequest
                      ) -> pb.RepositoryModelUnloadResponse:
+        for key in sorted(request.parameters):
+            if key != UNLOAD_DEPENDENTS:
+                raise InvalidRequest(
+                    f"unknown unload parameter {quoted(key)}: RepositoryModelUnload takes "
+                    f"{UNLOAD_DEPENDENTS!r} (bool) only")
+            _parameter(request.parameters[key], key, "bool_param", "a bool")
         await self._repository.unload(request.model_name, self._drain_timeout_s)
         return pb.RepositoryModelUnloadResponse()
+
+    def _load_override(self, parameters) -> LoadOverride:
+        """A load request's parameters, checked; InvalidRequest or ResourceExhausted."""
+        config_text: str | None = None
+        files = {}
+        total = 0
+        for key in sorted(parameters):
+            value = parameters[key]
+            if key == CONFIG_PARAMETER:
+                config_text = _parameter(value, key, "string_param",
+                                         "a string holding the model configuration as JSON")
+            elif key.startswith(FILE_PREFIX):
+                data = _parameter(value, key, "bytes_param", "bytes: the file's contents")
+                files[file_path(key[len(FILE_PREFIX):])] = data
+                total += len(data)
+            else:
+                raise InvalidRequest(
+                    f"unknown load parameter {quoted(key)}: RepositoryModelLoad takes "
+                    f"{CONFIG_PARAMETER!r} (the model configuration as JSON) and "
+                    f"'{FILE_PREFIX}<path>' (a file's contents) only")
+        limit = self._max_load_files_bytes
+        if files and limit == 0:
+            raise ResourceExhausted(
+                f"this server takes no loads with {FILE_PREFIX} parameters "
+                "(--max-load-files-bytes 0)")
+        if total > limit:
+            raise ResourceExhausted(
+                f"the load's {FILE_PREFIX} parameters hold {total} bytes, more than "
+                f"--max-load-files-bytes {limit}")
+        config = None if config_text is None else model_config.config_from_json(config_text)
+        return LoadOverride(config, files)
+
+
+def _parameter(value: pb.ModelRepositoryParameter, key: str, kind: str, what: str):
+    """The value of parameter ``key`` when it is set as ``kind``; InvalidRequest otherwise."""
+    sent = value.WhichOneof("parameter_choice")
+    if sent != kind:
+        raise InvalidRequest(
+            f"parameter {quoted(key)} must be {what} ({kind}), got {sent or 'no value'}")
+    return getattr(value, kind)
 
 
 def _duration(d: Duration) -> pb.StatisticDuration:

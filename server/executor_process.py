@@ -40,7 +40,7 @@ from batcher.request import InferenceRequest
 from batcher.spec import NUMPY_DTYPES, ModelSpec
 from protos import wire_pb2
 from server import wire
-from server.codec import bytes_array, bytes_encoding
+from server.codec import bytes_array, bytes_encoding, bytes_row_offsets
 from server.control import ControlPlane
 from server.logs import announce, configure_logging, runtime_facts
 from server.multiproc_metrics import read_pid_once
@@ -389,53 +389,59 @@ class ExecutorServer:
         if not live:
             return
         spec = live[0][1].model.spec
-        wanted = set()
+        wanted = set()  # what goes into the arena: the outputs not in a client's region
         for _, remote in live:
             if remote.placements is None:
                 wanted.update(remote.outputs)
             else:
                 wanted.update(k for k, p in zip(remote.outputs, remote.placements) if p is None)
-        blocks: dict[int, int] = {}  # output index -> the block holding the whole batch's
+        # A request's rows of an output: requests lie in the batch in order, each its rows.
+        split = spec.batching.max_batch_size > 0 and len(requests) > 1
+        blocks: dict[int, tuple[int, int]] = {}  # output index -> (block, bytes) of the batch's
+        # Per output, the byte offset in its block of each row, and of the end (rows + 1 values).
+        row_offsets: dict[int, np.ndarray | int] = {}
         try:
             for k in sorted(wanted):
-                if spec.outputs[k].datatype != "BYTES":
-                    blocks[k] = self._write(outputs[k])
+                if spec.outputs[k].datatype == "BYTES":
+                    blocks[k], row_offsets[k] = self._write_bytes(outputs[k], split)
+                else:
+                    blocks[k] = (self._write(outputs[k]), outputs[k].nbytes)
+                    row_offsets[k] = outputs[k].nbytes // max(len(outputs[k]), 1)
         except _OutputRegionFull as full:
-            for block in blocks.values():
+            for block, _ in blocks.values():
                 self._outputs.free(block)
             self._fail_all(live, full.error)
             return
-        # A request's rows of an output: requests lie in the batch in order, each its rows.
-        split = spec.batching.max_batch_size > 0 and len(requests) > 1
         starts = list(itertools.accumulate((r.batch_size for r in requests), initial=0))
-        row_bytes = {k: outputs[k].nbytes // max(len(outputs[k]), 1) for k in blocks}
         held: collections.Counter[tuple[_FrontEnd, int]] = collections.Counter()
         for index, remote in live:
             out = remote.front.out()
             if out is None:
                 continue
-            try:
-                placed = (self._place(remote, index, spec, outputs, results,
-                                      starts if split else None)
-                          if remote.placements is not None else None)
-                described = self._describe_rows(remote, index, spec, outputs, results, blocks,
-                                                starts if split else None, row_bytes, placed)
-            except _OutputRegionFull as full:
-                remote.answered = True
-                remote.front.fail(remote.rid, not remote.request.holds_inputs, *full.status)
-                continue
-            except BatchgateError as exc:  # an output that does not fit the client's region
-                remote.answered = True
-                remote.front.fail(remote.rid, not remote.request.holds_inputs,
-                                  *status_of(exc))
-                continue
+            placed = None
+            if remote.placements is not None:
+                try:
+                    placed = self._place(remote, index, spec, outputs, starts if split else None)
+                except BatchgateError as exc:  # an output that does not fit the client's region
+                    remote.answered = True
+                    remote.front.fail(remote.rid, not remote.request.holds_inputs,
+                                      *status_of(exc))
+                    continue
             add = out.results.add(rid=remote.rid,
                                   released=not remote.request.holds_inputs).outputs.add
-            for block, offset, nbytes, shape in described:
-                if block is None:
-                    add(placed=True, nbytes=nbytes, shape=shape)
+            for k in remote.outputs:
+                if placed is not None and k in placed:
+                    nbytes, shape = placed[k]
+                    add(placed=True, nbytes=nbytes, shape=shape)  # no block to free
                     continue
-                add(block=block, offset=offset, nbytes=nbytes, shape=shape)
+                block, nbytes = blocks[k]
+                if split:
+                    offset, nbytes = _rows_of(row_offsets[k], starts[index],
+                                              remote.request.batch_size)
+                    shape = (remote.request.batch_size, *outputs[k].shape[1:])
+                else:
+                    offset, shape = 0, outputs[k].shape
+                add(block=block, offset=block + offset, nbytes=nbytes, shape=shape)
                 held[remote.front, block] += 1
             remote.answered = True
         referenced = set()
@@ -443,63 +449,27 @@ class ExecutorServer:
             front.blocks[block] += count
             self._references[block] = self._references.get(block, 0) + count
             referenced.add(block)
-        for block in blocks.values():
+        for block, _ in blocks.values():
             if block not in referenced:
                 self._outputs.free(block)
         self._in_use.set(self._outputs.bytes_in_use)
 
     def _place(self, remote: _Remote, index: int, spec: ModelSpec, outputs: list[np.ndarray],
-               results: list[dict[str, np.ndarray]], starts: list[int] | None
-               ) -> dict[int, tuple[int, tuple]]:
-        """Write the request's placed outputs into the client's regions: output index ->
-        (bytes written, shape)."""
+               starts: list[int] | None) -> dict[int, tuple[int, tuple]]:
+        """Write the request's placed outputs (its rows of the batch's) into the client's
+        regions: output index -> (bytes written, shape)."""
         placed = {}
         for k, placement in zip(remote.outputs, remote.placements):
             if placement is None:
                 continue
+            array = outputs[k]
+            if starts is not None:
+                array = array[starts[index]:starts[index] + remote.request.batch_size]
             tspec = spec.outputs[k]
-            if tspec.datatype == "BYTES":
-                array = results[index][tspec.name]
-            elif starts is not None:
-                array = outputs[k][starts[index]:starts[index] + remote.request.batch_size]
-            else:
-                array = outputs[k]
             written = self.shared_memory.write_output(placement, tspec.name, tspec.datatype,
                                                       array)
             placed[k] = (written.nbytes, written.shape)
         return placed
-
-    def _describe_rows(self, remote: _Remote, index: int, spec: ModelSpec,
-                       outputs: list[np.ndarray], results: list[dict[str, np.ndarray]],
-                       blocks: dict[int, int], starts: list[int] | None,
-                       row_bytes: dict[int, int], placed: dict | None = None) -> list[tuple]:
-        """``(block, offset, nbytes, shape)`` of each output the request asked for (block
-        None: written into the client's region). A BYTES output has no fixed rows: the
-        request's own encoding goes into a block of its own."""
-        described = []
-        for k in remote.outputs:
-            if placed and k in placed:
-                nbytes, shape = placed[k]
-                described.append((None, 0, nbytes, shape))
-                continue
-            block = blocks.get(k)
-            if block is None:
-                array = results[index][spec.outputs[k].name]
-                try:
-                    block, nbytes = self._write_bytes(array)
-                except _OutputRegionFull:
-                    for own in described:
-                        if own[0] is not None and own[0] not in blocks.values():
-                            self._outputs.free(own[0])
-                    raise
-                described.append((block, block, nbytes, array.shape))
-            elif starts is not None:
-                rows, size = remote.request.batch_size, row_bytes[k]
-                described.append((block, block + starts[index] * size, rows * size,
-                                  (rows, *outputs[k].shape[1:])))
-            else:
-                described.append((block, block, outputs[k].nbytes, outputs[k].shape))
-        return described
 
     def _write(self, array: np.ndarray) -> int:
         block = self._outputs.alloc(array.nbytes)
@@ -508,13 +478,15 @@ class ExecutorServer:
         np.copyto(self._arena.array(block, array.dtype, array.shape), array)
         return block
 
-    def _write_bytes(self, array: np.ndarray) -> tuple[int, int]:
+    def _write_bytes(self, array: np.ndarray, rows: bool) -> tuple[tuple[int, int], np.ndarray]:
+        """The batch's encoding of a BYTES output in a block of its own: ``((block, bytes),
+        row offsets)``, the offsets only when ``rows`` (the batch is split per request)."""
         data = bytes_encoding(array)
         block = self._outputs.alloc(len(data))
         if block is None:
             raise _OutputRegionFull(self._outputs.bytes_in_use)
         self._arena.write(block, data)
-        return block, len(data)
+        return (block, len(data)), (bytes_row_offsets(array) if rows else None)
 
     def _fail_all(self, live: list[tuple[int, _Remote]], error: BatchgateError) -> None:
         code, text = status_of(error)
@@ -577,6 +549,15 @@ class _OutputRegionFull(Exception):
         self.status = status_of(self.error)
 
 
+def _rows_of(row_offsets: np.ndarray | int, first: int, rows: int) -> tuple[int, int]:
+    """``(offset, nbytes)`` of rows ``first .. first + rows`` in an output's block: offsets of
+    every row (BYTES), or the bytes of one (numeric)."""
+    if isinstance(row_offsets, int):
+        return first * row_offsets, rows * row_offsets
+    begin = int(row_offsets[first])
+    return begin, int(row_offsets[first + rows]) - begin
+
+
 def _input_dtypes(spec: ModelSpec) -> tuple[tuple[np.dtype | None, str], ...]:
     """Per input, its numpy dtype (None for BYTES) and datatype."""
     return tuple((None if t.datatype == "BYTES" else NUMPY_DTYPES[t.datatype], t.datatype)
@@ -612,7 +593,8 @@ async def run(handover: dict) -> int:
     repository = ModelRepository(settings.model_repository, metrics=metrics,
                                  on_state_change=server.on_state_change, pools=pools)
     server.repository = repository
-    server.control = ControlPlane(repository)
+    server.control = ControlPlane(repository,
+                                  max_load_files_bytes=settings.max_load_files_bytes)
     sys.setswitchinterval(settings.switch_interval_s)
     listener = await wire.serve_frontends(handover["socket"], server.handle)
     await repository.load_all()

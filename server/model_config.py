@@ -4,7 +4,8 @@ Three steps, each a function:
 
 - :func:`read_model_config` parses the file (protobuf text format of Triton's ``ModelConfig``)
   and lists the fields that are set but that batchgate does not act on, so the repository can
-  say so once at load instead of dropping them silently;
+  say so once at load instead of dropping them silently; :func:`config_from_json` parses the
+  ``config`` parameter of a load request (the same message as JSON) that replaces the file;
 - :func:`model_spec_from_config` resolves the config into a ``ModelSpec``: datatypes, device,
   instance count, batching and queue policies, and the ``parameters`` below;
 - :func:`effective_config` is the config the server reports through the ModelConfig RPC: the
@@ -25,15 +26,16 @@ client may still send its own batch of up to ``max_batch_size`` samples.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 
 import numpy as np
-from google.protobuf import text_format
+from google.protobuf import json_format, text_format
 from google.protobuf.message import Message
 
-from batcher.errors import LoadError
+from batcher.errors import InvalidRequest, LoadError
 from batcher.buckets import default_buckets
 from batcher.spec import (
     BATCH_POLICIES,
@@ -193,6 +195,30 @@ def read_model_config(model_dir: Path) -> tuple[model_config_pb2.ModelConfig, li
             f"{path}: name must match the model's folder name {folder!r}, got {config.name!r}"
         )
     return config, unsupported_fields(config)
+
+
+def config_from_json(text: str) -> model_config_pb2.ModelConfig:
+    """A load request's ``config`` parameter: a ``ModelConfig`` in protobuf's JSON mapping
+    (field names as in the proto or in lowerCamelCase). Unknown fields are refused, as
+    malformed JSON is: InvalidRequest naming what is wrong."""
+    try:
+        document = json.loads(text)
+    except ValueError as exc:  # json.JSONDecodeError
+        raise InvalidRequest(f"load parameter 'config' is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequest("load parameter 'config' is not valid JSON: nested too deeply") from None
+    if not isinstance(document, dict):
+        raise InvalidRequest(
+            "load parameter 'config' must be a JSON object (a ModelConfig), "
+            f"got a JSON {type(document).__name__}")
+    config = model_config_pb2.ModelConfig()
+    try:
+        json_format.ParseDict(document, config)
+    except (json_format.ParseError, RecursionError) as exc:
+        # The first line says what and where; protobuf then lists every field name.
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InvalidRequest(f"load parameter 'config' is not a ModelConfig: {first}") from None
+    return config
 
 
 def unsupported_fields(config: model_config_pb2.ModelConfig) -> list[str]:

@@ -29,13 +29,15 @@ from batcher.spec import NUMPY_DTYPES, BatchingConfig, ModelSpec, TensorSpec
 from protos import inference_pb2 as pb
 from protos import model_config_pb2, wire_pb2
 from server import wire
-from server.codec import bytes_array, bytes_encoding
+from server.codec import EncodedBytes, bytes_encoding
 from server.shared_memory import Placed
 from server.status import StatusError
 
 log = structlog.get_logger(__name__)
 
 RECONNECT_INTERVAL_S = 0.05
+# A Call's bytes in a frame beyond its request's (its cid, the tags): the native front end's margin.
+CALL_OVERHEAD_BYTES = 64
 EXECUTOR_LOST_MESSAGE = "the executor process restarted; retry the request"
 
 
@@ -63,7 +65,8 @@ class RemoteModel:
     def ready(self) -> bool:
         return self._repository.connected
 
-    async def infer(self, request: InferenceRequest) -> dict[str, np.ndarray]:
+    async def infer(self, request: InferenceRequest) -> dict[str, np.ndarray | EncodedBytes]:
+        """Each output as an array, or a BYTES one as its wire encoding (``EncodedBytes``)."""
         return await self._repository.infer(self, request)
 
 
@@ -264,6 +267,18 @@ class RemoteRepository:
         link = self._link
         if link is None:
             raise ModelUnavailable("the executor process is not connected; retry")
+        # The executor drops a link whose frame passes MAX_FRAME_BYTES, and every request on it
+        # with the link: a call that large is refused (as the native front end refuses it),
+        # and one that would make the frame being filled too large waits for the next frame.
+        size = request.ByteSize() + CALL_OVERHEAD_BYTES
+        if size > wire.MAX_FRAME_BYTES:
+            raise ResourceExhausted(
+                f"the request is larger than the {wire.MAX_FRAME_BYTES} bytes a front end "
+                "forwards to the executor process")
+        while link.pending_bytes + size > wire.MAX_FRAME_BYTES:
+            await asyncio.sleep(0)  # the frame being filled is written before this resumes
+            if link is not self._link:
+                raise ModelUnavailable("the executor process is not connected; retry")
         cid = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[cid] = future
@@ -283,7 +298,7 @@ class RemoteRepository:
     # -- inference -----------------------------------------------------------------------------
 
     async def infer(self, model: RemoteModel, request: InferenceRequest
-                    ) -> dict[str, np.ndarray]:
+                    ) -> dict[str, np.ndarray | EncodedBytes]:
         link = self._link
         if link is None:
             raise ModelUnavailable("the executor process is not connected; retry")
@@ -354,8 +369,8 @@ class RemoteRepository:
                 continue
             # One copy, into bytes the reply will carry as they are (codec.encode_outputs).
             data = bytes(self._arena.read(output.offset, output.nbytes))
-            if datatype == "BYTES":
-                arrays[name] = bytes_array(data, shape)
+            if datatype == "BYTES":  # already the reply's encoding: not decoded to re-encode
+                arrays[name] = EncodedBytes(data, shape)
             else:
                 arrays[name] = np.frombuffer(data, dtype=NUMPY_DTYPES[datatype]).reshape(shape)
         frees = [output.block for output in result.outputs if not output.placed]

@@ -10,6 +10,12 @@ worker thread, and the model answers requests only once its warm-up is done. Rel
 model builds the new version beside the old one, swaps, then drains and stops the old one: the
 old version keeps serving until the swap, and keeps serving if the new version fails to load.
 
+A load may bring its own config and files (a ``LoadOverride``, ``server/load_override.py``):
+the config replaces ``config.pbtxt`` for that load; files replace the whole model folder, and are
+written into a private temporary folder (never into the root), which is removed when that
+version stops being served (unloaded, replaced, failed) and when the repository closes. A load
+that fails, for whatever reason, leaves the version served before serving.
+
 A model name from a client is only ever a folder directly under the root: names with a path
 separator, NUL, a leading dot (``.``, ``..``, hidden folders), or longer than a file name may be
 are refused. Every file-system lookup a name causes goes through ``_model_dir``, which checks it
@@ -27,6 +33,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import shutil
+import tempfile
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -47,6 +56,7 @@ from batcher.model import ServedModel
 from batcher.spec import ModelSpec
 from protos import model_config_pb2
 from server import model_config
+from server.load_override import MAX_NAME_BYTES, LoadOverride, as_sent, write_files
 
 log = structlog.get_logger(__name__)
 
@@ -58,8 +68,6 @@ STATES = (UNAVAILABLE, LOADING, READY, UNLOADING)
 
 # How long a version replaced by a reload may take to finish the requests queued on it.
 RETIRE_DRAIN_TIMEOUT_S = 30.0
-# The longest file name Linux file systems take, in bytes; a longer model name cannot be a folder.
-MAX_NAME_BYTES = 255
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,10 +84,19 @@ class ModelIndexEntry:
 class _Loaded:
     model: ServedModel
     config: model_config_pb2.ModelConfig  # effective
+    files: Path | None = None  # the private folder of a load's files, removed with the version
 
     @property
     def version(self) -> str:
         return self.model.spec.version
+
+    def stop(self, drain_timeout_s: float) -> None:
+        """Stop the model, then remove its files (blocking: a worker thread calls it)."""
+        try:
+            self.model.stop(drain_timeout_s)
+        finally:
+            if self.files is not None:
+                shutil.rmtree(self.files, ignore_errors=True)
 
 
 @dataclasses.dataclass
@@ -112,6 +129,7 @@ class ModelRepository:
         self._slots: dict[str, _Slot] = {}
         self._closing = False
         self._background: set[asyncio.Task] = set()
+        self._files_root: Path | None = None  # made at the first load that brings files
 
     @property
     def root(self) -> Path:
@@ -193,12 +211,26 @@ class ModelRepository:
             except BatchgateError:
                 pass  # logged by load(); the model is UNAVAILABLE with the reason
 
-    async def load(self, name: str) -> None:
-        """Load (or reload) the latest version of ``name``; READY once warmed up."""
+    async def load(self, name: str, override: LoadOverride | None = None) -> None:
+        """Load (or reload) the latest version of ``name``; READY once warmed up. ``override``:
+        the config, and files, of this load instead of the repository's."""
         model_dir = self._model_dir(name)
         if self._closing:
             raise ModelUnavailable(f"the repository is closing; model {quoted(name)} was not loaded")
-        if not self._has_config(model_dir):
+        override = override or LoadOverride()
+        if override.config is not None and override.config.name not in ("", name):
+            raise InvalidRequest(
+                f"load parameter 'config': name must be the model's name {quoted(name)} or "
+                f"empty, got {quoted(override.config.name)}")
+        if override.files:
+            pass  # the load's files are the whole model folder
+        elif override.config is not None:
+            if not self._is_folder(model_dir):
+                raise ModelNotFound(
+                    f"unknown model {quoted(name)}: no folder of that name in the model "
+                    "repository (a load whose config replaces its config.pbtxt reads the rest "
+                    "of the folder)")
+        elif not self._has_config(model_dir):
             raise ModelNotFound(
                 f"unknown model {quoted(name)}: no {model_config.CONFIG_FILENAME} in its folder "
                 "of the model repository"
@@ -208,10 +240,12 @@ class ModelRepository:
             previous = slot.loaded if slot.state == READY else None
             if previous is None:
                 self._set_state(slot, LOADING, "loading")
-            log.info("model_loading", model=name, reloading=previous is not None)
+            log.info("model_loading", model=name, reloading=previous is not None,
+                     config_override=override.config is not None,
+                     files=len(override.files))
             try:
                 loaded = await asyncio.to_thread(
-                    self._build, model_dir, self._failure_reporter(name))
+                    self._build, model_dir, self._failure_reporter(name), override)
             except Exception as exc:
                 # A model that does not fit its device's memory pool: RESOURCE_EXHAUSTED.
                 known = isinstance(exc, (LoadError, ResourceExhausted))
@@ -227,7 +261,7 @@ class ModelRepository:
                 raise error from exc
             if self._closing:
                 # close() is waiting for this lock to unload whatever is still served here.
-                await asyncio.to_thread(loaded.model.stop, 0.0)
+                await asyncio.to_thread(loaded.stop, 0.0)
                 if previous is None:
                     self._set_state(slot, UNAVAILABLE, "the repository closed while loading")
                 raise ModelUnavailable(
@@ -240,7 +274,7 @@ class ModelRepository:
                      device=loaded.model.spec.device)
             if previous is not None:
                 # Requests already queued on the old version finish there.
-                await asyncio.to_thread(previous.model.stop, RETIRE_DRAIN_TIMEOUT_S)
+                await asyncio.to_thread(previous.stop, RETIRE_DRAIN_TIMEOUT_S)
                 log.info("model_version_retired", model=name, version=previous.version)
 
     async def unload(self, name: str, drain_timeout_s: float = 30.0) -> None:
@@ -259,7 +293,7 @@ class ModelRepository:
             log.info("model_unloading", model=name, version=loaded.version,
                      drain_timeout_s=drain_timeout_s)
             try:
-                await asyncio.to_thread(loaded.model.stop, drain_timeout_s)
+                await asyncio.to_thread(loaded.stop, drain_timeout_s)
             finally:
                 slot.loaded = None
                 self._set_state(slot, UNAVAILABLE, "unloaded")
@@ -275,6 +309,8 @@ class ModelRepository:
         for name, result in zip(names, results):
             if isinstance(result, BaseException):
                 log.error("model_unload_failed", model=name, exc_info=result)
+        if self._files_root is not None:
+            shutil.rmtree(self._files_root, ignore_errors=True)
 
     # -- the blocking part of a load (worker thread) -------------------------------------------
 
@@ -298,29 +334,73 @@ class ModelRepository:
         if slot is None:
             return
         async with slot.lock:
-            if slot.loaded is None or slot.loaded.model is not served:
+            loaded = slot.loaded
+            if loaded is None or loaded.model is not served:
                 return  # already unloaded or replaced
             slot.loaded = None
             log.error("model_failed", model=name, version=slot.version, reason=reason)
             self._set_state(slot, UNAVAILABLE, f"failed: {reason}; load it again to retry")
-        await asyncio.to_thread(served.stop, 0.0)
+        await asyncio.to_thread(loaded.stop, 0.0)
 
     def _build(self, model_dir: Path,
-               on_failed: Callable[[ServedModel, str], None] | None = None) -> _Loaded:
+               on_failed: Callable[[ServedModel, str], None] | None = None,
+               override: LoadOverride | None = None) -> _Loaded:
+        override = override or LoadOverride()
+        if not override.files:
+            return self._build_from(model_dir, on_failed, override.config)
         name = model_dir.name
-        config, unsupported = model_config.read_model_config(model_dir)
+        if self._files_root is None:
+            self._files_root = Path(tempfile.mkdtemp(prefix="batchgate-load-files-"))
+            # Also gone when the process exits without closing the repository.
+            weakref.finalize(self, shutil.rmtree, self._files_root, ignore_errors=True)
+        files = write_files(self._files_root, name, override.files)
+        try:
+            return self._build_from(files / name, on_failed, override.config, files)
+        except LoadError as exc:
+            shutil.rmtree(files, ignore_errors=True)
+            raise LoadError(as_sent(str(exc), files / name)) from exc
+        except BaseException:
+            shutil.rmtree(files, ignore_errors=True)
+            raise
+
+    def _build_from(self, model_dir: Path, on_failed: Callable[[ServedModel, str], None] | None,
+                    config_override: model_config_pb2.ModelConfig | None,
+                    files: Path | None = None) -> _Loaded:
+        name = model_dir.name
+        if config_override is None:
+            config, unsupported = model_config.read_model_config(model_dir)
+            source = str(model_dir / model_config.CONFIG_FILENAME)
+        else:
+            config = model_config_pb2.ModelConfig()
+            config.CopyFrom(config_override)
+            config.name = name
+            filename = config.default_model_filename
+            # What the operator wrote may point anywhere; what a client sends stays in the folder.
+            if filename and not self._is_plain_name(filename):
+                raise LoadError(
+                    "load parameter 'config': default_model_filename must be a file name in "
+                    f"the version folder, got {quoted(filename)}")
+            unsupported = model_config.unsupported_fields(config)
+            source = "the load's config parameter"
         if unsupported:
             log.warning("config_fields_not_supported", model=name, fields=unsupported,
-                        config=str(model_dir / model_config.CONFIG_FILENAME))
+                        config=source)
         filename = config.default_model_filename or None
         version_dir = loading.latest_version(model_dir, filename)
-        spec = model_config.model_spec_from_config(
-            config, version_dir.name, cuda_available=self._cuda
-        )
+        try:
+            spec = model_config.model_spec_from_config(
+                config, version_dir.name, cuda_available=self._cuda
+            )
+        except LoadError as exc:
+            if config_override is None:
+                raise
+            raise LoadError(f"{exc} (the load's config parameter stands for the whole "
+                            f"{model_config.CONFIG_FILENAME})") from None
         warmup = model_config.warmup_inputs(config, spec, model_dir)
         parameters = {key: value.string_value for key, value in config.parameters.items()}
         module = loading.load_module(
-            version_dir, filename=filename, parameters=parameters, device=spec.device
+            version_dir, filename=filename, parameters=parameters, device=spec.device,
+            bytes_outputs=[o.name for o in spec.outputs if o.datatype == "BYTES"],
         )
         served = ServedModel(
             spec, module, metrics=self._metrics, warmup_inputs=warmup, pools=self._pools,
@@ -333,7 +413,7 @@ class ModelRepository:
             raise
         log.info("model_load_report", model=name, **served.load_report)
         return _Loaded(served, model_config.effective_config(config, served.spec,
-                                                             served.load_report))
+                                                             served.load_report), files)
 
     @staticmethod
     def _unexpected(name: str, exc: Exception) -> LoadError:

@@ -149,6 +149,10 @@ class Settings:
         default_text=f"$BATCHGATE_MODEL_REPOSITORY, else the example repository "
                      f"{DEFAULT_REPOSITORY}",
         help="model repository folder")
+    max_load_files_bytes: int = setting(
+        64 * 1024 * 1024, parse=int, roles=(EXECUTOR,),
+        help="largest sum of the file: contents one RepositoryModelLoad may bring; 0 refuses "
+             "loads with file: parameters")
     device_pool_bytes: int = setting(
         DEFAULT_DEVICE_POOL_BYTES, parse=int, roles=(EXECUTOR,),
         help="bytes of the memory pool reserved on each device models use, the CPU's included")
@@ -204,6 +208,10 @@ class Settings:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if self.max_tensor_elements < 1:
             raise ValueError(f"max_tensor_elements must be >= 1, got {self.max_tensor_elements}")
+        if self.max_load_files_bytes < 0:
+            raise ValueError(
+                f"max_load_files_bytes must be >= 0 (0: no file: loads), "
+                f"got {self.max_load_files_bytes}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.switch_interval_s <= 0:

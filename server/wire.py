@@ -89,6 +89,11 @@ class Link(Generic[In, Out]):
             asyncio.get_running_loop().call_soon(self._flush)
         return self._pending
 
+    @property
+    def pending_bytes(self) -> int:
+        """The size of the frame being filled (0: none), to keep a frame under MAX_FRAME_BYTES."""
+        return 0 if self._pending is None else self._pending.ByteSize()
+
     def _flush(self) -> None:
         frame, self._pending = self._pending, None
         if frame is None or self._writer.is_closing():

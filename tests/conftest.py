@@ -3,7 +3,8 @@
 The server runs on its own thread with its own event loop, as in production it runs in its own
 process; tests talk to it over real gRPC on loopback. Test models live in a temporary
 repository: ``gated`` (y = 2x, can be held by a gate so queues can be observed), ``failing``
-(raises on the value 13), ``wrongbatch`` (drops the batch dimension).
+(raises on the value 13), ``wrongbatch`` (drops the batch dimension), ``strings`` (BYTES in and
+out), among others below.
 """
 
 from __future__ import annotations
@@ -219,9 +220,58 @@ def build_model(parameters):
     return StrLen()
 '''
 
+# BYTES in and out. A batch is released when it holds 4 rows (the long delay makes requests of
+# fewer rows wait for each other, so one batch is split per request). A batch whose first element
+# names a fault returns that fault instead, which must fail the batch.
+STRINGS_CONFIG = """
+name: "strings"
+backend: "pytorch"
+max_batch_size: 4
+input [ { name: "TEXT" data_type: TYPE_STRING dims: [ 2 ] } ]
+output [
+  { name: "UPPER" data_type: TYPE_STRING dims: [ 2 ] },
+  { name: "SWAPPED" data_type: TYPE_STRING dims: [ 2 ] },
+  { name: "JOINED" data_type: TYPE_STRING dims: [ 1 ] },
+  { name: "LENGTH" data_type: TYPE_INT64 dims: [ 2 ] }
+]
+dynamic_batching { max_queue_delay_microseconds: 10000000 }
+"""
+STRINGS_MODEL = '''
+import numpy as np
+import torch
+
+
+class Strings(torch.nn.Module):
+    """UPPER: a numpy object array; SWAPPED: a list of rows, each a list of bytes; JOINED: a
+    list of str, one per row (sent as UTF-8); LENGTH: a tensor of byte lengths."""
+
+    def forward(self, text):
+        upper = np.vectorize(bytes.upper, otypes=[object])(text)
+        swapped = [[row[1], row[0]] for row in text]
+        joined = [b"+".join(row).decode("latin-1") + "\u00e9" for row in text]
+        length = torch.from_numpy(np.vectorize(len, otypes=[np.int64])(text))
+        fault = text[0, 0]
+        if fault == b"int":
+            upper[-1, 1] = 7
+        elif fault == b"float":
+            upper = torch.zeros(text.shape)
+        elif fault == b"short":
+            joined = joined[1:]
+        elif fault == b"unbatched":
+            swapped = upper.reshape(-1)
+        elif fault == b"object":
+            length = length.numpy().astype(object)
+        return upper, swapped, joined, length
+
+
+def build_model(parameters):
+    return Strings()
+'''
+
 TEST_MODELS = {
     "echo": (ECHO_CONFIG, ECHO_MODEL),
     "strlen": (STRLEN_CONFIG, STRLEN_MODEL),
+    "strings": (STRINGS_CONFIG, STRINGS_MODEL),
     "spare": (FAILING_CONFIG.replace('"failing"', '"spare"'), FAILING_MODEL),
     "gated": (GATED_CONFIG, GATED_MODEL),
     "failing": (FAILING_CONFIG, FAILING_MODEL),

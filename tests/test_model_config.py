@@ -14,6 +14,7 @@ from batcher.errors import InvalidRequest, LoadError, ModelNotFound
 from batcher.spec import NUMPY_DTYPES, QueuePolicy
 from protos import model_config_pb2
 from server.model_config import (
+    config_from_json,
     PARAMETERS,
     datatype_from_proto,
     datatype_to_proto,
@@ -548,3 +549,31 @@ async def test_names_that_are_not_plain_folders_are_refused(tmp_path, name):
     with pytest.raises(ModelNotFound):
         repository.get(name)
     assert [entry.name for entry in repository.index()] == ["m"]
+
+
+# -- a load's config parameter (JSON) --------------------------------------------------------
+
+
+def test_a_json_config_is_protobufs_json_mapping():
+    config = config_from_json(
+        '{"maxBatchSize": "16", "input": [{"name": "X", "data_type": "TYPE_FP32", "dims": [2]}],'
+        ' "dynamic_batching": {"max_queue_delay_microseconds": "100"}}')
+    assert config.max_batch_size == 16
+    assert config.input[0].data_type == model_config_pb2.TYPE_FP32
+    assert config.dynamic_batching.max_queue_delay_microseconds == 100
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"max_batch_size": 16', "is not valid JSON: Expecting ',' delimiter"),
+    ("", "is not valid JSON"),
+    ("[" * 100_000, "nested too deeply"),
+    ('"max_batch_size"', "must be a JSON object (a ModelConfig), got a JSON str"),
+    ('{"max_batch_size": "x"}', "Failed to parse max_batch_size field"),
+    ('{"input": [{"data_type": "TYPE_X"}]}', "Invalid enum value TYPE_X"),
+    ('{"nope": 1}', 'has no field named "nope"'),
+])
+def test_a_json_config_that_is_not_a_model_config_is_refused(text, message):
+    with pytest.raises(InvalidRequest, match="load parameter 'config'") as caught:
+        config_from_json(text)
+    assert message in str(caught.value)
+    assert "Available Fields" not in str(caught.value)  # one line, not protobuf's field list

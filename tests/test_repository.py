@@ -12,11 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from google.protobuf import text_format
 
 import server.repository as repository_module
 from batcher import loading
-from batcher.errors import LoadError, ModelNotFound, ModelUnavailable
+from batcher.errors import InvalidRequest, LoadError, ModelNotFound, ModelUnavailable
 from batcher.request import InferenceRequest
+from protos import model_config_pb2
+from server.load_override import LoadOverride, file_path
 from server.repository import ModelRepository
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "models"
@@ -423,3 +426,128 @@ async def test_close_unloads_everything_and_refuses_new_loads(make_harness):
     }
     with pytest.raises(ModelUnavailable, match="closing"):
         await repository.load("mlp")
+
+
+# -- loads that bring their own config and files -----------------------------------------------
+
+
+def small_config(**fields) -> model_config_pb2.ModelConfig:
+    config = model_config_pb2.ModelConfig()
+    text_format.Parse(textwrap.dedent(SMALL_CONFIG), config)
+    for key, value in fields.items():
+        setattr(config, key, value)
+    return config
+
+
+def files_of(source: str) -> dict:
+    return {file_path("1/model.py"): textwrap.dedent(source).encode()}
+
+
+async def test_a_config_override_replaces_the_config_for_that_load(closing):
+    harness = closing()
+    add_model(harness.root, "double", "1", DOUBLE_MODEL, SMALL_CONFIG)
+    repository = harness.repository
+    await repository.load("double")
+    assert repository.config("double").max_batch_size == 4
+    await repository.load("double", LoadOverride(small_config(max_batch_size=16)))
+    assert repository.config("double").max_batch_size == 16
+    assert repository.spec("double").max_batch_size == 16
+    x = np.ones((16, 3), np.float32)
+    np.testing.assert_array_equal(await infer(repository.get("double"), x), x * 2)
+    # The override was for that load: a plain reload reads config.pbtxt again.
+    await repository.load("double")
+    assert repository.config("double").max_batch_size == 4
+
+
+async def test_an_invalid_override_keeps_the_old_version_serving(closing):
+    harness = closing()
+    add_model(harness.root, "double", "1", DOUBLE_MODEL, SMALL_CONFIG)
+    repository = harness.repository
+    await repository.load("double")
+    old = repository.get("double")
+    # A config is replaced whole: max_batch_size alone declares no inputs.
+    alone = model_config_pb2.ModelConfig(max_batch_size=16)
+    with pytest.raises(LoadError, match="at least one input.*stands for the whole config.pbtxt"):
+        await repository.load("double", LoadOverride(alone))
+    with pytest.raises(InvalidRequest, match="name must be the model's name 'double'"):
+        await repository.load("double", LoadOverride(small_config(name="other")))
+    outside = small_config(default_model_filename="../../double/1/model.py")
+    with pytest.raises(LoadError, match="default_model_filename must be a file name"):
+        await repository.load("double", LoadOverride(outside))
+    assert repository.get("double") is old
+    assert repository.config("double").max_batch_size == 4
+    assert harness.entry("double").state == "READY"
+
+
+async def test_files_are_served_from_a_private_folder_removed_with_their_version(closing):
+    harness = closing()
+    repository = harness.repository
+    # No folder of that name in the repository: the files are the whole model folder.
+    await repository.load("fresh", LoadOverride(small_config(), files_of(DOUBLE_MODEL)))
+    x = np.ones((2, 3), np.float32)
+    np.testing.assert_array_equal(await infer(repository.get("fresh"), x), x * 2)
+    assert not (harness.root / "fresh").exists()  # nothing written into the repository
+    [first] = list(repository._files_root.iterdir())
+    assert (first / "fresh" / "1" / "model.py").read_bytes() == files_of(DOUBLE_MODEL)[
+        file_path("1/model.py")]
+    assert first.stat().st_mode & 0o077 == 0  # private
+
+    plus_one = DOUBLE_MODEL.replace("x * 2.0", "x + 1.0")
+    await repository.load("fresh", LoadOverride(small_config(), files_of(plus_one)))
+    np.testing.assert_array_equal(await infer(repository.get("fresh"), x), x + 1)
+    [second] = list(repository._files_root.iterdir())  # the replaced version's are gone
+    assert second != first
+
+    await repository.unload("fresh")
+    assert list(repository._files_root.iterdir()) == []
+    await repository.load("fresh", LoadOverride(small_config(), files_of(DOUBLE_MODEL)))
+    root = repository._files_root
+    await repository.close(drain_timeout_s=WAIT_S)
+    assert not root.exists()
+
+
+async def test_a_failed_files_load_keeps_the_old_version_and_leaves_no_files(closing):
+    harness = closing()
+    add_model(harness.root, "double", "1", DOUBLE_MODEL, SMALL_CONFIG)
+    repository = harness.repository
+    await repository.load("double")
+    old = repository.get("double")
+    raising = "def build_model(parameters):\n    raise ValueError('no weights')\n"
+    with pytest.raises(LoadError) as caught:
+        await repository.load("double", LoadOverride(small_config(), files_of(raising)))
+    # Named as the client sent it, not where it was written.
+    assert str(caught.value).startswith("file:1/model.py: build_model(parameters) raised")
+    assert "no weights" in str(caught.value)
+    with pytest.raises(LoadError, match="'double' failed its warm-up"):
+        await repository.load("double", LoadOverride(
+            small_config(), files_of(RAISING_FORWARD_MODEL)))
+    with pytest.raises(LoadError, match="no version folder under the load's files holds"):
+        await repository.load("double", LoadOverride(
+            small_config(), {file_path("warmup/x"): b""}))
+    assert repository.get("double") is old
+    assert list(repository._files_root.iterdir()) == []
+    entry = harness.entry("double")
+    assert entry.state == "READY" and "reload failed" in entry.reason
+
+
+@pytest.mark.parametrize("path", [
+    "", "/1/model.py", "1", "1/", "1//model.py", "1/./model.py", "1/../../x", "../x",
+    "config.pbtxt", "labels.txt", "01/model.py", "0/model.py", "x/model.py", "1\\model.py",
+    "1/a\x00b", "1/" + "a" * 256,
+])
+def test_file_paths_stay_inside_the_version_and_warmup_folders(path):
+    with pytest.raises(InvalidRequest, match="inside the model folder"):
+        file_path(path)
+
+
+def test_file_paths_that_are_accepted():
+    assert file_path("1/model.py") == Path("1/model.py")
+    assert file_path("12/sub/weights.bin").parts == ("12", "sub", "weights.bin")
+    assert file_path("warmup/input0").parts == ("warmup", "input0")
+
+
+def test_a_load_override_is_checked_whole():
+    with pytest.raises(InvalidRequest, match="need its config too"):
+        LoadOverride(None, files_of(DOUBLE_MODEL))
+    with pytest.raises(InvalidRequest, match="'1/a' of the load is also a folder of '1/a/b'"):
+        LoadOverride(small_config(), {file_path("1/a"): b"", file_path("1/a/b"): b""})

@@ -221,6 +221,9 @@ def test_admin_rpcs_need_the_admin_token(secured):
                              (inferer, grpc.StatusCode.PERMISSION_DENIED)):
             assert code_of(lambda: client.unload_model("spare")) is code
             assert code_of(lambda: client.load_model("spare")) is code
+            # A load that brings its own files needs the admin token as any other does.
+            assert code_of(lambda: client.load_model(
+                "spare", config="{}", files={"1/model.py": b"raise SystemExit"})) is code
             assert code_of(lambda: client.repository_index()) is code
         with pytest.raises(BatchgateError) as err:
             anonymous.unload_model("spare")

@@ -38,6 +38,7 @@ INFER_TOKEN = "infer-" + "b" * 26
 MAX_MESSAGE = 1 << 20
 MAX_REQUEST = 8192
 MAX_ELEMENTS = 4096
+MAX_LOAD_FILES = 2048
 POOL_BYTES = 4096
 ARENA_BYTES = 96 << 20
 DRAIN_S = 7.0
@@ -85,6 +86,7 @@ CHECKED = {
     "--grpc-port": "listens on the port given",
     "--metrics-port": "serves /metrics on the port given",
     "--model-repository": "serves that repository's models",
+    "--max-load-files-bytes": "a load bringing more file: bytes is RESOURCE_EXHAUSTED, naming it",
     "--max-message-bytes": "a larger message is RESOURCE_EXHAUSTED",
     "--max-request-bytes": "larger inputs are RESOURCE_EXHAUSTED, naming the flag",
     "--max-tensor-elements": "a larger tensor is RESOURCE_EXHAUSTED, naming the flag",
@@ -187,7 +189,8 @@ def running(request, tmp_path_factory, pki):
         "serve", *processes, "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
         "--metrics-port", str(metrics_port), "--model-repository", str(models),
         "--max-message-bytes", str(MAX_MESSAGE), "--max-request-bytes", str(MAX_REQUEST),
-        "--max-tensor-elements", str(MAX_ELEMENTS), "--no-reflection",
+        "--max-tensor-elements", str(MAX_ELEMENTS), "--max-load-files-bytes",
+        str(MAX_LOAD_FILES), "--no-reflection",
         "--tls-cert", str(pki["server_cert"]), "--tls-key", str(pki["server_key"]),
         "--tls-client-ca", str(pki["ca"]), "--admin-token-file", str(root / "admin"),
         "--infer-token-file", str(root / "infer"), "--device-pool-bytes", str(POOL_BYTES),
@@ -247,6 +250,15 @@ def test_the_limits(running):
             client.infer("vec", {"X": np.zeros((2, MAX_ELEMENTS // 2 + 1), np.float32)})
         assert info.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
         assert f"--max-tensor-elements {MAX_ELEMENTS}" in str(info.value)
+    with running.client(token=ADMIN_TOKEN) as admin:
+        config = ('{"max_batch_size": 8, "input": [{"name": "X", "data_type": "TYPE_FP32", '
+                  '"dims": [-1]}], "output": [{"name": "Y", "data_type": "TYPE_FP32", '
+                  '"dims": [-1]}]}')
+        with pytest.raises(BatchgateError) as info:
+            admin.load_model("vec", config=config,
+                             files={"1/model.py": b"#" * (MAX_LOAD_FILES + 1)})
+        assert info.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"--max-load-files-bytes {MAX_LOAD_FILES}" in str(info.value)
 
 
 def test_the_security_flags(running):

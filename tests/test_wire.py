@@ -171,3 +171,39 @@ async def test_a_front_end_link_reads_what_the_executor_writes() -> None:
         assert link.closed
     finally:
         listener.close()
+
+
+@pytest.mark.asyncio
+async def test_a_front_end_keeps_its_frames_under_the_limit_for_large_calls(monkeypatch) -> None:
+    """A RepositoryModelLoad that brings files can be large: two that would pass the frame
+    limit together go in two frames, and one too large alone is refused (RESOURCE_EXHAUSTED,
+    as the native front end refuses it) instead of breaking the link for every request on it."""
+    from batcher.errors import ResourceExhausted
+    from protos import inference_pb2 as pb
+    from server.remote import RemoteRepository
+
+    monkeypatch.setattr(wire, "MAX_FRAME_BYTES", 64 * 1024)
+    name = _name()
+    executor = _Executor()
+    server = await wire.serve_frontends(name, executor.handle)
+    repository = RemoteRepository(None, (0, 4096), 0, name)
+    link = repository._link = await wire.connect_to_executor(name)
+
+    def load(nbytes: int) -> pb.RepositoryModelLoadRequest:
+        request = pb.RepositoryModelLoadRequest(model_name="m")
+        request.parameters["config"].string_param = "{}"
+        request.parameters["file:1/model.py"].bytes_param = b"#" * nbytes
+        return request
+
+    calls = [asyncio.ensure_future(repository.load(load(40 * 1024))) for _ in range(2)]
+    try:
+        await executor.wait_frames(2)
+        assert [len(frame.call) for frame in executor.frames] == [1, 1]
+        assert executor.error is None and not link.closed
+        with pytest.raises(ResourceExhausted, match="larger than the 65536 bytes a front end"):
+            await repository.load(load(64 * 1024))
+    finally:
+        for call in calls:
+            call.cancel()
+        link.close()
+        server.close()
