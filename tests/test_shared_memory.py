@@ -608,3 +608,47 @@ def test_unregistering_releases_the_mapping_and_the_descriptor(shm_server):
             gc.enable()
     finally:
         region.close()
+
+
+def _decode_bytes(data: bytes, count: int) -> list[bytes]:
+    items, at = [], 0
+    for _ in range(count):
+        length = int.from_bytes(data[at:at + 4], "little")
+        items.append(data[at + 4:at + 4 + length])
+        at += 4 + length
+    return items
+
+
+def test_bytes_outputs_of_a_shared_batch_go_into_the_region_row_for_row(shm_server):
+    # "strings" batches up to 4 rows and waits for them: two requests of 2 rows share a batch.
+    region = Region(4096)
+    stub = _stub(shm_server.address)
+
+    def request(words, placed):
+        r = pb.ModelInferRequest(model_name="strings")
+        t = r.inputs.add(name="TEXT", datatype="BYTES", shape=[2, 2])
+        t.contents.bytes_contents.extend(words)
+        for name, offset in (("UPPER", 0), ("SWAPPED", 512)):
+            out = r.outputs.add(name=name)
+            if placed:
+                out.parameters["shared_memory_region"].string_param = "bytes-out"
+                out.parameters["shared_memory_offset"].int64_param = offset
+                out.parameters["shared_memory_byte_size"].int64_param = 512
+        return r
+
+    try:
+        stub.SystemSharedMemoryRegister(pb.SystemSharedMemoryRegisterRequest(
+            name="bytes-out", key=region.key, byte_size=4096), timeout=30)
+        plain = stub.ModelInfer.future(request([b"a", b"b", b"c", b"d"], False), timeout=60)
+        placed = stub.ModelInfer.future(request([b"ef", b"gh", b"ij", b"kl"], True), timeout=60)
+        reply = placed.result()
+        assert [list(o.shape) for o in reply.outputs] == [[2, 2], [2, 2]]
+        assert reply.raw_output_contents == [b"", b""]
+        assert _decode_bytes(region.map[:512], 4) == [b"EF", b"GH", b"IJ", b"KL"]
+        assert _decode_bytes(region.map[512:1024], 4) == [b"gh", b"ef", b"kl", b"ij"]
+        neighbour = plain.result()
+        assert _decode_bytes(neighbour.raw_output_contents[0], 4) == [b"A", b"B", b"C", b"D"]
+        assert _decode_bytes(neighbour.raw_output_contents[1], 4) == [b"b", b"a", b"d", b"c"]
+    finally:
+        region.close()
+        stub.SystemSharedMemoryUnregister(pb.SystemSharedMemoryUnregisterRequest(), timeout=30)
