@@ -64,7 +64,7 @@ from batcher.errors import (
 from batcher.request import InferenceRequest
 from batcher.spec import ModelSpec, TensorSpec
 from batcher.staging import InputStager, Staged
-from batcher.tensors import TORCH_DTYPES, bytes_tensor, host_array, to_numpy, to_torch
+from batcher.tensors import TORCH_DTYPES, bytes_tensor, host_array, host_input, to_numpy, to_torch
 from batcher.watchdog import ExecutionTimeout, TimedRunner, TooManyHungCalls
 
 log = structlog.get_logger(__name__)
@@ -378,6 +378,9 @@ class Executor:
             torch.cuda.set_device(self._device)
         try:
             while True:
+                # The last batch's requests are not kept alive while the next is awaited (their
+                # inputs may map a client's shared memory that is to be unmapped).
+                taken = batch = None
                 slot = self._free_slots.get()
                 taken = self._next_batch(self._busy)
                 if taken is None:
@@ -401,6 +404,7 @@ class Executor:
         self._configure_thread()
         try:
             while True:
+                taken = batch = None  # as in _assemble_loop
                 slot = self._free_slots.get()
                 taken = self._next_batch(None)
                 if taken is None:
@@ -446,6 +450,7 @@ class Executor:
                 self._compute(batch)
                 if not self._cuda:
                     self._retire()
+                batch = None  # as in _assemble_loop
         except InstanceDead as exc:
             self._die(str(exc), None)
         except BaseException as exc:
@@ -461,6 +466,7 @@ class Executor:
         while (item := self._finishing.get()) is not None:
             self._complete(*item)
             self._retire()
+            item = None  # as in _assemble_loop
 
     def _retire(self) -> None:
         with self._running_lock:
@@ -525,6 +531,8 @@ class Executor:
         """Each request's rows into the slot's buffers, from its staged blocks if it has them."""
         slot, offset, staged_count = batch.slot, 0, 0
         for request in batch.requests:
+            if request.check_inputs is not None:
+                _check_inputs(request)
             rows = request.batch_size
             where = slice(offset, offset + rows) if self._batching else slice(None)
             staged = self._stager.claim(request) if self._stager is not None else None
@@ -537,7 +545,7 @@ class Executor:
                     buffer[where].copy_(block.tensor, non_blocking=self._cuda)
             elif slot.host is not None:
                 for target, array in zip(slot.host, request.inputs):
-                    np.copyto(target[where], array)
+                    np.copyto(target[where], host_input(array))
             else:
                 for buffer, array, datatype in zip(slot.inputs, request.inputs,
                                                    self._input_types):
@@ -548,13 +556,17 @@ class Executor:
 
     def _concatenate(self, batch: Batch) -> None:
         requests = batch.requests
+        for request in requests:
+            if request.check_inputs is not None:
+                _check_inputs(request)
         if len(requests) == 1:
             # Decoded inputs are read-only views of the request's bytes; a model may write to
             # its inputs, so it gets its own copy (concatenation makes one anyway).
-            arrays = [a if a.flags.writeable else a.copy() for a in requests[0].inputs]
+            arrays = [a if a.flags.writeable else a.copy()
+                      for a in map(host_input, requests[0].inputs)]
         else:
             arrays = [
-                np.concatenate([r.inputs[i] for r in requests])
+                np.concatenate([host_input(r.inputs[i]) for r in requests])
                 for i in range(len(self._input_types))
             ]
         tensors = [to_torch(a, t) for a, t in zip(arrays, self._input_types)]
@@ -869,3 +881,17 @@ class Executor:
             results.append({name: array[start:stop] for name, array in zip(names, host)})
             start = stop
         return results
+
+
+def _check_inputs(request: InferenceRequest) -> None:
+    """Run the request's check right before its inputs are read; when it fails, the request
+    is answered with that error and the batch reads zeros in its place (never its memory)."""
+    try:
+        request.check_inputs()
+    except BatchgateError as exc:
+        request.input_error = exc
+        request.inputs = [
+            torch.zeros_like(a) if isinstance(a, torch.Tensor)
+            else np.full(a.shape, b"", dtype=object) if a.dtype == object
+            else np.zeros(a.shape, a.dtype)
+            for a in request.inputs]

@@ -154,6 +154,11 @@ class InputStager:
                 log.exception("staging_failed", model=self._name, request=request.id)
 
     def _stage(self, request: InferenceRequest) -> None:
+        if request.check_inputs is not None or any(
+                isinstance(a, torch.Tensor) for a in request.inputs):
+            # In a client's shared memory: the batch copies them itself, right after checking
+            # they can still be read (a tensor on a device needs no staging).
+            return
         with self._lock:
             if request.state != QUEUED or request in self._staged:
                 return

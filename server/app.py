@@ -26,6 +26,7 @@ from server.logs import runtime_facts
 from server.metrics import ServerMetrics
 from server.repository import ModelRepository
 from server.service import InferenceService
+from server.shared_memory import SharedMemoryRegistry
 from server.settings import DEFAULT_REPOSITORY, Settings  # noqa: F401 (re-exported)
 
 log = structlog.get_logger(__name__)
@@ -64,7 +65,12 @@ class Gateway:
                                max_tensor_elements=settings.max_tensor_elements)
         control = (ControlPlane(repository, max_load_files_bytes=settings.max_load_files_bytes)
                    if not self._remote else repository)
-        self.service = InferenceService(self.repository, self.metrics, limits, control)
+        # Registrations live where the models run: here, or in the executor process.
+        self.shared_memory = (SharedMemoryRegistry(settings.shared_memory)
+                              if not self._remote else None)
+        self.service = InferenceService(self.repository, self.metrics, limits, control,
+                                        shared_memory=settings.shared_memory,
+                                        registry=self.shared_memory)
         self.grpc_port = 0
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
@@ -125,6 +131,8 @@ class Gateway:
         await self.repository.close(grace)
         if self._server is not None:
             await self._server.stop(grace)
+        if self.shared_memory is not None:
+            self.shared_memory.close()
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()

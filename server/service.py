@@ -18,14 +18,22 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
-from batcher.errors import BatchgateError, ModelUnavailable
+from batcher.errors import BatchgateError, ModelUnavailable, NotSupported
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
-from server import SERVER_EXTENSIONS, __version__
-from server.codec import DEFAULT_LIMITS, RequestLimits, decode_request, deadline_from, encode_outputs
+from server import __version__, server_extensions
+from server.codec import (
+    DEFAULT_LIMITS,
+    PlacedRequest,
+    RequestLimits,
+    decode_request,
+    deadline_from,
+    encode_outputs,
+)
 from server.control import ControlPlane
 from server.errors import status_of
 from server.metrics import ServerMetrics
+from server.shared_memory import OFF_MESSAGE
 
 log = structlog.get_logger(__name__)
 
@@ -33,19 +41,23 @@ log = structlog.get_logger(__name__)
 MAX_LABELLED_COUNTERS = 4096
 
 _END_OF_STREAM = object()
-SHARED_MEMORY_MESSAGE = (
-    "shared-memory tensors are not supported by this server yet; send tensors in "
-    "raw_input_contents"
-)
 
 
 class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, repository, metrics: ServerMetrics,
-                 limits: RequestLimits = DEFAULT_LIMITS, control=None) -> None:
+                 limits: RequestLimits = DEFAULT_LIMITS, control=None, *,
+                 shared_memory: bool = False, registry=None) -> None:
         """``control``: what answers the control RPCs (default: ``ControlPlane(repository)``;
-        a front end's ``RemoteRepository`` forwards them)."""
+        a front end's ``RemoteRepository`` forwards them). ``shared_memory``: whether
+        shared-memory tensors are served (``--shared-memory``); ``registry``: the
+        ``SharedMemoryRegistry`` of a single-process server, which maps regions here (None: the
+        ``control`` forwards the registration RPCs, and requests carry their placements)."""
         self._repository = repository
         self._control = control if control is not None else ControlPlane(repository)
+        self._shared_memory = shared_memory
+        self._registry = registry
+        self._regions = registry if registry is not None else self._control
+        self._extensions = server_extensions(shared_memory)
         self._metrics = metrics
         self._limits = limits
         self._ready = False
@@ -82,7 +94,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ServerMetadata(self, request, context):
         return pb.ServerMetadataResponse(
-            name="batchgate", version=__version__, extensions=SERVER_EXTENSIONS
+            name="batchgate", version=__version__, extensions=self._extensions
         )
 
     async def ModelMetadata(self, request, context):
@@ -144,8 +156,13 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
             raise ModelUnavailable("the server is shutting down; retry on another replica")
         model = self._repository.get(request.model_name, request.model_version)
         spec = model.spec
-        decoded = decode_request(request, spec, deadline=deadline, limits=self._limits)
-        outputs = await model.infer(decoded)
+        decoded = decode_request(request, spec, deadline=deadline, limits=self._limits,
+                                 shared_memory=self._shared_memory)
+        if type(decoded) is PlacedRequest and self._registry is not None:
+            self._registry.attach(decoded, spec)
+            outputs = self._registry.place_outputs(decoded, spec, await model.infer(decoded))
+        else:
+            outputs = await model.infer(decoded)
         response = pb.ModelInferResponse(
             model_name=spec.name, model_version=spec.version, id=request.id
         )
@@ -212,17 +229,35 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         except Exception as exc:
             return await _fail(context, exc)
 
+    # -- shared memory: the registrations live where the models run ---------------------------
+
+    async def _regions_call(self, method: str, request, context):
+        try:
+            if not self._shared_memory:
+                raise NotSupported(OFF_MESSAGE)
+            return await getattr(self._regions, method)(request)
+        except Exception as exc:
+            return await _fail(context, exc)
+
+    async def SystemSharedMemoryStatus(self, request, context):
+        return await self._regions_call("system_status", request, context)
+
+    async def SystemSharedMemoryRegister(self, request, context):
+        return await self._regions_call("system_register", request, context)
+
+    async def SystemSharedMemoryUnregister(self, request, context):
+        return await self._regions_call("system_unregister", request, context)
+
+    async def CudaSharedMemoryStatus(self, request, context):
+        return await self._regions_call("cuda_status", request, context)
+
+    async def CudaSharedMemoryRegister(self, request, context):
+        return await self._regions_call("cuda_register", request, context)
+
+    async def CudaSharedMemoryUnregister(self, request, context):
+        return await self._regions_call("cuda_unregister", request, context)
+
     # -- not provided ------------------------------------------------------------------------
-
-    async def _unsupported(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, SHARED_MEMORY_MESSAGE)
-
-    SystemSharedMemoryStatus = _unsupported
-    SystemSharedMemoryRegister = _unsupported
-    SystemSharedMemoryUnregister = _unsupported
-    CudaSharedMemoryStatus = _unsupported
-    CudaSharedMemoryRegister = _unsupported
-    CudaSharedMemoryUnregister = _unsupported
 
     async def TraceSetting(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "tracing is not supported by this server")

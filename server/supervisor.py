@@ -50,7 +50,7 @@ import structlog
 
 from batcher.arena import ArenaLayout, SharedArena
 from batcher.metrics import SECONDS_BUCKETS
-from server import SERVER_EXTENSIONS, __version__, native
+from server import __version__, native, server_extensions
 from server.multiproc_metrics import MultiProcessMetrics
 from server.settings import EXECUTOR, FRONTEND, TOKEN_ENV
 
@@ -510,7 +510,8 @@ class Supervisor:
             "role": FRONTEND, "slot": slot, **self._arena_fields(),
             "input_region": [offset, size], "executor_socket": self.socket_name,
             "metrics_socket": self._metrics_socket(slot), "grpc_port": self.grpc_port,
-            "version": __version__, "extensions": list(SERVER_EXTENSIONS),
+            "version": __version__,
+            "extensions": list(server_extensions(self.settings.shared_memory)),
             "seconds_buckets": list(SECONDS_BUCKETS),
             "settings": self._settings_for(FRONTEND),
         })
