@@ -16,8 +16,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import inference_pb2_grpc
-from tests.conftest import (EXAMPLE_MODELS, ROOT, SERVER_MODES, ServeProcess, native_or_skip, poll,
-                            start_in_mode)
+from tests.conftest import (EXAMPLE_MODELS, ROOT, SERVER_MODES, TEST_MODELS, RunningServer,
+                            ServeProcess, native_or_skip, poll, start_in_mode)
 from tests.test_server import infer_request
 
 
@@ -152,3 +152,52 @@ def test_sigterm_amid_arriving_requests_answers_every_one(mlp_only, mode):
         assert set(codes) <= {"OK", "UNAVAILABLE"}, rounds
         # Each client sent until refused: the drain overlapped every client's requests.
         assert codes["UNAVAILABLE"] == BURST, rounds
+
+
+@pytest.fixture
+def gated_only(tmp_path, gate):
+    """A repository of the ``gated`` test model alone."""
+    config, model = TEST_MODELS["gated"]
+    (tmp_path / "gated" / "1").mkdir(parents=True)
+    (tmp_path / "gated" / "config.pbtxt").write_text(
+        textwrap.dedent(config).replace("GATE_DIR", str(gate.dir)))
+    (tmp_path / "gated" / "1" / "model.py").write_text(model)
+    return tmp_path
+
+
+@pytest.mark.parametrize("mode", SERVER_MODES)
+def test_requests_left_at_the_drain_timeout_get_unavailable(gated_only, gate, mode):
+    """A batch that outlives --drain-timeout-s and the request queued behind it are answered
+    UNAVAILABLE (retryable), not cancelled, and the server still exits 0."""
+    if mode == "native":
+        native_or_skip()
+    server = ServeProcess(
+        "serve", *MODE_FLAGS[mode], "--host", "127.0.0.1", "--grpc-port", "0",
+        "--metrics-port", "0", "--model-repository", str(gated_only),
+        "--drain-timeout-s", "1", "--log-format", "json", "--no-gc-freeze")
+    try:
+        listening = server.wait_for("listening")
+        server.wait_for("serving")
+        metrics = RunningServer(mode, listening["grpc_port"], listening["metrics_port"], gate,
+                                stop=None)
+        with grpc.insecure_channel(metrics.address) as channel:
+            stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
+            gate.close()
+            x = lambda v: infer_request("gated", {"INPUT__0": np.full((1, 2), v, np.float32)})
+            running = stub.ModelInfer.future(x(1))
+            gate.wait_entered()
+            queued = stub.ModelInfer.future(x(2))
+            poll(lambda: metrics.queue_depth("gated") == 1, what="request queued")
+            server.proc.send_signal(signal.SIGTERM)
+            codes = []
+            for call in (running, queued):
+                with pytest.raises(grpc.RpcError) as err:
+                    call.result(30)
+                codes.append(err.value.code())
+            assert codes == [grpc.StatusCode.UNAVAILABLE] * 2
+        gate.open()
+        assert server.proc.wait(30) == 0
+    finally:
+        gate.open()
+        if server.proc.poll() is None:
+            server.proc.kill()
