@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import queue
 import shutil
 import signal
 import subprocess
@@ -107,6 +108,14 @@ MODE_FLAGS = {
 }
 
 
+def serve(mode: str, repository, *flags: str) -> ServeProcess:
+    """``batchgate serve`` in ``mode`` as its own process, every port chosen by the system."""
+    return ServeProcess(
+        "serve", *MODE_FLAGS[mode], "--host", "127.0.0.1", "--grpc-port", "0",
+        "--metrics-port", "0", "--model-repository", str(repository), "--log-format", "json",
+        "--no-gc-freeze", *flags)
+
+
 @pytest.fixture
 def mlp_only(tmp_path):
     """A repository of the example mlp alone: each round starts a server, quickly."""
@@ -128,10 +137,7 @@ def test_sigterm_amid_arriving_requests_answers_every_one(mlp_only, mode):
     rounds = []
     try:
         for _ in range(DRAIN_ROUNDS):
-            server = ServeProcess(
-                "serve", *MODE_FLAGS[mode], "--host", "127.0.0.1", "--grpc-port", "0",
-                "--model-repository", str(mlp_only), "--drain-timeout-s", "10",
-                "--log-format", "json", "--no-gc-freeze")
+            server = serve(mode, mlp_only, "--drain-timeout-s", "10")
             try:
                 port = server.wait_for("listening")["grpc_port"]
                 server.wait_for("serving")
@@ -154,6 +160,36 @@ def test_sigterm_amid_arriving_requests_answers_every_one(mlp_only, mode):
         assert codes["UNAVAILABLE"] == BURST, rounds
 
 
+@pytest.mark.parametrize("mode", SERVER_MODES)
+def test_drain_ends_open_streams_with_unavailable(mlp_only, mode):
+    """A stream left open by its client ends with UNAVAILABLE once the drain shuts down, not
+    when gRPC cancels what is left at the end of the grace."""
+    if mode == "native":
+        native_or_skip()
+    server = serve(mode, mlp_only, "--drain-timeout-s", "10")
+    try:
+        port = server.wait_for("listening")["grpc_port"]
+        server.wait_for("serving")
+        x = infer_request("mlp", {"INPUT__0": np.zeros((1, 512), np.float32)})
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
+            requests: queue.Queue = queue.Queue()
+            open_stream = stub.ModelStreamInfer(iter(requests.get, None), timeout=60)
+            requests.put(x)
+            assert not next(open_stream).error_message
+            server.proc.send_signal(signal.SIGTERM)
+            with pytest.raises(grpc.RpcError) as err:
+                next(open_stream)
+            # Ours, not gRPC's "Cancelling all calls" at the end of the grace.
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "shutting down" in err.value.details()
+            requests.put(None)
+        assert server.proc.wait(30) == 0
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+
+
 @pytest.fixture
 def gated_only(tmp_path, gate):
     """A repository of the ``gated`` test model alone."""
@@ -171,10 +207,7 @@ def test_requests_left_at_the_drain_timeout_get_unavailable(gated_only, gate, mo
     UNAVAILABLE (retryable), not cancelled, and the server still exits 0."""
     if mode == "native":
         native_or_skip()
-    server = ServeProcess(
-        "serve", *MODE_FLAGS[mode], "--host", "127.0.0.1", "--grpc-port", "0",
-        "--metrics-port", "0", "--model-repository", str(gated_only),
-        "--drain-timeout-s", "1", "--log-format", "json", "--no-gc-freeze")
+    server = serve(mode, gated_only, "--drain-timeout-s", "1")
     try:
         listening = server.wait_for("listening")
         server.wait_for("serving")
