@@ -31,6 +31,7 @@ from server.codec import (
     encode_outputs,
 )
 from server.control import ControlPlane
+from server.drain import DrainGate
 from server.errors import status_of
 from server.metrics import ServerMetrics
 from server.shared_memory import OFF_MESSAGE
@@ -41,6 +42,7 @@ log = structlog.get_logger(__name__)
 MAX_LABELLED_COUNTERS = 4096
 
 _END_OF_STREAM = object()
+SHUTTING_DOWN_MESSAGE = "the server is shutting down; retry on another replica"
 
 
 class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
@@ -61,7 +63,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         self._metrics = metrics
         self._limits = limits
         self._ready = False
-        self._draining = False
+        self.drain = DrainGate()
         self._status_counters: dict[tuple[str, grpc.StatusCode], object] = {}
         self._latency: dict[str, object] = {}
 
@@ -69,11 +71,11 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         self._ready = ready
 
     def start_draining(self) -> None:
-        self._draining = True
+        self.drain.start()
 
     @property
     def draining(self) -> bool:
-        return self._draining
+        return self.drain.draining
 
     # -- health and metadata ---------------------------------------------------------------
 
@@ -81,7 +83,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         return pb.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request, context):
-        return pb.ServerReadyResponse(ready=self._ready and not self._draining)
+        return pb.ServerReadyResponse(ready=self._ready and not self.drain.draining)
 
     async def ModelReady(self, request, context):
         try:
@@ -90,7 +92,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
             return pb.ModelReadyResponse(ready=False)
         except Exception as exc:
             return await _fail(context, exc)
-        return pb.ModelReadyResponse(ready=model.ready and not self._draining)
+        return pb.ModelReadyResponse(ready=model.ready and not self.drain.draining)
 
     async def ServerMetadata(self, request, context):
         return pb.ServerMetadataResponse(
@@ -152,8 +154,9 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         return response
 
     async def _infer(self, request: pb.ModelInferRequest, deadline: float | None):
-        if self._draining:
-            raise ModelUnavailable("the server is shutting down; retry on another replica")
+        if self.drain.draining:
+            await self.drain.refuse()  # parked while the drain parks calls (server/drain.py)
+            raise ModelUnavailable(SHUTTING_DOWN_MESSAGE)
         model = self._repository.get(request.model_name, request.model_version)
         spec = model.spec
         decoded = decode_request(request, spec, deadline=deadline, limits=self._limits,
@@ -169,10 +172,16 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         return encode_outputs(response, spec, outputs, decoded.requested_outputs)
 
     async def ModelStreamInfer(self, request_iterator, context) -> AsyncIterator:
-        """Answers in completion order; an error answers its own request and keeps the stream."""
+        """Answers in completion order; an error answers its own request and keeps the stream.
+        The drain ends the stream, once its answers are written, with UNAVAILABLE."""
+        drain = self.drain
+        if drain.streams_ended:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN_MESSAGE)
         answers: asyncio.Queue = asyncio.Queue()
         pending: set[asyncio.Task] = set()
         deadline = deadline_from(context.time_remaining())
+        reading = True
+        ended_by_drain = False
 
         async def answer(request: pb.ModelInferRequest) -> None:
             started = time.monotonic()
@@ -189,21 +198,40 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
             answers.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
 
         async def read() -> None:
+            nonlocal reading
             try:
-                async for request in request_iterator:
-                    task = asyncio.create_task(answer(request))
-                    pending.add(task)
-                    task.add_done_callback(pending.discard)
+                try:
+                    async for request in request_iterator:
+                        task = asyncio.create_task(answer(request))
+                        pending.add(task)
+                        task.add_done_callback(pending.discard)
+                except asyncio.CancelledError:
+                    if not ended_by_drain:
+                        raise
+                reading = False
                 if pending:
                     await asyncio.gather(*pending, return_exceptions=True)
             finally:
                 answers.put_nowait(_END_OF_STREAM)
 
+        def end_for_drain() -> None:
+            nonlocal ended_by_drain
+            if reading:  # a client that half-closed gets its answers and OK
+                ended_by_drain = True
+                reader.cancel()
+
         reader = asyncio.create_task(read())
+        drain.watch_stream(end_for_drain)
         try:
             while (item := await answers.get()) is not _END_OF_STREAM:
                 yield item
+            if ended_by_drain:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN_MESSAGE)
+            # While the drain parks calls, a client waits for its stream's end instead of
+            # opening the next stream into the shutdown.
+            await drain.hold()
         finally:
+            drain.forget_stream(end_for_drain)
             # The client went away (or the stream broke): queued requests leave their queues.
             reader.cancel()
             for task in list(pending):
