@@ -383,9 +383,10 @@ grpc::Status DecodeRequest(const ModelInferRequest& request, const ModelState& m
   const int n_raw = request.raw_input_contents_size();
   if (n_raw != 0 && n_raw != n_inputs - n_placed) {
     return Invalid("model '" + name + "': " + std::to_string(n_raw) + " raw_input_contents for " +
-                   std::to_string(n_inputs - n_placed) +
-                   " inputs; send one raw buffer per input that is not in shared memory, in the "
-                   "order of 'inputs'");
+                   std::to_string(n_inputs - n_placed) + " inputs; " +
+                   (n_placed > 0 ? "send one raw buffer per input that is not in shared memory, "
+                                   "in the order of 'inputs'"
+                                 : "send one raw buffer per input, in the order of 'inputs'"));
   }
   const bool raw = n_raw != 0;
   const bool batching = model.batching();

@@ -473,6 +473,13 @@ void TestSharedMemoryDecode() {
   CHECK_EQ(decode(r, &decoded).error_message(),
            std::string(SHM_RAW_COUNT_MESSAGE));
 
+  // Without shared-memory inputs, the message of before.
+  r = PlacedPairRequest();
+  r.mutable_inputs(0)->clear_parameters();
+  CHECK_EQ(decode(r, &decoded).error_message(),
+           std::string("model 'pair': 1 raw_input_contents for 2 inputs; send one raw buffer per "
+                       "input, in the order of 'inputs'"));
+
   // The byte size must be the shape's.
   r = PlacedPairRequest();
   (*r.mutable_inputs(0)->mutable_parameters())["shared_memory_byte_size"].set_int64_param(20);
