@@ -487,7 +487,9 @@ grpc::Status DecodeRequest(const ModelInferRequest& request, const ModelState& m
     }
     decoded->outputs.push_back(found->second);
     if (HasSharedMemoryParameters(output.parameters())) {
-      if (!shared_memory) return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, kSharedMemoryOffMessage);
+      if (!shared_memory) {
+        return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, kSharedMemoryOffMessage);
+      }
       if (!any_placed) {
         decoded->placements.resize(decoded->outputs.size() - 1);
         any_placed = true;

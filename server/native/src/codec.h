@@ -63,17 +63,16 @@ grpc::Status DecodeRequest(const inference::ModelInferRequest& request, const Mo
                            DecodedRequest* decoded);
 
 // Writes input `plan` (not `placed`) of `request` (model input `spec`) into `destination`,
-// plan.nbytes long:
-// raw bytes as they are, typed contents converted to little-endian raw bytes, BYTES contents
-// as 4-byte little-endian lengths each followed by its bytes.
+// plan.nbytes long: raw bytes as they are, typed contents converted to little-endian raw bytes,
+// BYTES contents as 4-byte little-endian lengths each followed by its bytes.
 void WriteInput(const inference::ModelInferRequest& request, const InputPlan& plan,
                 const TensorInfo& spec, uint8_t* destination);
 
 // The serialized reply to a request answered with `result`: a ModelInferResponse (a
 // ModelStreamInferResponse holding it, with `for_stream`), each output's bytes copied once,
 // from the arena into the reply; an output the executor wrote into the client's region
-// (Output.placed) has its metadata in the reply and an empty raw_output_contents entry. False, with `problem` for the
-// log, when the result does not fit the request (an executor bug).
+// (Output.placed) has its metadata in the reply and an empty raw_output_contents entry. False,
+// with `problem` for the log, when the result does not fit the request (an executor bug).
 bool EncodeResponse(const ModelState& model, const std::string& id,
                     const std::vector<uint32_t>& requested, const wire::Result& result,
                     const Arena& arena, bool for_stream, grpc::ByteBuffer* reply,

@@ -383,6 +383,18 @@ void TestDecode() {
   "model 'pair': output 'OUT_BYTES': parameter 'shared_memory_byte_size' must be an integer, " \
   "got double_param"
 
+inference::InferParameter Int64Parameter(int64_t value) {
+  inference::InferParameter p;
+  p.set_int64_param(value);
+  return p;
+}
+
+inference::InferParameter StringParameter(const std::string& value) {
+  inference::InferParameter p;
+  p.set_string_param(value);
+  return p;
+}
+
 // A model of two inputs, FP32 [3] and BYTES [-1], and their two outputs; max_batch_size 4.
 std::shared_ptr<const ModelState> PairModel() {
   batchgate::wire::ModelState wire;
@@ -491,12 +503,9 @@ void TestSharedMemoryDecode() {
     inference::InferParameter value;
     const char* message;
   } bad[] = {
-      {"shared_memory_region", [] { inference::InferParameter p; p.set_int64_param(1); return p; }(),
-       SHM_REGION_TYPE_MESSAGE},
-      {"shared_memory_byte_size", [] { inference::InferParameter p; p.set_string_param("24"); return p; }(),
-       SHM_SIZE_TYPE_MESSAGE},
-      {"shared_memory_offset", [] { inference::InferParameter p; p.set_int64_param(-1); return p; }(),
-       SHM_OFFSET_NEGATIVE_MESSAGE},
+      {"shared_memory_region", Int64Parameter(1), SHM_REGION_TYPE_MESSAGE},
+      {"shared_memory_byte_size", StringParameter("24"), SHM_SIZE_TYPE_MESSAGE},
+      {"shared_memory_offset", Int64Parameter(-1), SHM_OFFSET_NEGATIVE_MESSAGE},
   };
   for (const auto& b : bad) {
     r = PlacedPairRequest();
