@@ -503,9 +503,25 @@ def test_shared_memory_off_is_answered_with_the_python_message(server):
     assert answers == [("UNIMPLEMENTED", OFF_MESSAGE)] * len(calls)
 
 
+def random_shared_memory(rng: random.Random, parameters) -> None:
+    """Some of the three shared-memory parameters, each of a type and value drawn at random."""
+    choices = {
+        "region": [("string_param", IN_REGION), ("string_param", OUT_REGION),
+                   ("string_param", "nope"), ("int64_param", 1)],
+        "offset": [("int64_param", 0), ("int64_param", 64), ("int64_param", -1),
+                   ("uint64_param", 5000), ("string_param", "0")],
+        "byte_size": [("int64_param", 12), ("int64_param", 2048), ("uint64_param", 8),
+                      ("int64_param", -4), ("double_param", 8.0)],
+    }
+    for key, values in choices.items():
+        if rng.random() < 0.8:
+            field, value = rng.choice(values)
+            setattr(parameters[f"shared_memory_{key}"], field, value)
+
+
 def random_requests(count: int, seed: int) -> list[pb.ModelInferRequest]:
     """Requests for the served models with names, datatypes, shapes, byte counts and
-    parameters drawn at random, most of them wrong in some way."""
+    parameters (shared-memory ones too) drawn at random, most of them wrong in some way."""
     rng = random.Random(seed)
     names = ["mlp", "echo", "strlen", "gated", "nope", "é\u200b", "'", ""]
     inputs = ["INPUT__0", "IN_FP32", "IN_BOOL", "TEXT", "X", "in\n"]
@@ -522,11 +538,15 @@ def random_requests(count: int, seed: int) -> list[pb.ModelInferRequest]:
                 request.raw_input_contents.append(bytes(rng.choice([0, 1, 3, 8, 2048, 4096])))
             else:
                 t.contents.fp32_contents.extend([0.5] * rng.choice([0, 1, 3, 512]))
+            if rng.random() < 0.25:
+                random_shared_memory(rng, t.parameters)
         if rng.random() < 0.2:
             request.parameters[rng.choice(["priority", "timeout"])].int64_param = \
                 rng.choice([-5, 0, 1, 2, 9])
         if rng.random() < 0.1:
-            request.outputs.add(name=rng.choice(["OUTPUT__0", "OUT_FP32", "nope"]))
+            output = request.outputs.add(name=rng.choice(["OUTPUT__0", "OUT_FP32", "nope"]))
+            if rng.random() < 0.5:
+                random_shared_memory(rng, output.parameters)
         requests.append(request)
     return requests
 
