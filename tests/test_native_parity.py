@@ -46,7 +46,8 @@ SANITIZER_REPORTS = (b"ERROR: AddressSanitizer", b"ERROR: LeakSanitizer", b"runt
 # written into the second.
 REGION_BYTES = 4096
 IN_REGION, OUT_REGION = "parity_in", "parity_out"
-KEYS = {name: f"/batchgate_parity_{name}_{uuid.uuid4().hex[:8]}" for name in (IN_REGION, OUT_REGION)}
+KEYS = {name: f"/batchgate_parity_{name}_{uuid.uuid4().hex[:8]}"
+        for name in (IN_REGION, OUT_REGION)}
 
 
 def start_with_shared_memory(mode: str, model_repository, gate, **overrides):
@@ -344,7 +345,8 @@ def shared_memory_cases() -> list[tuple[str, str, object]]:
                             ("bool", param(bool_param=False)), ("unset", param()),
                             ("negative", param(int64_param=-8))):
             infer(f"shm: {key} {what}", mlp_in_region(**{key: value}))
-    infer("shm: byte size of the shape's bytes less 4", mlp_in_region(byte_size=param(int64_param=2044)))
+    infer("shm: byte size of the shape's bytes less 4",
+          mlp_in_region(byte_size=param(int64_param=2044)))
     infer("shm: byte size uint64, not the shape's",
           mlp_in_region(byte_size=param(uint64_param=2 ** 64 - 1)))
     infer("shm: the shape refused before the parameters",
