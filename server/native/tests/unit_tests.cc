@@ -14,6 +14,7 @@
 
 #include "auth.h"
 #include "codec.h"
+#include "handover.h"
 #include "input_region.h"
 #include "metrics.h"
 #include "model_table.h"
@@ -600,6 +601,30 @@ void TestPlacedOutputReply() {
   CHECK_EQ(response.raw_output_contents(1), std::string("\x01\0\0\0z", 5));
 }
 
+// settings.shared_memory: read when the supervisor hands it over, off when it does not.
+void TestHandoverSharedMemory() {
+  const std::string head =
+      R"({"slot": 0, "arena_fd": 3, "arena_bytes": 1048576, "input_region": [0, 524288],
+          "executor_socket": "s", "metrics_socket": "m", "grpc_port": 0, "version": "0.1.0",
+          "extensions": ["health", "system_shared_memory"], "seconds_buckets": [0.001, 0.01],
+          "settings": {"host": "127.0.0.1", "max_message_bytes": 1024,
+          "max_request_bytes": 4096, "max_tensor_elements": 100, "drain_timeout_s": 1,
+          "reflection": true, "tls_cert": null, "tls_key": null, "tls_client_ca": null,
+          "admin_token": null, "infer_token": null, "frontend_threads": 1,
+          "log_level": "info")";
+  batchgate::Handover handover;
+  std::string error;
+  CHECK(batchgate::ParseHandover(head + R"(, "shared_memory": true}})", &handover, &error));
+  CHECK(handover.shared_memory);
+  CHECK_EQ(handover.extensions.size(), size_t{2});
+  batchgate::Handover without;
+  CHECK(batchgate::ParseHandover(head + "}}", &without, &error));
+  CHECK(!without.shared_memory);
+  batchgate::Handover wrong;
+  CHECK(!batchgate::ParseHandover(head + R"(, "shared_memory": 1}})", &wrong, &error));
+  CHECK_EQ(error, std::string("handover key 'settings.shared_memory' must be true or false"));
+}
+
 void TestMetrics() {
   batchgate::RequestMetrics metrics({0.001, 0.01}, "input-3", [] { return uint64_t{512}; });
   metrics.Count("m\"x", grpc::StatusCode::OK, 0.005);
@@ -633,6 +658,7 @@ int main() {
   TestDecode();
   TestSharedMemoryDecode();
   TestPlacedOutputReply();
+  TestHandoverSharedMemory();
   TestMetrics();
   std::fprintf(stderr, "%d of %d checks failed\n", g_failures, g_checks);
   return g_failures ? 1 : 0;
