@@ -441,7 +441,8 @@ def test_bad_input_is_answered_alike(stubs, what, rpc, request_):
 def test_shared_memory_replies_are_alike(stubs, regions):
     """echo with every other input read from a region and two outputs in three written into
     one: each server answers the same reply, byte for byte (a placed output's metadata and an
-    empty raw_output_contents entry), and writes the same bytes into the region."""
+    empty raw_output_contents entry), and writes the same bytes into the region; over
+    ModelInfer and over ModelStreamInfer."""
     rng = np.random.default_rng(11)
     request = pb.ModelInferRequest(model_name="echo", id="placed")
     expected = []
@@ -463,15 +464,21 @@ def test_shared_memory_replies_are_alike(stubs, regions):
             output.parameters["shared_memory_region"].string_param = OUT_REGION
             output.parameters["shared_memory_offset"].uint64_param = 64 * i
             output.parameters["shared_memory_byte_size"].int64_param = 64  # room to spare
-    replies, written = [], []
+    replies, written, streamed = [], [], []
     out = regions.maps[OUT_REGION]
     for stub in stubs:
         out[:] = bytes(REGION_BYTES)
         reply = stub.ModelInfer(request, timeout=60)
         replies.append(reply.SerializeToString(deterministic=True))
         written.append(bytes(out))
+        out[:] = bytes(REGION_BYTES)
+        (message,) = stub.ModelStreamInfer(iter([request]), timeout=60)
+        streamed.append((message.error_message, bytes(out),
+                         message.infer_response.SerializeToString(deterministic=True)))
     assert replies[1:] == replies[:1] * (len(stubs) - 1)
     assert written[1:] == written[:1] * (len(stubs) - 1)
+    # A stream answers it alike too.
+    assert streamed == [("", written[0], replies[0])] * len(stubs)
     assert [t.name for t in reply.outputs] == [f"OUT_{t}" for t in NUMERIC_TYPES]
     assert all(list(t.shape) == [1, 3] for t in reply.outputs)
     for i, data in enumerate(expected):
