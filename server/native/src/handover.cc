@@ -52,17 +52,6 @@ class Fields {
     return v && v->bool_value();
   }
 
-  // True or false; false when absent (a supervisor from before the setting existed).
-  bool OptionalBool(const std::string& key) {
-    const auto it = object_.fields().find(key);
-    if (it == object_.fields().end()) return false;
-    if (it->second.kind_case() != Value::kBoolValue) {
-      Fail(key, "must be true or false");
-      return false;
-    }
-    return it->second.bool_value();
-  }
-
   double Number(const std::string& key, double minimum) {
     const Value* v = Get(key, Value::kNumberValue, "a number");
     if (!v) return 0;
@@ -179,7 +168,7 @@ bool ParseHandover(const std::string& json, Handover* out, std::string* error) {
   out->admin_token = s.OptionalString("admin_token");
   out->infer_token = s.OptionalString("infer_token");
   out->frontend_threads = static_cast<int>(s.Integer("frontend_threads", 0, 4096));
-  out->shared_memory = s.OptionalBool("shared_memory");
+  out->shared_memory = s.Bool("shared_memory");
   const std::string level = s.String("log_level");
   if (s.ok() && !ParseLogLevel(level, &out->log_level)) {
     s.Fail("log_level", "must be debug, info, warning, error or critical");

@@ -601,7 +601,7 @@ void TestPlacedOutputReply() {
   CHECK_EQ(response.raw_output_contents(1), std::string("\x01\0\0\0z", 5));
 }
 
-// settings.shared_memory: read when the supervisor hands it over, off when it does not.
+// settings.shared_memory (server/settings.py): read from the handover, which must carry it.
 void TestHandoverSharedMemory() {
   const std::string head =
       R"({"slot": 0, "arena_fd": 3, "arena_bytes": 1048576, "input_region": [0, 524288],
@@ -617,9 +617,12 @@ void TestHandoverSharedMemory() {
   CHECK(batchgate::ParseHandover(head + R"(, "shared_memory": true}})", &handover, &error));
   CHECK(handover.shared_memory);
   CHECK_EQ(handover.extensions.size(), size_t{2});
+  batchgate::Handover off;
+  CHECK(batchgate::ParseHandover(head + R"(, "shared_memory": false}})", &off, &error));
+  CHECK(!off.shared_memory);
   batchgate::Handover without;
-  CHECK(batchgate::ParseHandover(head + "}}", &without, &error));
-  CHECK(!without.shared_memory);
+  CHECK(!batchgate::ParseHandover(head + "}}", &without, &error));
+  CHECK_EQ(error, std::string("handover key 'settings.shared_memory' is missing"));
   batchgate::Handover wrong;
   CHECK(!batchgate::ParseHandover(head + R"(, "shared_memory": 1}})", &wrong, &error));
   CHECK_EQ(error, std::string("handover key 'settings.shared_memory' must be true or false"));
