@@ -9,13 +9,20 @@ behaviour.
 A fourth server runs the native front end built with AddressSanitizer and UBSan
 (``scripts/build-native.sh --sanitize``): it answers everything here too, then a load, a
 drain, and its log must hold no sanitizer report.
+
+The servers serve shared-memory tensors (``--shared-memory``), each with the same two regions
+registered, so that the matrix holds what the front ends check of a request's
+``shared_memory_*`` parameters and what the executor refuses behind them; the setting off is
+checked against the Python front end's own message in every mode.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import random
 import struct
+import uuid
 
 import grpc
 import numpy as np
@@ -24,6 +31,7 @@ import pytest
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
 from server import native
+from server.shared_memory import OFF_MESSAGE
 from tests.conftest import NUMERIC_TYPES, Load, native_or_skip, start_in_mode
 
 MODES = ("single", "python", "native", "native-asan")
@@ -34,6 +42,19 @@ SANITIZER_ENV = {"ASAN_OPTIONS": "halt_on_error=1:detect_leaks=1:abort_on_error=
                  "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}
 SANITIZER_REPORTS = (b"ERROR: AddressSanitizer", b"ERROR: LeakSanitizer", b"runtime error:",
                      b"SUMMARY: UndefinedBehavior")
+# Regions every server has registered (SharedRegions): inputs are read from the first, outputs
+# written into the second.
+REGION_BYTES = 4096
+IN_REGION, OUT_REGION = "parity_in", "parity_out"
+KEYS = {name: f"/batchgate_parity_{name}_{uuid.uuid4().hex[:8]}"
+        for name in (IN_REGION, OUT_REGION)}
+
+
+def start_with_shared_memory(mode: str, model_repository, gate, **overrides):
+    if mode == "single":
+        return start_in_mode(mode, model_repository, gate, shared_memory=True)
+    return start_in_mode(mode, model_repository, gate, extra_args=("--shared-memory",),
+                         **overrides)
 
 
 def start_sanitized(model_repository, gate):
@@ -44,13 +65,48 @@ def start_sanitized(model_repository, gate):
             pytest.fail(reason)
         pytest.skip(reason)
     env = {**os.environ, native.ENV_VAR: str(SANITIZED), **SANITIZER_ENV}
-    return start_in_mode("native", model_repository, gate, env=env)
+    return start_with_shared_memory("native", model_repository, gate, env=env)
+
+
+class SharedRegions:
+    """Two files in /dev/shm, mapped here, each registered under its name with every server."""
+
+    def __init__(self) -> None:
+        self.keys = KEYS
+        self.maps = {}
+        for name, key in self.keys.items():
+            fd = os.open("/dev/shm" + key, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, REGION_BYTES)
+                self.maps[name] = mmap.mmap(fd, REGION_BYTES)
+            finally:
+                os.close(fd)
+
+    def register(self, stub) -> None:
+        for name, key in self.keys.items():
+            stub.SystemSharedMemoryRegister(pb.SystemSharedMemoryRegisterRequest(
+                name=name, key=key, byte_size=REGION_BYTES), timeout=60)
+
+    def close(self) -> None:
+        for name, key in self.keys.items():
+            self.maps[name].close()
+            os.unlink("/dev/shm" + key)
 
 
 @pytest.fixture(scope="module")
-def servers(model_repository, gate):
-    running = [start_in_mode(mode, model_repository, gate) for mode in MODES[:-1]]
+def regions():
+    shared = SharedRegions()
+    yield shared
+    shared.close()
+
+
+@pytest.fixture(scope="module")
+def servers(model_repository, gate, regions):
+    running = [start_with_shared_memory(mode, model_repository, gate) for mode in MODES[:-1]]
     running.append(start_sanitized(model_repository, gate))
+    for server in running:
+        with grpc.insecure_channel(server.address) as channel:
+            regions.register(inference_pb2_grpc.GRPCInferenceServiceStub(channel))
     yield running
     gate.open()
     for server in running[:-1]:
@@ -144,9 +200,7 @@ def matrix() -> list[tuple[str, str, object]]:
     tensor(r, "INPUT__0", "FP32", [1, 2], bytes(8))
     r.parameters["priority"].uint64_param = 3
     infer("priority over the model's levels", r)
-    r = mlp()
-    r.inputs[0].parameters["shared_memory_region"].string_param = "region"
-    infer("shared-memory input", r)
+    cases.extend(shared_memory_cases())
     r = mlp()
     r.outputs.add(name="NOPE")
     infer("unknown output", r)
@@ -213,36 +267,270 @@ def matrix() -> list[tuple[str, str, object]]:
                       ("RepositoryModelUnload", pb.RepositoryModelUnloadRequest)):
         for name in ("nope", "../mlp", "a/b", ".hidden", "x" * 300, ""):
             cases.append((f"{rpc} {name[:8]!r}", rpc, make(model_name=name)))
-    for rpc, request in (("SystemSharedMemoryStatus", pb.SystemSharedMemoryStatusRequest()),
-                         ("SystemSharedMemoryRegister",
-                          pb.SystemSharedMemoryRegisterRequest(name="r")),
-                         ("SystemSharedMemoryUnregister",
-                          pb.SystemSharedMemoryUnregisterRequest()),
-                         ("CudaSharedMemoryStatus", pb.CudaSharedMemoryStatusRequest()),
-                         ("CudaSharedMemoryRegister", pb.CudaSharedMemoryRegisterRequest()),
-                         ("CudaSharedMemoryUnregister", pb.CudaSharedMemoryUnregisterRequest()),
-                         ("TraceSetting", pb.TraceSettingRequest()),
-                         ("LogSettings", pb.LogSettingsRequest())):
-        cases.append((rpc, rpc, request))
+    in_key = KEYS[IN_REGION]
+    register = pb.SystemSharedMemoryRegisterRequest
+    for what, rpc, request in (
+            ("status, unknown region", "SystemSharedMemoryStatus",
+             pb.SystemSharedMemoryStatusRequest(name="nope")),
+            ("status, every region", "SystemSharedMemoryStatus",
+             pb.SystemSharedMemoryStatusRequest()),
+            ("register, no name", "SystemSharedMemoryRegister", register(key=in_key, byte_size=8)),
+            ("register, no key", "SystemSharedMemoryRegister", register(name="r", byte_size=8)),
+            ("register, a name taken", "SystemSharedMemoryRegister",
+             register(name=IN_REGION, key=in_key, byte_size=8)),
+            ("register, a key out of /dev/shm", "SystemSharedMemoryRegister",
+             register(name="r", key="/../etc/passwd", byte_size=8)),
+            ("register, a key with a slash", "SystemSharedMemoryRegister",
+             register(name="r", key="a/b", byte_size=8)),
+            ("register, a key that is not there", "SystemSharedMemoryRegister",
+             register(name="r", key="/batchgate_parity_none", byte_size=8)),
+            ("register, byte size 0", "SystemSharedMemoryRegister",
+             register(name="r", key=in_key, byte_size=0)),
+            ("register, past the end of the key", "SystemSharedMemoryRegister",
+             register(name="r", key=in_key, offset=8, byte_size=REGION_BYTES)),
+            # Not the empty name: that unregisters every region, which the cases here use.
+            ("unregister, unknown region", "SystemSharedMemoryUnregister",
+             pb.SystemSharedMemoryUnregisterRequest(name="nope")),
+            ("CUDA status", "CudaSharedMemoryStatus", pb.CudaSharedMemoryStatusRequest()),
+            ("CUDA register", "CudaSharedMemoryRegister",
+             pb.CudaSharedMemoryRegisterRequest(name="c", raw_handle=b"x" * 64, byte_size=8)),
+            ("CUDA unregister", "CudaSharedMemoryUnregister",
+             pb.CudaSharedMemoryUnregisterRequest(name="c")),
+            ("TraceSetting", "TraceSetting", pb.TraceSettingRequest()),
+            ("LogSettings", "LogSettings", pb.LogSettingsRequest())):
+        cases.append((what, rpc, request))
     # A stream keeps going past its errors, each answered in its own message.
     cases.append(("stream", "ModelStreamInfer",
                   [pb.ModelInferRequest(model_name="nope"), mlp(shape=[1, 3], raw=bytes(12))]))
     return cases
 
 
+def shared_memory_cases() -> list[tuple[str, str, object]]:
+    """Requests whose tensors name shared-memory regions: what the front end checks of the
+    parameters, and what the executor refuses behind them."""
+    cases: list[tuple[str, str, object]] = []
+
+    def infer(what: str, request) -> None:
+        cases.append((what, "ModelInfer", request))
+
+    def placed(request, index: int = 0, **parameters):
+        tensor = request.inputs[index]
+        for key, value in parameters.items():
+            tensor.parameters[f"shared_memory_{key}"].CopyFrom(value)
+        return request
+
+    def param(**value) -> pb.InferParameter:
+        return pb.InferParameter(**value)
+
+    region, size = param(string_param=IN_REGION), param(int64_param=2048)
+
+    def mlp_in_region(shape=(1, 512), **parameters) -> pb.ModelInferRequest:
+        request = pb.ModelInferRequest(model_name="mlp")
+        tensor(request, "INPUT__0", "FP32", shape)
+        return placed(request, **{"region": region, "byte_size": size, **parameters})
+
+    for key in ("region", "byte_size"):
+        r = mlp_in_region()
+        del r.inputs[0].parameters[f"shared_memory_{key}"]
+        infer(f"shm: {key} left out", r)
+    r = mlp_in_region(offset=param(int64_param=0))
+    del r.inputs[0].parameters["shared_memory_region"]
+    del r.inputs[0].parameters["shared_memory_byte_size"]
+    infer("shm: offset alone", r)
+    for what, value in (("int64", param(int64_param=1)), ("bool", param(bool_param=True)),
+                        ("unset", param())):
+        infer(f"shm: region {what}", mlp_in_region(region=value))
+    for key in ("byte_size", "offset"):
+        for what, value in (("string", param(string_param="8")), ("double", param(double_param=8)),
+                            ("bool", param(bool_param=False)), ("unset", param()),
+                            ("negative", param(int64_param=-8))):
+            infer(f"shm: {key} {what}", mlp_in_region(**{key: value}))
+    infer("shm: byte size of the shape's bytes less 4",
+          mlp_in_region(byte_size=param(int64_param=2044)))
+    infer("shm: byte size uint64, not the shape's",
+          mlp_in_region(byte_size=param(uint64_param=2 ** 64 - 1)))
+    infer("shm: the shape refused before the parameters",
+          mlp_in_region(shape=(1, 511), region=param(int64_param=1)))
+    r = mlp_in_region()
+    r.inputs[0].contents.fp32_contents.extend([1.0] * 512)
+    infer("shm: contents too", r)
+    r = mlp_in_region()
+    r.raw_input_contents.append(bytes(2048))
+    infer("shm: a raw buffer for it too", r)
+    infer("shm: unknown region", mlp_in_region(region=param(string_param="nope")))
+    infer("shm: past the end of the region", mlp_in_region(offset=param(int64_param=3000)))
+    infer("shm: an offset of 2**64 - 1",
+          mlp_in_region(offset=param(uint64_param=2 ** 64 - 1)))
+
+    # echo: one input of every datatype; every other one in shared memory, the rest raw.
+    def echo_half_placed(raw_for_all: bool = False) -> pb.ModelInferRequest:
+        request = pb.ModelInferRequest(model_name="echo")
+        for i, datatype in enumerate(NUMERIC_TYPES):
+            nbytes = 3 * np.dtype(ECHO_DTYPES[datatype]).itemsize
+            tensor(request, f"IN_{datatype}", datatype, [1, 3],
+                   bytes(nbytes) if raw_for_all or i % 2 else None)
+            if i % 2 == 0:
+                placed(request, i, region=region, offset=param(int64_param=64 * i),
+                       byte_size=param(int64_param=nbytes))
+        return request
+
+    infer("shm: a raw buffer for every input, the placed ones too", echo_half_placed(True))
+    r = echo_half_placed()
+    r.inputs[2].parameters["shared_memory_byte_size"].int64_param = 5
+    infer("shm: the byte size of the third input", r)
+
+    # BYTES: only the executor can read its size; the region's zeros are not 2 elements.
+    r = pb.ModelInferRequest(model_name="strlen")
+    tensor(r, "TEXT", "BYTES", [2, 1])
+    infer("shm: BYTES input not in the encoding",
+          placed(r, region=region, byte_size=param(int64_param=10)))
+
+    # Outputs.
+    def mlp_output(**parameters) -> pb.ModelInferRequest:
+        request = mlp()
+        output = request.outputs.add(name="OUTPUT__0")
+        for key, value in parameters.items():
+            output.parameters[f"shared_memory_{key}"].CopyFrom(value)
+        return request
+
+    out_region = param(string_param=OUT_REGION)
+    infer("shm output: region alone", mlp_output(region=out_region))
+    infer("shm output: region int64", mlp_output(region=param(int64_param=3), byte_size=size))
+    infer("shm output: byte size double", mlp_output(region=out_region,
+                                                     byte_size=param(double_param=1.0)))
+    infer("shm output: offset negative", mlp_output(region=out_region, byte_size=size,
+                                                    offset=param(int64_param=-1)))
+    infer("shm output: unknown region", mlp_output(region=param(string_param="nope"),
+                                                   byte_size=size))
+    infer("shm output: past the end of the region",
+          mlp_output(region=out_region, byte_size=size, offset=param(int64_param=4000)))
+    infer("shm output: too small for the output",
+          mlp_output(region=out_region, byte_size=param(int64_param=4)))
+    r = mlp_output(region=out_region, byte_size=param(int64_param=4))
+    r.outputs.add(name="NOPE")
+    infer("shm output: an unknown output after it", r)
+    # Streams answer in completion order: the front end's refusals in one, the executor's
+    # in another.
+    cases.append(("shm stream", "ModelStreamInfer",
+                  [mlp_in_region(byte_size=param(int64_param=2044)),
+                   mlp_output(region=out_region), mlp(shape=[1, 3], raw=bytes(12))]))
+    cases.append(("shm stream, the executor's refusal", "ModelStreamInfer",
+                  [mlp_in_region(region=param(string_param="nope"))]))
+    return cases
+
+
+ECHO_DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32,
+               "UINT64": np.uint64, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32,
+               "INT64": np.int64, "FP16": np.float16, "FP32": np.float32, "FP64": np.float64,
+               "BF16": np.uint16}
+# Cases that may succeed: the status of every region, an unregistration of a region that is not
+# there (not an error, as in Triton), CUDA status (an empty list where CUDA is missing).
+MAY_SUCCEED = {"status, every region", "unregister, unknown region", "CUDA status",
+               "CUDA unregister"}
 CASES = matrix()
 
 
 @pytest.mark.parametrize("what, rpc, request_", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_answered_alike(stubs, what, rpc, request_):
     answers = [answer(stub, rpc, request_) for stub in stubs]
-    assert answers[0][0] != "OK" or rpc in ("ModelReady", "ModelStreamInfer"), answers[0]
+    assert answers[0][0] != "OK" or rpc in ("ModelReady", "ModelStreamInfer") \
+        or what in MAY_SUCCEED, answers[0]
     assert answers[1:] == answers[:1] * (len(stubs) - 1), dict(zip(MODES, answers))
+
+
+def test_shared_memory_replies_are_alike(stubs, regions):
+    """echo with every other input read from a region and two outputs in three written into
+    one: each server answers the same reply, byte for byte (a placed output's metadata and an
+    empty raw_output_contents entry), and writes the same bytes into the region; over
+    ModelInfer and over ModelStreamInfer."""
+    rng = np.random.default_rng(11)
+    request = pb.ModelInferRequest(model_name="echo", id="placed")
+    expected = []
+    for i, datatype in enumerate(NUMERIC_TYPES):
+        values = rng.integers(0, 2 if datatype == "BOOL" else 100, 3)
+        data = values.astype(ECHO_DTYPES[datatype]).tobytes()
+        expected.append(data)
+        request.inputs.add(name=f"IN_{datatype}", datatype=datatype, shape=[1, 3])
+        if i % 2 == 0:
+            regions.maps[IN_REGION][64 * i:64 * i + len(data)] = data
+            parameters = request.inputs[-1].parameters
+            parameters["shared_memory_region"].string_param = IN_REGION
+            parameters["shared_memory_offset"].int64_param = 64 * i
+            parameters["shared_memory_byte_size"].int64_param = len(data)
+        else:
+            request.raw_input_contents.append(data)
+        output = request.outputs.add(name=f"OUT_{datatype}")
+        if i % 3:
+            output.parameters["shared_memory_region"].string_param = OUT_REGION
+            output.parameters["shared_memory_offset"].uint64_param = 64 * i
+            output.parameters["shared_memory_byte_size"].int64_param = 64  # room to spare
+    replies, written, streamed = [], [], []
+    out = regions.maps[OUT_REGION]
+    for stub in stubs:
+        out[:] = bytes(REGION_BYTES)
+        reply = stub.ModelInfer(request, timeout=60)
+        replies.append(reply.SerializeToString(deterministic=True))
+        written.append(bytes(out))
+        out[:] = bytes(REGION_BYTES)
+        (message,) = stub.ModelStreamInfer(iter([request]), timeout=60)
+        streamed.append((message.error_message, bytes(out),
+                         message.infer_response.SerializeToString(deterministic=True)))
+    assert replies[1:] == replies[:1] * (len(stubs) - 1)
+    assert written[1:] == written[:1] * (len(stubs) - 1)
+    # A stream answers it alike too.
+    assert streamed == [("", written[0], replies[0])] * len(stubs)
+    assert [t.name for t in reply.outputs] == [f"OUT_{t}" for t in NUMERIC_TYPES]
+    assert all(list(t.shape) == [1, 3] for t in reply.outputs)
+    for i, data in enumerate(expected):
+        if i % 3:
+            assert reply.raw_output_contents[i] == b""
+            assert written[0][64 * i:64 * i + len(data)] == data
+        else:
+            assert reply.raw_output_contents[i] == data
+
+
+def test_shared_memory_off_is_answered_with_the_python_message(server):
+    """Without --shared-memory (the session's servers): a request naming a region, for an
+    input or an output, and each registration RPC, get UNIMPLEMENTED with the message of
+    server/shared_memory.py."""
+    request = mlp(raw=b"")
+    del request.raw_input_contents[:]
+    request.inputs[0].parameters["shared_memory_region"].string_param = IN_REGION
+    output_request = mlp()
+    output_request.outputs.add(name="OUTPUT__0").parameters[
+        "shared_memory_region"].string_param = OUT_REGION
+    calls = [("ModelInfer", request), ("ModelInfer", output_request),
+             ("SystemSharedMemoryStatus", pb.SystemSharedMemoryStatusRequest()),
+             ("SystemSharedMemoryRegister", pb.SystemSharedMemoryRegisterRequest(name="r")),
+             ("SystemSharedMemoryUnregister", pb.SystemSharedMemoryUnregisterRequest()),
+             ("CudaSharedMemoryStatus", pb.CudaSharedMemoryStatusRequest()),
+             ("CudaSharedMemoryRegister", pb.CudaSharedMemoryRegisterRequest()),
+             ("CudaSharedMemoryUnregister", pb.CudaSharedMemoryUnregisterRequest())]
+    with grpc.insecure_channel(server.address) as channel:
+        stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
+        answers = [answer(stub, rpc, r) for rpc, r in calls]
+    assert answers == [("UNIMPLEMENTED", OFF_MESSAGE)] * len(calls)
+
+
+def random_shared_memory(rng: random.Random, parameters) -> None:
+    """Some of the three shared-memory parameters, each of a type and value drawn at random."""
+    choices = {
+        "region": [("string_param", IN_REGION), ("string_param", OUT_REGION),
+                   ("string_param", "nope"), ("int64_param", 1)],
+        "offset": [("int64_param", 0), ("int64_param", 64), ("int64_param", -1),
+                   ("uint64_param", 5000), ("string_param", "0")],
+        "byte_size": [("int64_param", 12), ("int64_param", 2048), ("uint64_param", 8),
+                      ("int64_param", -4), ("double_param", 8.0)],
+    }
+    for key, values in choices.items():
+        if rng.random() < 0.8:
+            field, value = rng.choice(values)
+            setattr(parameters[f"shared_memory_{key}"], field, value)
 
 
 def random_requests(count: int, seed: int) -> list[pb.ModelInferRequest]:
     """Requests for the served models with names, datatypes, shapes, byte counts and
-    parameters drawn at random, most of them wrong in some way."""
+    parameters (shared-memory ones too) drawn at random, most of them wrong in some way."""
     rng = random.Random(seed)
     names = ["mlp", "echo", "strlen", "gated", "nope", "é\u200b", "'", ""]
     inputs = ["INPUT__0", "IN_FP32", "IN_BOOL", "TEXT", "X", "in\n"]
@@ -259,11 +547,15 @@ def random_requests(count: int, seed: int) -> list[pb.ModelInferRequest]:
                 request.raw_input_contents.append(bytes(rng.choice([0, 1, 3, 8, 2048, 4096])))
             else:
                 t.contents.fp32_contents.extend([0.5] * rng.choice([0, 1, 3, 512]))
+            if rng.random() < 0.25:
+                random_shared_memory(rng, t.parameters)
         if rng.random() < 0.2:
             request.parameters[rng.choice(["priority", "timeout"])].int64_param = \
                 rng.choice([-5, 0, 1, 2, 9])
         if rng.random() < 0.1:
-            request.outputs.add(name=rng.choice(["OUTPUT__0", "OUT_FP32", "nope"]))
+            output = request.outputs.add(name=rng.choice(["OUTPUT__0", "OUT_FP32", "nope"]))
+            if rng.random() < 0.5:
+                random_shared_memory(rng, output.parameters)
         requests.append(request)
     return requests
 

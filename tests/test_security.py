@@ -236,6 +236,30 @@ def test_admin_rpcs_need_the_admin_token(secured):
         assert admin.model_ready("spare")
 
 
+def test_shared_memory_rpcs_need_the_admin_token(secured):
+    """They open files and device memory on the server's host by name: the infer token does not
+    open them. (This server does not serve shared memory: past the token, UNIMPLEMENTED.)"""
+    credentials = grpc.ssl_channel_credentials(
+        secured.pki["ca"].read_bytes(), secured.pki["client_key"].read_bytes(),
+        secured.pki["client_cert"].read_bytes())
+    calls = (("SystemSharedMemoryStatus", pb.SystemSharedMemoryStatusRequest()),
+             ("SystemSharedMemoryRegister", pb.SystemSharedMemoryRegisterRequest(name="r")),
+             ("SystemSharedMemoryUnregister", pb.SystemSharedMemoryUnregisterRequest()),
+             ("CudaSharedMemoryStatus", pb.CudaSharedMemoryStatusRequest()),
+             ("CudaSharedMemoryRegister", pb.CudaSharedMemoryRegisterRequest()),
+             ("CudaSharedMemoryUnregister", pb.CudaSharedMemoryUnregisterRequest()))
+    with grpc.secure_channel(secured.address, credentials) as channel:
+        stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
+        for rpc, request in calls:
+            for token, code in ((None, grpc.StatusCode.UNAUTHENTICATED),
+                                (INFER_TOKEN, grpc.StatusCode.PERMISSION_DENIED),
+                                (ADMIN_TOKEN, grpc.StatusCode.UNIMPLEMENTED)):
+                metadata = [("authorization", f"Bearer {token}")] if token else []
+                with pytest.raises(grpc.RpcError) as err:
+                    getattr(stub, rpc)(request, metadata=metadata, timeout=30)
+                assert err.value.code() is code, (rpc, token is ADMIN_TOKEN)
+
+
 def test_inference_rpcs_need_a_token(secured):
     with secured.client() as anonymous, secured.client(token=WRONG_TOKEN) as wrong, \
             secured.client(token=ADMIN_TOKEN) as admin:

@@ -10,7 +10,10 @@ namespace {
 
 const std::set<std::string_view> kAdminMethods = {
     "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload", "LogSettings",
-    "TraceSetting"};
+    "TraceSetting",
+    // They open files and device memory on the server's host by name.
+    "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
+    "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister"};
 const std::set<std::string_view> kOpenMethods = {"ServerLive", "ServerReady"};
 
 // Python's str.isspace() characters, as UTF-8: what str.strip() removes from a token's ends.

@@ -1,7 +1,8 @@
 // Bearer tokens on the inference service, as server/auth.py checks them.
 //
 // The admin token guards the RPCs that change or reveal what is served (RepositoryModelLoad,
-// RepositoryModelUnload, RepositoryIndex, LogSettings, TraceSetting); the infer token every
+// RepositoryModelUnload, RepositoryIndex, LogSettings, TraceSetting) and the six shared-memory
+// registration RPCs (they open files and device memory by name); the infer token every
 // other inference-service RPC but ServerLive and ServerReady, which probes call without
 // credentials. The admin token opens whatever the infer token opens. A call without
 // `authorization: Bearer <token>` is UNAUTHENTICATED, one with a token that is not accepted

@@ -10,9 +10,6 @@
 namespace batchgate {
 namespace {
 
-const char* const kSharedMemoryMessage =
-    "shared-memory tensors are not supported by this server yet; send tensors in "
-    "raw_input_contents";
 const char* const kInternalMessage = "internal server error; the server log has the details";
 
 grpc::Status BoundedStatus(const grpc::Status& status) {
@@ -21,6 +18,18 @@ grpc::Status BoundedStatus(const grpc::Status& status) {
 
 double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// The request field of `call` that a shared-memory RPC parses into.
+google::protobuf::Message* SharedMemoryRequest(Rpc rpc, wire::Call* call) {
+  switch (rpc) {
+    case Rpc::kSystemSharedMemoryStatus: return call->mutable_system_status();
+    case Rpc::kSystemSharedMemoryRegister: return call->mutable_system_register();
+    case Rpc::kSystemSharedMemoryUnregister: return call->mutable_system_unregister();
+    case Rpc::kCudaSharedMemoryStatus: return call->mutable_cuda_status();
+    case Rpc::kCudaSharedMemoryRegister: return call->mutable_cuda_register();
+    default: return call->mutable_cuda_unregister();
+  }
 }
 
 }  // namespace
@@ -165,12 +174,22 @@ void UnaryCall::Handle() {
       if (!ParseRequest(&request_, call->mutable_unload(), rpc_, &error)) return Fail(error);
       return Forward(std::move(call));
     }
+    // The shared-memory registrations are the executor's: it maps the regions. The request
+    // parses first, as grpcio parses it before the handler runs.
     case Rpc::kSystemSharedMemoryStatus:
     case Rpc::kSystemSharedMemoryRegister:
     case Rpc::kSystemSharedMemoryUnregister:
     case Rpc::kCudaSharedMemoryStatus:
     case Rpc::kCudaSharedMemoryRegister:
-    case Rpc::kCudaSharedMemoryUnregister:
+    case Rpc::kCudaSharedMemoryUnregister: {
+      auto call = std::make_unique<wire::Call>();
+      google::protobuf::Message* request = SharedMemoryRequest(rpc_.rpc, call.get());
+      if (!ParseRequest(&request_, request, rpc_, &error)) return Fail(error);
+      if (!frontend.handover().shared_memory) {
+        return Fail(grpc::Status(grpc::StatusCode::UNIMPLEMENTED, kSharedMemoryOffMessage));
+      }
+      return Forward(std::move(call));
+    }
     case Rpc::kTraceSetting:
     case Rpc::kLogSettings: {
       // grpcio parses the request before the handler refuses it: a malformed one gets the
@@ -184,11 +203,8 @@ void UnaryCall::Handle() {
         return Fail(grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
                                  "tracing is not supported by this server"));
       }
-      if (rpc_.rpc == Rpc::kLogSettings) {
-        return Fail(grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                                 "log settings are fixed at start-up (--log-level, --log-format)"));
-      }
-      return Fail(grpc::Status(grpc::StatusCode::UNIMPLEMENTED, kSharedMemoryMessage));
+      return Fail(grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                               "log settings are fixed at start-up (--log-level, --log-format)"));
     }
     case Rpc::kModelInfer:
     case Rpc::kModelStreamInfer:
@@ -206,28 +222,56 @@ void UnaryCall::Forward(std::unique_ptr<wire::Call> call) {
   }
 }
 
+namespace {
+
+// The Reply outcome that answers `rpc` (Reply::OUTCOME_NOT_SET for an RPC not forwarded).
+wire::Reply::OutcomeCase ReplyOf(Rpc rpc) {
+  switch (rpc) {
+    case Rpc::kModelStatistics: return wire::Reply::kStatistics;
+    case Rpc::kRepositoryIndex: return wire::Reply::kIndex;
+    case Rpc::kRepositoryModelLoad: return wire::Reply::kLoad;
+    case Rpc::kRepositoryModelUnload: return wire::Reply::kUnload;
+    case Rpc::kSystemSharedMemoryStatus: return wire::Reply::kSystemStatus;
+    case Rpc::kSystemSharedMemoryRegister: return wire::Reply::kSystemRegister;
+    case Rpc::kSystemSharedMemoryUnregister: return wire::Reply::kSystemUnregister;
+    case Rpc::kCudaSharedMemoryStatus: return wire::Reply::kCudaStatus;
+    case Rpc::kCudaSharedMemoryRegister: return wire::Reply::kCudaRegister;
+    case Rpc::kCudaSharedMemoryUnregister: return wire::Reply::kCudaUnregister;
+    default: return wire::Reply::OUTCOME_NOT_SET;
+  }
+}
+
+// The response a Reply carries.
+const google::protobuf::MessageLite* ResponseOf(const wire::Reply& reply) {
+  switch (reply.outcome_case()) {
+    case wire::Reply::kStatistics: return &reply.statistics();
+    case wire::Reply::kIndex: return &reply.index();
+    case wire::Reply::kLoad: return &reply.load();
+    case wire::Reply::kUnload: return &reply.unload();
+    case wire::Reply::kSystemStatus: return &reply.system_status();
+    case wire::Reply::kSystemRegister: return &reply.system_register();
+    case wire::Reply::kSystemUnregister: return &reply.system_unregister();
+    case wire::Reply::kCudaStatus: return &reply.cuda_status();
+    case wire::Reply::kCudaRegister: return &reply.cuda_register();
+    case wire::Reply::kCudaUnregister: return &reply.cuda_unregister();
+    case wire::Reply::kError:
+    case wire::Reply::OUTCOME_NOT_SET: break;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
 void UnaryCall::OnExecutorAnswer(ExecutorAnswer answer) {
   if (!answer.status.ok()) {
     Fail(answer.status);
+  } else if (answer.reply->outcome_case() != ReplyOf(rpc_.rpc) ||
+             ResponseOf(*answer.reply) == nullptr) {
+    Log(LogLevel::kError, "executor_protocol_error",
+        {LogField("error", "a reply of the wrong kind for " + rpc_.name)});
+    Fail(grpc::Status(grpc::StatusCode::INTERNAL, kInternalMessage));
   } else {
-    const wire::Reply& reply = *answer.reply;
-    const auto expected = rpc_.rpc == Rpc::kModelStatistics     ? wire::Reply::kStatistics
-                          : rpc_.rpc == Rpc::kRepositoryIndex   ? wire::Reply::kIndex
-                          : rpc_.rpc == Rpc::kRepositoryModelLoad ? wire::Reply::kLoad
-                                                                  : wire::Reply::kUnload;
-    if (reply.outcome_case() != expected) {
-      Log(LogLevel::kError, "executor_protocol_error",
-          {LogField("error", "a reply of the wrong kind for " + rpc_.name)});
-      Fail(grpc::Status(grpc::StatusCode::INTERNAL, kInternalMessage));
-    } else if (expected == wire::Reply::kStatistics) {
-      Reply(Serialize(reply.statistics()));
-    } else if (expected == wire::Reply::kIndex) {
-      Reply(Serialize(reply.index()));
-    } else if (expected == wire::Reply::kLoad) {
-      Reply(Serialize(reply.load()));
-    } else {
-      Reply(Serialize(reply.unload()));
-    }
+    Reply(Serialize(*ResponseOf(*answer.reply)));
   }
   Unref();
 }

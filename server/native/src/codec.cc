@@ -13,6 +13,11 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
               "tensors travel little-endian; this code copies them as the host lays them out");
 
 namespace batchgate {
+
+const char* const kSharedMemoryOffMessage =
+    "shared-memory tensors are off on this server (start it with --shared-memory to turn them "
+    "on); send tensor data in raw_input_contents";
+
 namespace {
 
 using google::protobuf::io::CodedOutputStream;
@@ -251,6 +256,87 @@ grpc::Status CheckContents(const std::string& model, const TensorInfo& spec, con
   return grpc::Status::OK;
 }
 
+using Parameters = google::protobuf::Map<std::string, inference::InferParameter>;
+
+bool HasSharedMemoryParameters(const Parameters& parameters) {
+  if (parameters.empty()) return false;
+  for (const char* key : kSharedMemoryKeys) {
+    if (parameters.count(key)) return true;
+  }
+  return false;
+}
+
+const char* ParameterKind(const inference::InferParameter& param) {
+  switch (param.parameter_choice_case()) {
+    case inference::InferParameter::kBoolParam: return "bool_param";
+    case inference::InferParameter::kInt64Param: return "int64_param";
+    case inference::InferParameter::kStringParam: return "string_param";
+    case inference::InferParameter::kDoubleParam: return "double_param";
+    case inference::InferParameter::kUint64Param: return "uint64_param";
+    case inference::InferParameter::PARAMETER_CHOICE_NOT_SET: break;
+  }
+  return "None";
+}
+
+// The `shared_memory_*` parameters of input or output `tensor` (`kind`) as a Placement
+// (codec.py _placement()): shared_memory_region a string, shared_memory_byte_size and
+// shared_memory_offset (0 when left out, as tritonclient leaves it for 0) integers >= 0. The
+// region itself is the executor's to check: it holds the registrations.
+grpc::Status SharedMemoryPlacement(const std::string& model, const char* kind,
+                                   const std::string& tensor, const Parameters& parameters,
+                                   wire::Placement* placement) {
+  const std::string what = ModelPrefix(model) + kind + " " + Quoted(tensor) + ": ";
+  const auto region = parameters.find("shared_memory_region");
+  if (region == parameters.end() || !parameters.count("shared_memory_byte_size")) {
+    return Invalid(what +
+                   "the parameters 'shared_memory_region' and 'shared_memory_byte_size' go "
+                   "together ('shared_memory_offset' is optional)");
+  }
+  if (region->second.parameter_choice_case() != inference::InferParameter::kStringParam) {
+    return Invalid(what + "parameter 'shared_memory_region' must be a string, got " +
+                   ParameterKind(region->second));
+  }
+  uint64_t values[2] = {0, 0};
+  const char* const keys[2] = {"shared_memory_offset", "shared_memory_byte_size"};
+  for (int i = 0; i < 2; ++i) {
+    const auto found = parameters.find(keys[i]);
+    if (found == parameters.end()) continue;
+    const inference::InferParameter& param = found->second;
+    if (param.parameter_choice_case() == inference::InferParameter::kInt64Param) {
+      if (param.int64_param() < 0) {
+        return Invalid(what + "parameter '" + keys[i] + "' must be >= 0, got " +
+                       std::to_string(param.int64_param()));
+      }
+      values[i] = static_cast<uint64_t>(param.int64_param());
+    } else if (param.parameter_choice_case() == inference::InferParameter::kUint64Param) {
+      values[i] = param.uint64_param();
+    } else {
+      return Invalid(what + "parameter '" + keys[i] + "' must be an integer, got " +
+                     ParameterKind(param));
+    }
+  }
+  placement->set_region(region->second.string_param());
+  placement->set_offset(values[0]);
+  placement->set_nbytes(values[1]);
+  return grpc::Status::OK;
+}
+
+// A shared-memory input's byte size against its shape, for datatypes of a fixed size (a BYTES
+// tensor's size is known only from its bytes, which the executor reads).
+grpc::Status CheckPlacedBytes(const std::string& model, const TensorInfo& spec, const Shape& shape,
+                              uint64_t count, uint64_t nbytes) {
+  const uint64_t size = ElementSize(spec.type);
+  if (size == 0) return grpc::Status::OK;
+  const uint64_t expected = count * size;
+  if (nbytes != expected) {
+    return Invalid(ModelPrefix(model) + "input " + Quoted(spec.name) + " of shape " +
+                   ShapeText(shape) + " and datatype " + spec.datatype + " needs " +
+                   std::to_string(expected) + " bytes, shared_memory_byte_size is " +
+                   std::to_string(nbytes));
+  }
+  return grpc::Status::OK;
+}
+
 template <typename Narrow, typename Values>
 void WriteNarrowed(const Values& values, uint8_t* destination) {
   for (const auto v : values) {
@@ -272,7 +358,8 @@ uint8_t* WriteVarint(uint64_t value, uint8_t* at) {
 }  // namespace
 
 grpc::Status DecodeRequest(const ModelInferRequest& request, const ModelState& model,
-                           const RequestLimits& limits, DecodedRequest* decoded) {
+                           const RequestLimits& limits, bool shared_memory,
+                           DecodedRequest* decoded) {
   const std::string& name = model.spec_name;
   if (!request.parameters().empty()) {
     if (request.parameters().count("priority")) {
@@ -285,16 +372,27 @@ grpc::Status DecodeRequest(const ModelInferRequest& request, const ModelState& m
     }
   }
   const int n_inputs = request.inputs_size();
+  int n_placed = 0;
+  for (const auto& tensor : request.inputs()) {
+    if (HasSharedMemoryParameters(tensor.parameters())) ++n_placed;
+  }
+  if (n_placed > 0 && !shared_memory) {
+    return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, kSharedMemoryOffMessage);
+  }
+  // Raw buffers come for the inputs that are not in shared memory, in their order.
   const int n_raw = request.raw_input_contents_size();
-  if (n_raw != 0 && n_raw != n_inputs) {
+  if (n_raw != 0 && n_raw != n_inputs - n_placed) {
     return Invalid("model '" + name + "': " + std::to_string(n_raw) + " raw_input_contents for " +
-                   std::to_string(n_inputs) +
-                   " inputs; send one raw buffer per input, in the order of 'inputs'");
+                   std::to_string(n_inputs - n_placed) + " inputs; " +
+                   (n_placed > 0 ? "send one raw buffer per input that is not in shared memory, "
+                                   "in the order of 'inputs'"
+                                 : "send one raw buffer per input, in the order of 'inputs'"));
   }
   const bool raw = n_raw != 0;
   const bool batching = model.batching();
   decoded->inputs.assign(model.inputs.size(), InputPlan{});
   size_t given = 0;
+  int next_raw = 0;
   int64_t batch_size = -1;
   uint64_t request_bytes = 0;
   for (int index = 0; index < n_inputs; ++index) {
@@ -318,15 +416,6 @@ grpc::Status DecodeRequest(const ModelInferRequest& request, const ModelState& m
       return Invalid(ModelPrefix(name) + "input '" + tensor.name() + "' must be " + spec.datatype +
                      ", got " + Quoted(tensor.datatype()));
     }
-    if (!tensor.parameters().empty()) {
-      for (const char* key : kSharedMemoryKeys) {
-        if (tensor.parameters().count(key)) {
-          return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                              "shared-memory inputs are not supported by this server; send the "
-                              "tensor data in raw_input_contents");
-        }
-      }
-    }
     int64_t rows = 1;
     uint64_t count = 0;
     auto status = CheckShape(name, spec, tensor.shape(), batching, model.max_batch_size, limits,
@@ -343,15 +432,30 @@ grpc::Status DecodeRequest(const ModelInferRequest& request, const ModelState& m
     }
     const uint64_t element_size = ElementSize(spec.type);
     plan.tensor = index;
-    plan.raw = raw;
     ++given;
-    if (raw) {
+    if (n_placed > 0 && HasSharedMemoryParameters(tensor.parameters())) {
+      status = SharedMemoryPlacement(name, "input", tensor.name(), tensor.parameters(),
+                                     &plan.placement);
+      if (!status.ok()) return status;
+      if (tensor.has_contents()) {
+        return Invalid(ModelPrefix(name) + "input " + Quoted(tensor.name()) +
+                       " is in shared memory and has contents too; use one or the other");
+      }
+      status = CheckPlacedBytes(name, spec, tensor.shape(), count, plan.placement.nbytes());
+      if (!status.ok()) return status;
+      request_bytes += element_size == 0 ? plan.placement.nbytes() : count * element_size;
+      status = CheckRequestBytes(name, request_bytes, limits);
+      if (!status.ok()) return status;
+      plan.placed = true;
+      plan.nbytes = 0;
+    } else if (raw) {
       if (tensor.has_contents()) {
         return Invalid(ModelPrefix(name) + "input '" + tensor.name() +
                        "' has typed contents while the request uses raw_input_contents; use one "
                        "or the other");
       }
-      const std::string& buffer = request.raw_input_contents(index);
+      plan.raw = next_raw++;
+      const std::string& buffer = request.raw_input_contents(plan.raw);
       request_bytes += element_size == 0 ? buffer.size() : count * element_size;
       status = CheckRequestBytes(name, request_bytes, limits);
       if (!status.ok()) return status;
@@ -374,6 +478,7 @@ grpc::Status DecodeRequest(const ModelInferRequest& request, const ModelState& m
     }
     return Invalid(ModelPrefix(name) + "missing inputs " + QuotedList(missing));
   }
+  bool any_placed = false;
   for (const auto& output : request.outputs()) {
     const auto found = model.output_index.find(output.name());
     if (found == model.output_index.end()) {
@@ -381,6 +486,21 @@ grpc::Status DecodeRequest(const ModelInferRequest& request, const ModelState& m
                      "'; its outputs are " + QuotedList(model.output_names));
     }
     decoded->outputs.push_back(found->second);
+    if (HasSharedMemoryParameters(output.parameters())) {
+      if (!shared_memory) {
+        return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, kSharedMemoryOffMessage);
+      }
+      if (!any_placed) {
+        decoded->placements.resize(decoded->outputs.size() - 1);
+        any_placed = true;
+      }
+      wire::Placement& placement = decoded->placements.emplace_back();
+      auto status =
+          SharedMemoryPlacement(name, "output", output.name(), output.parameters(), &placement);
+      if (!status.ok()) return status;
+    } else if (any_placed) {
+      decoded->placements.emplace_back();
+    }
   }
   // A model without inputs has no batch dimension to read; it runs as one row.
   decoded->batch_size = batching && batch_size > 0 ? static_cast<uint32_t>(batch_size) : 1;
@@ -389,8 +509,8 @@ grpc::Status DecodeRequest(const ModelInferRequest& request, const ModelState& m
 
 void WriteInput(const ModelInferRequest& request, const InputPlan& plan, const TensorInfo& spec,
                 uint8_t* destination) {
-  if (plan.raw) {
-    const std::string& buffer = request.raw_input_contents(plan.tensor);
+  if (plan.raw >= 0) {
+    const std::string& buffer = request.raw_input_contents(plan.raw);
     if (!buffer.empty()) std::memcpy(destination, buffer.data(), buffer.size());
     return;
   }
@@ -436,7 +556,7 @@ bool EncodeResponse(const ModelState& model, const std::string& id,
   uint64_t raw_bytes = 0;
   for (size_t i = 0; i < expected; ++i) {
     const wire::Output& output = result.outputs(static_cast<int>(i));
-    if (!arena.Contains(output.offset(), output.nbytes())) {
+    if (!output.placed() && !arena.Contains(output.offset(), output.nbytes())) {
       *problem = "output " + std::to_string(i) + " lies outside the arena";
       return false;
     }
@@ -445,7 +565,10 @@ bool EncodeResponse(const ModelState& model, const std::string& id,
     tensor->set_name(spec.name);
     tensor->set_datatype(spec.datatype);
     *tensor->mutable_shape() = output.shape();
-    raw_bytes += 1 + CodedOutputStream::VarintSize64(output.nbytes()) + output.nbytes();
+    // One written into the client's region has an empty entry, which keeps
+    // raw_output_contents aligned with outputs (clients index them together).
+    const uint64_t nbytes = output.placed() ? 0 : output.nbytes();
+    raw_bytes += 1 + CodedOutputStream::VarintSize64(nbytes) + nbytes;
   }
   const uint64_t header_bytes = header.ByteSizeLong();
   const uint64_t inner = header_bytes + raw_bytes;
@@ -461,10 +584,11 @@ bool EncodeResponse(const ModelState& model, const std::string& id,
   }
   at = header.SerializeWithCachedSizesToArray(at);
   for (const wire::Output& output : result.outputs()) {
+    const uint64_t nbytes = output.placed() ? 0 : output.nbytes();
     *at++ = kRawOutputContentsTag;
-    at = WriteVarint(output.nbytes(), at);
-    if (output.nbytes()) std::memcpy(at, arena.data() + output.offset(), output.nbytes());
-    at += output.nbytes();
+    at = WriteVarint(nbytes, at);
+    if (nbytes) std::memcpy(at, arena.data() + output.offset(), nbytes);
+    at += nbytes;
   }
   *reply = grpc::ByteBuffer(&slice, 1);
   return true;

@@ -24,6 +24,10 @@ namespace batchgate {
 
 class Arena;
 
+// What a request naming a shared-memory region, or a shared-memory RPC, is answered
+// (UNIMPLEMENTED) when the server does not serve them (server/shared_memory.py OFF_MESSAGE).
+extern const char* const kSharedMemoryOffMessage;
+
 struct RequestLimits {
   uint64_t max_request_bytes = 64u << 20;
   uint64_t max_tensor_elements = 1u << 26;
@@ -31,9 +35,13 @@ struct RequestLimits {
 
 // Where one model input comes from in the request, and what it takes in the arena.
 struct InputPlan {
-  int tensor = -1;      // index into request.inputs (and raw_input_contents)
-  bool raw = false;     // raw_input_contents, else typed contents
+  int tensor = -1;      // index into request.inputs
+  int raw = -1;         // index into raw_input_contents; -1: typed contents, or `placed`
   uint64_t nbytes = 0;  // bytes in the arena: raw little-endian, BYTES length-prefixed
+  // In a client's shared-memory region (its `shared_memory_*` parameters): nothing goes into
+  // the arena, the executor reads the bytes where `placement` names them.
+  bool placed = false;
+  wire::Placement placement;
 };
 
 struct DecodedRequest {
@@ -42,23 +50,29 @@ struct DecodedRequest {
   uint32_t batch_size = 1;
   std::vector<InputPlan> inputs;  // one per model input, in the model's order
   std::vector<uint32_t> outputs;  // requested outputs, as indexes into the model's; empty: all
+  // Infer.placements: one per entry of `outputs` when any of them asks to be written into a
+  // shared-memory region (region "" for the others), else none.
+  std::vector<wire::Placement> placements;
 };
 
 // OK, or INVALID_ARGUMENT / RESOURCE_EXHAUSTED / UNIMPLEMENTED with decode_request()'s message
-// (not yet cut to length).
+// (not yet cut to length). `shared_memory`: the server serves shared-memory tensors (else a
+// tensor with `shared_memory_*` parameters is refused).
 grpc::Status DecodeRequest(const inference::ModelInferRequest& request, const ModelState& model,
-                           const RequestLimits& limits, DecodedRequest* decoded);
+                           const RequestLimits& limits, bool shared_memory,
+                           DecodedRequest* decoded);
 
-// Writes input `plan` of `request` (model input `spec`) into `destination`, plan.nbytes long:
-// raw bytes as they are, typed contents converted to little-endian raw bytes, BYTES contents
-// as 4-byte little-endian lengths each followed by its bytes.
+// Writes input `plan` (not `placed`) of `request` (model input `spec`) into `destination`,
+// plan.nbytes long: raw bytes as they are, typed contents converted to little-endian raw bytes,
+// BYTES contents as 4-byte little-endian lengths each followed by its bytes.
 void WriteInput(const inference::ModelInferRequest& request, const InputPlan& plan,
                 const TensorInfo& spec, uint8_t* destination);
 
 // The serialized reply to a request answered with `result`: a ModelInferResponse (a
 // ModelStreamInferResponse holding it, with `for_stream`), each output's bytes copied once,
-// from the arena into the reply. False, with `problem` for the log, when the result does not fit
-// the request (an executor bug).
+// from the arena into the reply; an output the executor wrote into the client's region
+// (Output.placed) has its metadata in the reply and an empty raw_output_contents entry. False,
+// with `problem` for the log, when the result does not fit the request (an executor bug).
 bool EncodeResponse(const ModelState& model, const std::string& id,
                     const std::vector<uint32_t>& requested, const wire::Result& result,
                     const Arena& arena, bool for_stream, grpc::ByteBuffer* reply,

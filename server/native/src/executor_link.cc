@@ -152,11 +152,16 @@ void ExecutorLink::Cancel(uint64_t rid) {
 }
 
 void ExecutorLink::FreeOutputs(uint64_t generation, const wire::Result& result) {
-  if (result.outputs().empty()) return;
+  bool any = false;
+  for (const wire::Output& output : result.outputs()) any = any || !output.placed();
+  if (!any) return;
   std::unique_lock<std::mutex> lock(mu_);
   // The output region of an executor that went away started afresh with the next one.
   if (!socket_ || generation != generation_) return;
-  for (const wire::Output& output : result.outputs()) pending_.add_free(output.block());
+  for (const wire::Output& output : result.outputs()) {
+    // One written into the client's region has no block.
+    if (!output.placed()) pending_.add_free(output.block());
+  }
   Signal(lock, false);
 }
 

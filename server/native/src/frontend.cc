@@ -309,7 +309,7 @@ grpc::Status Frontend::StartInfer(const inference::ModelInferRequest& request, i
       ModelTable::Lookup(*models_.Current(), request.model_name(), request.model_version(), &model);
   if (!status.ok()) return grpc::Status(status.error_code(), Bounded(status.error_message()));
   DecodedRequest decoded;
-  status = DecodeRequest(request, *model, limits_, &decoded);
+  status = DecodeRequest(request, *model, limits_, handover_.shared_memory, &decoded);
   if (!status.ok()) return grpc::Status(status.error_code(), Bounded(status.error_message()));
 
   auto infer = std::make_unique<wire::Infer>();
@@ -319,7 +319,14 @@ grpc::Status Frontend::StartInfer(const inference::ModelInferRequest& request, i
     for (const uint64_t offset : blocks) region_->Free(offset);
   };
   for (size_t i = 0; i < decoded.inputs.size(); ++i) {
-    const InputPlan& plan = decoded.inputs[i];
+    InputPlan& plan = decoded.inputs[i];
+    auto* tensor = infer->add_inputs();
+    *tensor->mutable_shape() = request.inputs(plan.tensor).shape();
+    if (plan.placed) {
+      // The executor reads it in the client's region: nothing goes into the arena.
+      tensor->mutable_placement()->Swap(&plan.placement);
+      continue;
+    }
     const std::optional<uint64_t> offset = region_->Allocate(plan.nbytes);
     if (!offset) {
       const std::string message = "this front end's shared-memory region is full (" +
@@ -330,10 +337,8 @@ grpc::Status Frontend::StartInfer(const inference::ModelInferRequest& request, i
     }
     blocks.push_back(*offset);
     WriteInput(request, plan, model->inputs[i], arena_.data() + *offset);
-    auto* tensor = infer->add_inputs();
     tensor->set_offset(*offset);
     tensor->set_nbytes(plan.nbytes);
-    *tensor->mutable_shape() = request.inputs(plan.tensor).shape();
   }
   infer->set_model(model->handle);
   infer->set_batch_size(decoded.batch_size);
@@ -343,6 +348,7 @@ grpc::Status Frontend::StartInfer(const inference::ModelInferRequest& request, i
   // Frames are bounded (64 MiB); an id is for log lines there, and the reply echoes it whole.
   infer->set_id(request.id().substr(0, Utf8PrefixLength(request.id(), kMaxForwardedIdBytes)));
   for (const uint32_t output : decoded.outputs) infer->add_outputs(output);
+  for (wire::Placement& placement : decoded.placements) infer->add_placements()->Swap(&placement);
   uint64_t rid = 0;
   if (!link_->SubmitInfer(std::move(infer), blocks, model->generation, target, &rid, &status)) {
     free_blocks();

@@ -33,6 +33,7 @@ struct Handover {
   std::optional<std::string> tls_cert, tls_key, tls_client_ca;
   std::optional<std::string> admin_token, infer_token;
   int frontend_threads = 0;  // 0: the CPUs this process may run on
+  bool shared_memory = false;  // requests may name shared-memory regions
   LogLevel log_level = LogLevel::kInfo;
 };
 

@@ -2,6 +2,9 @@
 // input region allocator, bearer-token parsing, decode_request()'s checks and conversions, the
 // metrics exposition. Expected texts were produced by the Python code they mirror. No framework:
 // a failed check prints where and what, and the exit status counts the failures.
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -11,6 +14,7 @@
 
 #include "auth.h"
 #include "codec.h"
+#include "handover.h"
 #include "input_region.h"
 #include "metrics.h"
 #include "model_table.h"
@@ -253,7 +257,7 @@ void TestDecode() {
   // Everything but FP16, which has no typed field: "missing inputs ['IN_FP16']".
   inference::ModelInferRequest r = TypedEchoRequest();
   batchgate::DecodedRequest decoded;
-  grpc::Status status = batchgate::DecodeRequest(r, *model, limits, &decoded);
+  grpc::Status status = batchgate::DecodeRequest(r, *model, limits, false, &decoded);
   CHECK_EQ(status.error_message(), std::string("model 'echo': missing inputs ['IN_FP16']"));
 
   auto* fp16 = r.add_inputs();
@@ -262,7 +266,7 @@ void TestDecode() {
   fp16->add_shape(1);
   fp16->add_shape(3);
   decoded = {};
-  status = batchgate::DecodeRequest(r, *model, limits, &decoded);
+  status = batchgate::DecodeRequest(r, *model, limits, false, &decoded);
   CHECK_EQ(status.error_message(),
            std::string("model 'echo': input 'IN_FP16' is FP16, which has no typed contents field; "
                        "send it in raw_input_contents"));
@@ -288,7 +292,7 @@ void TestDecode() {
     return batchgate::MakeModelState(wire, 1);
   }();
   decoded = {};
-  status = batchgate::DecodeRequest(typed, *state_without, limits, &decoded);
+  status = batchgate::DecodeRequest(typed, *state_without, limits, false, &decoded);
   CHECK(status.ok());
   CHECK_EQ(decoded.batch_size, uint32_t{1});
   const uint64_t sizes[] = {3, 3, 6, 12};
@@ -302,7 +306,7 @@ void TestDecode() {
   // A value outside INT8's range.
   typed.mutable_inputs(1)->mutable_contents()->set_int_contents(1, 128);
   decoded = {};
-  status = batchgate::DecodeRequest(typed, *state_without, limits, &decoded);
+  status = batchgate::DecodeRequest(typed, *state_without, limits, false, &decoded);
   CHECK_EQ(status.error_message(),
            std::string("model 'echo': input 'IN_INT8' has values outside the range of INT8"));
 
@@ -328,7 +332,7 @@ void TestDecode() {
   t->mutable_contents()->add_bytes_contents("ab");
   t->mutable_contents()->add_bytes_contents("");
   decoded = {};
-  CHECK(batchgate::DecodeRequest(strings, *bytes_model, limits, &decoded).ok());
+  CHECK(batchgate::DecodeRequest(strings, *bytes_model, limits, false, &decoded).ok());
   CHECK_EQ(decoded.inputs[0].nbytes, uint64_t{10});
   batchgate::WriteInput(strings, decoded.inputs[0], bytes_model->inputs[0], buffer);
   CHECK(std::memcmp(buffer, "\x02\0\0\0ab\0\0\0\0", 10) == 0);
@@ -339,18 +343,289 @@ void TestDecode() {
   t->add_shape(1LL << 62);
   t->add_shape(1LL << 62);
   decoded = {};
-  status = batchgate::DecodeRequest(strings, *bytes_model, limits, &decoded);
+  status = batchgate::DecodeRequest(strings, *bytes_model, limits, false, &decoded);
   CHECK_EQ(status.error_message(),
            std::string("model 's': input 'T' must have shape [-1] (-1: any), got [4611686018427387904, "
                        "4611686018427387904]"));
   t->clear_shape();
   t->add_shape(1LL << 62);
   decoded = {};
-  status = batchgate::DecodeRequest(strings, *bytes_model, limits, &decoded);
+  status = batchgate::DecodeRequest(strings, *bytes_model, limits, false, &decoded);
   CHECK(status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
   CHECK_EQ(status.error_message(),
            std::string("model 's': input 'T' of shape [4611686018427387904] has more elements than "
                        "this server allows (--max-tensor-elements 1000)"));
+}
+
+// What the Python front end (server/codec.py) answers for the shared-memory cases of
+// TestSharedMemoryDecode.
+#define SHM_RAW_COUNT_MESSAGE                                                                  \
+  "model 'pair': 2 raw_input_contents for 1 inputs; send one raw buffer per input that is not " \
+  "in shared memory, in the order of 'inputs'"
+#define SHM_BYTE_SIZE_MESSAGE                                                                 \
+  "model 'pair': input 'IN_FP32' of shape [2, 3] and datatype FP32 needs 24 bytes, "           \
+  "shared_memory_byte_size is 20"
+#define SHM_REGION_TYPE_MESSAGE \
+  "model 'pair': input 'IN_FP32': parameter 'shared_memory_region' must be a string, got int64_param"
+#define SHM_SIZE_TYPE_MESSAGE                                                                 \
+  "model 'pair': input 'IN_FP32': parameter 'shared_memory_byte_size' must be an integer, got " \
+  "string_param"
+#define SHM_OFFSET_NEGATIVE_MESSAGE \
+  "model 'pair': input 'IN_FP32': parameter 'shared_memory_offset' must be >= 0, got -1"
+#define SHM_NOT_TOGETHER_MESSAGE                                                                 \
+  "model 'pair': input 'IN_FP32': the parameters 'shared_memory_region' and "                    \
+  "'shared_memory_byte_size' go together ('shared_memory_offset' is optional)"
+#define SHM_CONTENTS_MESSAGE \
+  "model 'pair': input 'IN_FP32' is in shared memory and has contents too; use one or the other"
+#define SHM_OFF_MESSAGE                                                                        \
+  "shared-memory tensors are off on this server (start it with --shared-memory to turn them " \
+  "on); send tensor data in raw_input_contents"
+#define SHM_OUTPUT_SIZE_TYPE_MESSAGE                                                          \
+  "model 'pair': output 'OUT_BYTES': parameter 'shared_memory_byte_size' must be an integer, " \
+  "got double_param"
+
+inference::InferParameter Int64Parameter(int64_t value) {
+  inference::InferParameter p;
+  p.set_int64_param(value);
+  return p;
+}
+
+inference::InferParameter StringParameter(const std::string& value) {
+  inference::InferParameter p;
+  p.set_string_param(value);
+  return p;
+}
+
+// A model of two inputs, FP32 [3] and BYTES [-1], and their two outputs; max_batch_size 4.
+std::shared_ptr<const ModelState> PairModel() {
+  batchgate::wire::ModelState wire;
+  wire.set_name("pair");
+  wire.set_state("READY");
+  auto* spec = wire.mutable_spec();
+  spec->set_name("pair");
+  spec->set_version("1");
+  spec->set_max_batch_size(4);
+  for (const char* t : {"FP32", "BYTES"}) {
+    auto* in = spec->add_inputs();
+    in->set_name(std::string("IN_") + t);
+    in->set_datatype(t);
+    in->add_dims(std::string(t) == "FP32" ? 3 : -1);
+    auto* out = spec->add_outputs();
+    out->set_name(std::string("OUT_") + t);
+    out->set_datatype(t);
+    out->add_dims(std::string(t) == "FP32" ? 3 : -1);
+  }
+  return batchgate::MakeModelState(wire, 1);
+}
+
+// IN_FP32 [2, 3] in region "r" (24 bytes at 8), IN_BYTES [2, 1] as a raw buffer.
+inference::ModelInferRequest PlacedPairRequest() {
+  inference::ModelInferRequest r;
+  r.set_model_name("pair");
+  auto* f = r.add_inputs();
+  f->set_name("IN_FP32");
+  f->set_datatype("FP32");
+  f->add_shape(2);
+  f->add_shape(3);
+  (*f->mutable_parameters())["shared_memory_region"].set_string_param("r");
+  (*f->mutable_parameters())["shared_memory_offset"].set_int64_param(8);
+  (*f->mutable_parameters())["shared_memory_byte_size"].set_int64_param(24);
+  auto* b = r.add_inputs();
+  b->set_name("IN_BYTES");
+  b->set_datatype("BYTES");
+  b->add_shape(2);
+  b->add_shape(1);
+  r.add_raw_input_contents(std::string("\x01\0\0\0a\0\0\0\0", 9));
+  return r;
+}
+
+void TestSharedMemoryDecode() {
+  const auto model = PairModel();
+  batchgate::RequestLimits limits;
+  const auto decode = [&](const inference::ModelInferRequest& r, batchgate::DecodedRequest* d,
+                          bool enabled = true) {
+    *d = {};
+    return batchgate::DecodeRequest(r, *model, limits, enabled, d);
+  };
+  batchgate::DecodedRequest decoded;
+
+  // The placed input takes no raw buffer and nothing in the arena; the next one takes raw 0.
+  inference::ModelInferRequest r = PlacedPairRequest();
+  grpc::Status status = decode(r, &decoded);
+  CHECK(status.ok());
+  CHECK(decoded.inputs[0].placed);
+  CHECK_EQ(decoded.inputs[0].raw, -1);
+  CHECK_EQ(decoded.inputs[0].nbytes, uint64_t{0});
+  CHECK_EQ(decoded.inputs[0].placement.region(), std::string("r"));
+  CHECK_EQ(decoded.inputs[0].placement.offset(), uint64_t{8});
+  CHECK_EQ(decoded.inputs[0].placement.nbytes(), uint64_t{24});
+  CHECK(!decoded.inputs[1].placed);
+  CHECK_EQ(decoded.inputs[1].raw, 0);
+  CHECK_EQ(decoded.inputs[1].nbytes, uint64_t{9});
+  CHECK_EQ(decoded.batch_size, uint32_t{2});
+  CHECK(decoded.placements.empty());
+
+  // uint64_param is an integer too, and the offset may be left out (tritonclient sends none
+  // for 0). A BYTES input in shared memory has no size to check here.
+  inference::ModelInferRequest u = PlacedPairRequest();
+  auto& params = *u.mutable_inputs(0)->mutable_parameters();
+  params.erase("shared_memory_offset");
+  params["shared_memory_byte_size"].set_uint64_param(24);
+  auto& bytes_params = *u.mutable_inputs(1)->mutable_parameters();
+  bytes_params["shared_memory_region"].set_string_param("s");
+  bytes_params["shared_memory_byte_size"].set_int64_param(1000);
+  u.clear_raw_input_contents();
+  CHECK(decode(u, &decoded).ok());
+  CHECK_EQ(decoded.inputs[0].placement.offset(), uint64_t{0});
+  CHECK(decoded.inputs[1].placed);
+  CHECK_EQ(decoded.inputs[1].placement.nbytes(), uint64_t{1000});
+
+  // A raw buffer for every input, the placed one too: the count is wrong.
+  r = PlacedPairRequest();
+  r.add_raw_input_contents(std::string(24, '\0'));
+  CHECK_EQ(decode(r, &decoded).error_message(),
+           std::string(SHM_RAW_COUNT_MESSAGE));
+
+  // Without shared-memory inputs, the message of before.
+  r = PlacedPairRequest();
+  r.mutable_inputs(0)->clear_parameters();
+  CHECK_EQ(decode(r, &decoded).error_message(),
+           std::string("model 'pair': 1 raw_input_contents for 2 inputs; send one raw buffer per "
+                       "input, in the order of 'inputs'"));
+
+  // The byte size must be the shape's.
+  r = PlacedPairRequest();
+  (*r.mutable_inputs(0)->mutable_parameters())["shared_memory_byte_size"].set_int64_param(20);
+  CHECK_EQ(decode(r, &decoded).error_message(), std::string(SHM_BYTE_SIZE_MESSAGE));
+
+  // Parameters of the wrong type, negative, missing.
+  const struct {
+    const char* key;
+    inference::InferParameter value;
+    const char* message;
+  } bad[] = {
+      {"shared_memory_region", Int64Parameter(1), SHM_REGION_TYPE_MESSAGE},
+      {"shared_memory_byte_size", StringParameter("24"), SHM_SIZE_TYPE_MESSAGE},
+      {"shared_memory_offset", Int64Parameter(-1), SHM_OFFSET_NEGATIVE_MESSAGE},
+  };
+  for (const auto& b : bad) {
+    r = PlacedPairRequest();
+    (*r.mutable_inputs(0)->mutable_parameters())[b.key] = b.value;
+    status = decode(r, &decoded);
+    CHECK(status.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+    CHECK_EQ(status.error_message(), std::string(b.message));
+  }
+  r = PlacedPairRequest();
+  r.mutable_inputs(0)->mutable_parameters()->erase("shared_memory_byte_size");
+  CHECK_EQ(decode(r, &decoded).error_message(), std::string(SHM_NOT_TOGETHER_MESSAGE));
+  r = PlacedPairRequest();
+  r.mutable_inputs(0)->mutable_parameters()->erase("shared_memory_region");
+  CHECK_EQ(decode(r, &decoded).error_message(), std::string(SHM_NOT_TOGETHER_MESSAGE));
+
+  // Typed contents beside the region.
+  r = PlacedPairRequest();
+  r.clear_raw_input_contents();
+  r.mutable_inputs(1)->mutable_contents()->add_bytes_contents("a");
+  r.mutable_inputs(1)->mutable_contents()->add_bytes_contents("");
+  for (int i = 0; i < 6; ++i) r.mutable_inputs(0)->mutable_contents()->add_fp32_contents(1);
+  CHECK_EQ(decode(r, &decoded).error_message(), std::string(SHM_CONTENTS_MESSAGE));
+
+  // The extension turned off.
+  status = decode(PlacedPairRequest(), &decoded, false);
+  CHECK(status.error_code() == grpc::StatusCode::UNIMPLEMENTED);
+  CHECK_EQ(status.error_message(), std::string(SHM_OFF_MESSAGE));
+
+  // Outputs: one placement per output asked for once any is placed, "" for the others.
+  r = PlacedPairRequest();
+  r.add_outputs()->set_name("OUT_FP32");
+  auto* placed = r.add_outputs();
+  placed->set_name("OUT_BYTES");
+  (*placed->mutable_parameters())["shared_memory_region"].set_string_param("out");
+  (*placed->mutable_parameters())["shared_memory_offset"].set_uint64_param(16);
+  (*placed->mutable_parameters())["shared_memory_byte_size"].set_int64_param(64);
+  CHECK(decode(r, &decoded).ok());
+  CHECK_EQ(decoded.outputs.size(), size_t{2});
+  CHECK_EQ(decoded.placements.size(), size_t{2});
+  CHECK_EQ(decoded.placements[0].region(), std::string());
+  CHECK_EQ(decoded.placements[1].region(), std::string("out"));
+  CHECK_EQ(decoded.placements[1].offset(), uint64_t{16});
+  CHECK_EQ(decoded.placements[1].nbytes(), uint64_t{64});
+  r.add_outputs()->set_name("OUT_FP32");
+  CHECK(decode(r, &decoded).ok());
+  CHECK_EQ(decoded.placements.size(), size_t{3});
+  CHECK_EQ(decoded.placements[2].region(), std::string());
+  (*placed->mutable_parameters())["shared_memory_byte_size"].set_double_param(64);
+  CHECK_EQ(decode(r, &decoded).error_message(), std::string(SHM_OUTPUT_SIZE_TYPE_MESSAGE));
+}
+
+// An output placed in the client's region: its metadata in the reply, no contents.
+void TestPlacedOutputReply() {
+  const auto model = PairModel();
+  const int fd = memfd_create("unit-test-arena", 0);
+  CHECK(fd >= 0 && ftruncate(fd, 4096) == 0);
+  batchgate::Arena arena;
+  std::string error;
+  CHECK(arena.Map(fd, 4096, &error));
+  close(fd);
+  std::memcpy(arena.data() + 256, "\x01\0\0\0z", 5);
+  batchgate::wire::Result result;
+  auto* first = result.add_outputs();
+  first->set_placed(true);
+  first->add_shape(2);
+  first->add_shape(3);
+  auto* second = result.add_outputs();
+  second->set_block(256);
+  second->set_offset(256);
+  second->set_nbytes(5);
+  second->add_shape(1);
+  second->add_shape(1);
+  grpc::ByteBuffer reply;
+  std::string problem;
+  CHECK(batchgate::EncodeResponse(*model, "id", {}, result, arena, false, &reply, &problem));
+  inference::ModelInferResponse response;
+  std::vector<grpc::Slice> slices;
+  CHECK(reply.Dump(&slices).ok());
+  std::string bytes;
+  for (const grpc::Slice& slice : slices) {
+    bytes.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+  }
+  CHECK(response.ParseFromString(bytes));
+  CHECK_EQ(response.outputs_size(), 2);
+  CHECK_EQ(response.outputs(0).name(), std::string("OUT_FP32"));
+  CHECK_EQ(response.outputs(0).datatype(), std::string("FP32"));
+  CHECK_EQ(response.outputs(0).shape_size(), 2);
+  CHECK_EQ(response.outputs(0).shape(1), int64_t{3});
+  // An empty entry for the placed one keeps raw_output_contents aligned with outputs.
+  CHECK_EQ(response.raw_output_contents_size(), 2);
+  CHECK_EQ(response.raw_output_contents(0), std::string());
+  CHECK_EQ(response.raw_output_contents(1), std::string("\x01\0\0\0z", 5));
+}
+
+// settings.shared_memory (server/settings.py): read from the handover, which must carry it.
+void TestHandoverSharedMemory() {
+  const std::string head =
+      R"({"slot": 0, "arena_fd": 3, "arena_bytes": 1048576, "input_region": [0, 524288],
+          "executor_socket": "s", "metrics_socket": "m", "grpc_port": 0, "version": "0.1.0",
+          "extensions": ["health", "system_shared_memory"], "seconds_buckets": [0.001, 0.01],
+          "settings": {"host": "127.0.0.1", "max_message_bytes": 1024,
+          "max_request_bytes": 4096, "max_tensor_elements": 100, "drain_timeout_s": 1,
+          "reflection": true, "tls_cert": null, "tls_key": null, "tls_client_ca": null,
+          "admin_token": null, "infer_token": null, "frontend_threads": 1,
+          "log_level": "info")";
+  batchgate::Handover handover;
+  std::string error;
+  CHECK(batchgate::ParseHandover(head + R"(, "shared_memory": true}})", &handover, &error));
+  CHECK(handover.shared_memory);
+  CHECK_EQ(handover.extensions.size(), size_t{2});
+  batchgate::Handover off;
+  CHECK(batchgate::ParseHandover(head + R"(, "shared_memory": false}})", &off, &error));
+  CHECK(!off.shared_memory);
+  batchgate::Handover without;
+  CHECK(!batchgate::ParseHandover(head + "}}", &without, &error));
+  CHECK_EQ(error, std::string("handover key 'settings.shared_memory' is missing"));
+  batchgate::Handover wrong;
+  CHECK(!batchgate::ParseHandover(head + R"(, "shared_memory": 1}})", &wrong, &error));
+  CHECK_EQ(error, std::string("handover key 'settings.shared_memory' must be true or false"));
 }
 
 void TestMetrics() {
@@ -384,6 +659,9 @@ int main() {
   TestInputRegion();
   TestBearerTokens();
   TestDecode();
+  TestSharedMemoryDecode();
+  TestPlacedOutputReply();
+  TestHandoverSharedMemory();
   TestMetrics();
   std::fprintf(stderr, "%d of %d checks failed\n", g_failures, g_checks);
   return g_failures ? 1 : 0;
