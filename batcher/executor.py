@@ -51,6 +51,7 @@ import numpy as np
 import structlog
 import torch
 
+from batcher import gpu
 from batcher import graphs as cuda_graphs
 from batcher import precision as precisions
 from batcher.buckets import BatchBuckets
@@ -65,7 +66,7 @@ from batcher.request import InferenceRequest
 from batcher.spec import ModelSpec, TensorSpec
 from batcher.staging import InputStager, Staged
 from batcher.tensors import TORCH_DTYPES, bytes_tensor, host_array, to_numpy, to_torch
-from batcher.watchdog import ExecutionTimeout, TimedRunner, TooManyHungCalls
+from batcher.watchdog import MAX_ABANDONED, ExecutionTimeout, TimedRunner, TooManyHungCalls
 
 log = structlog.get_logger(__name__)
 
@@ -76,7 +77,7 @@ _interop_set = False
 class Slot:
     """One batch in flight: the input buffers a batch's requests are gathered into."""
 
-    __slots__ = ("index", "inputs", "host")
+    __slots__ = ("index", "inputs", "host", "pinned", "_pinned_views")
 
     def __init__(self, index: int, inputs: Sequence[torch.Tensor]) -> None:
         self.index = index
@@ -84,6 +85,17 @@ class Slot:
         # On the CPU, numpy views of the buffers: np.copyto takes read-only sources as they are.
         cpu = all(t.device.type == "cpu" for t in self.inputs)
         self.host = [host_array(t) for t in self.inputs] if cpu else None
+        # On a GPU, pinned host copies of the buffers that host inputs are gathered into
+        # (made at the first gather from host memory: the warm-up's).
+        self.pinned: tuple[torch.Tensor, ...] = ()
+        self._pinned_views: list[np.ndarray] = []
+
+    def pinned_views(self) -> list[np.ndarray]:
+        if not self.pinned:
+            self.pinned = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                                for t in self.inputs)
+            self._pinned_views = [host_array(t) for t in self.pinned]
+        return self._pinned_views
 
 
 @dataclasses.dataclass
@@ -101,6 +113,7 @@ class ExecutorPlan:
     on_oom: Callable[[int, int], None] | None = None  # (rows that failed, new largest)
     on_copies: Callable[[int, int], None] | None = None  # (staged when queued, copied at batch)
     after_batch: Callable[[], None] | None = None
+    memory: gpu.ModelMemory | None = None  # the model's pools (None: the default allocator)
 
 
 def default_plan(spec: ModelSpec) -> ExecutorPlan:
@@ -208,6 +221,11 @@ class Executor:
         self._finishing: queue_module.SimpleQueue[tuple | None] = queue_module.SimpleQueue()
         self._copy_stream = torch.cuda.Stream(self._device) if self._cuda else None
         self._compute_stream = torch.cuda.Stream(self._device) if self._cuda else None
+        self._output_stream = torch.cuda.Stream(self._device) if self._cuda else None
+        self._outputs_read: Any = None  # the last batch's output copies (an event)
+        self._memory = (self._plan.memory if self._plan.memory is not None
+                        else gpu.ModelMemory("cpu"))
+        self._overdue: list[Batch] = []  # failed past the timeout, device work still running
         self._input_types = [t.datatype for t in spec.inputs]
         self._output_specs: Sequence[TensorSpec] = spec.outputs
         self._bytes_outputs = tuple(i for i, o in enumerate(spec.outputs) if o.datatype == "BYTES")
@@ -312,7 +330,9 @@ class Executor:
         graphs = cuda_graphs.BucketGraphs(
             self._device, lambda inputs, capturing: self._forward(inputs, len(inputs[0]),
                                                                   capturing=capturing),
-            static_inputs, static_outputs)
+            static_inputs, static_outputs,
+            pool=self._memory.graph_pool_id() if self._memory.measures else None,
+            use_pool=self._memory.use)
         try:
             graphs.capture()
         except Exception as exc:
@@ -458,8 +478,22 @@ class Executor:
 
     def _finish_loop(self) -> None:
         torch.cuda.set_device(self._device)
+        try:
+            while (item := self._finishing.get()) is not None:
+                self._complete(*item)
+                self._retire()
+        except InstanceDead as exc:
+            self._die(str(exc), None)
+            self._fail_finishing()
+        except BaseException as exc:
+            self._die(f"its finishing thread failed ({type(exc).__name__})", exc)
+            self._fail_finishing()
+
+    def _fail_finishing(self) -> None:
+        """The finisher stopped: the batches still handed to it fail (compute goes on until
+        its end mark)."""
         while (item := self._finishing.get()) is not None:
-            self._complete(*item)
+            self._finish(item[0], None, self._dead_error())
             self._retire()
 
     def _retire(self) -> None:
@@ -508,7 +542,7 @@ class Executor:
         rows = batch.samples
         batch.bucket = self._buckets.pad(rows) if self._batching else 1
         stream = torch.cuda.stream(self._copy_stream) if self._cuda else contextlib.nullcontext()
-        with stream:
+        with self._memory.use(), stream:
             self._gather(batch)
             if batch.bucket > rows:
                 for buffer in batch.slot.inputs:
@@ -522,29 +556,64 @@ class Executor:
                        and rows <= self._buckets.largest)
 
     def _gather(self, batch: Batch) -> None:
-        """Each request's rows into the slot's buffers, from its staged blocks if it has them."""
-        slot, offset, staged_count = batch.slot, 0, 0
-        for request in batch.requests:
-            rows = request.batch_size
-            where = slice(offset, offset + rows) if self._batching else slice(None)
-            staged = self._stager.claim(request) if self._stager is not None else None
-            if staged is not None:
-                batch.staged.append(staged)
-                staged_count += 1
-                if staged.ready is not None:
-                    self._copy_stream.wait_event(staged.ready)
-                for buffer, block in zip(slot.inputs, staged.blocks):
-                    buffer[where].copy_(block.tensor, non_blocking=self._cuda)
-            elif slot.host is not None:
-                for target, array in zip(slot.host, request.inputs):
-                    np.copyto(target[where], array)
+        """The requests' rows into the slot's buffers: one operation per input (a ``torch.cat``
+        of their staged blocks, or a host concatenation and, on a GPU, one copy from pinned
+        memory), per request only when a batch mixes staged and unstaged requests."""
+        slot, requests = batch.slot, batch.requests
+        claimed = ([self._stager.claim(r) for r in requests] if self._stager is not None
+                   else [None] * len(requests))
+        staged = [c for c in claimed if c is not None]
+        batch.staged.extend(staged)
+        for item in staged:
+            if item.ready is not None:
+                self._copy_stream.wait_event(item.ready)
+        rows = batch.samples
+        if not self._batching:  # one request; the buffers are one sample
+            if staged:
+                for buffer, block in zip(slot.inputs, staged[0].blocks):
+                    buffer.copy_(block.tensor, non_blocking=self._cuda)
             else:
-                for buffer, array, datatype in zip(slot.inputs, request.inputs,
-                                                   self._input_types):
-                    buffer[where].copy_(to_torch(array, datatype), non_blocking=True)
-            offset += rows
+                self._from_host(slot, [request.inputs for request in requests], None)
+        elif len(staged) == len(requests):
+            for i, buffer in enumerate(slot.inputs):
+                blocks = [item.blocks[i].tensor for item in staged]
+                if len(blocks) == 1:
+                    buffer[:rows].copy_(blocks[0], non_blocking=self._cuda)
+                else:
+                    torch.cat(blocks, out=buffer[:rows])
+        elif not staged:
+            self._from_host(slot, [request.inputs for request in requests], rows)
+        else:
+            offset = 0
+            for request, item in zip(requests, claimed):
+                where = slice(offset, offset + request.batch_size)
+                if item is not None:
+                    for buffer, block in zip(slot.inputs, item.blocks):
+                        buffer[where].copy_(block.tensor, non_blocking=self._cuda)
+                else:
+                    self._from_host(slot, [request.inputs], request.batch_size, where)
+                offset += request.batch_size
         if self._plan.on_copies is not None and batch.id:  # id 0: a warm-up run
-            self._plan.on_copies(staged_count, len(batch.requests) - staged_count)
+            self._plan.on_copies(len(staged), len(requests) - len(staged))
+
+    def _from_host(self, slot: Slot, inputs: list[Sequence[np.ndarray]], rows: int | None,
+                   where: slice | None = None) -> None:
+        """Host arrays (per request, per input) into ``slot``'s buffers at ``where`` (default:
+        from row 0): on the CPU one concatenation per input straight into the buffer; on a GPU
+        into the slot's pinned host mirror, then one asynchronous copy per input (from pinned
+        memory the copy is a real DMA; from the request's pageable bytes it would not be)."""
+        if where is None:
+            where = slice(0, rows) if rows is not None else slice(None)
+        targets = slot.host if slot.host is not None else slot.pinned_views()
+        for i, target in enumerate(targets):
+            arrays = [request_inputs[i] for request_inputs in inputs]
+            if len(arrays) == 1:
+                np.copyto(target[where], arrays[0])
+            else:
+                np.concatenate(arrays, out=target[where])
+        if slot.host is None:
+            for buffer, pinned in zip(slot.inputs, slot.pinned):
+                buffer[where].copy_(pinned[where], non_blocking=True)
 
     def _concatenate(self, batch: Batch) -> None:
         requests = batch.requests
@@ -561,13 +630,13 @@ class Executor:
         if not self._cuda:
             batch.tensors = tensors
             return
-        with torch.cuda.stream(self._copy_stream):
+        with self._memory.use(), torch.cuda.stream(self._copy_stream):
             batch.tensors = [
                 t.to(self._device, non_blocking=True) if isinstance(t, torch.Tensor) else t
                 for t in tensors
             ]
             batch.ready = torch.cuda.Event()
-            batch.ready.record()
+            batch.ready.record(self._copy_stream)
 
     # -- computing one batch ------------------------------------------------------------------
 
@@ -607,6 +676,15 @@ class Executor:
         except Exception as exc:
             log.exception("model_raised", model=spec.name, batch=batch.id, size=batch.samples,
                           requests=[r.id for r in batch.requests])
+            if gpu.classify(exc) == "sticky":
+                # The CUDA context is broken: every later call would fail too.
+                reason = f"a CUDA error broke the device ({precisions._first_line(exc)})"
+                self._finish(batch, None, ModelExecutionError(
+                    f"model '{spec.name}' hit a CUDA error that leaves {spec.device} unusable "
+                    "while running a batch; it stopped serving and the server log has the "
+                    "details"))
+                gpu.device_lost(reason)
+                raise InstanceDead(reason) from None
             error = ModelExecutionError(
                 f"model '{spec.name}' raised {type(exc).__name__} while running a batch of "
                 f"{batch.samples}; the server log has the details")
@@ -630,15 +708,26 @@ class Executor:
         copies are still under way: they are valid once ``batch.done`` has completed."""
         if not self._cuda:
             return [self._owned(t) for t in self._run(batch)]
-        stream = self._graphs.shared.replay_stream if batch.graph else self._compute_stream
-        with torch.cuda.stream(stream):
+        stream = self._graphs.replay_stream if batch.graph else self._compute_stream
+        with self._memory.use(), torch.cuda.stream(stream):
             if batch.ready is not None:
                 stream.wait_event(batch.ready)
+            if batch.graph and self._outputs_read is not None:
+                # The replay rewrites the graph's fixed output buffers: the last batch's
+                # copies out of them (on the output stream) must have been made.
+                stream.wait_event(self._outputs_read)
             if not self._pooled:
                 for t in batch.tensors:  # allocated on the copy stream, used on this one
                     if isinstance(t, torch.Tensor):
                         t.record_stream(stream)
             outputs = self._run(batch)
+            computed = torch.cuda.Event()
+            computed.record(stream)
+        # The device-to-host copies run on a stream of their own, so the next batch's compute
+        # does not queue behind them on this one.
+        out = self._output_stream
+        with torch.cuda.stream(out):
+            out.wait_event(computed)
             host = []
             for tensor, spec in zip(outputs, self._output_specs):
                 if not isinstance(tensor, torch.Tensor):  # BYTES: already on the host
@@ -647,9 +736,11 @@ class Executor:
                 pinned = torch.empty(tensor.shape, dtype=TORCH_DTYPES[spec.datatype],
                                      pin_memory=True)
                 pinned.copy_(tensor, non_blocking=True)
+                tensor.record_stream(out)  # not reused before the copy has read it
                 host.append(pinned)
-            batch.done = torch.cuda.Event()
-            batch.done.record(stream)
+            batch.done = gpu.host_event()
+            batch.done.record(out)
+        self._outputs_read = batch.done
         return host
 
     def _run(self, batch: Batch) -> list[torch.Tensor]:
@@ -677,20 +768,22 @@ class Executor:
         running = tensors[0].shape[0] if self._pooled else rows
         try:
             outputs = self._forward(tensors, running)
-        except torch.OutOfMemoryError:
-            if self._warming:
+        except Exception as exc:
+            if self._warming or gpu.classify(exc) != "oom":
                 raise
-            if rows == 1:
-                raise ResourceExhausted(
-                    f"model '{self._spec.name}' ran out of device memory on a single sample"
-                ) from None
-            largest = self._buckets.lower(running)
-            log.warning("batch_out_of_memory", model=self._spec.name, rows=running,
-                        largest_bucket=largest, retrying_in=2)
-            if self._plan.on_oom is not None:
-                self._plan.on_oom(running, largest)
-            return self._in_pieces(tensors, rows, min(largest, -(-rows // 2)))
-        return [t[:rows] for t in outputs] if running != rows else outputs
+        else:
+            return [t[:rows] for t in outputs] if running != rows else outputs
+        # Out of memory. Split only here, outside the except block: inside it the exception's
+        # traceback keeps the failed forward's frames, and their activations, alive.
+        if rows == 1:
+            raise ResourceExhausted(
+                f"model '{self._spec.name}' ran out of device memory on a single sample")
+        largest = self._buckets.lower(running)
+        log.warning("batch_out_of_memory", model=self._spec.name, rows=running,
+                    largest_bucket=largest, retrying_in=2)
+        if self._plan.on_oom is not None:
+            self._plan.on_oom(running, largest)
+        return self._in_pieces(tensors, rows, min(largest, -(-rows // 2)))
 
     def _in_pieces(self, tensors: Sequence[Any], rows: int, size: int) -> list[torch.Tensor]:
         parts = [self._eager([t[start:min(start + size, rows)] for t in tensors],
@@ -718,10 +811,14 @@ class Executor:
 
     def _complete(self, batch: Batch, outputs: list[torch.Tensor], started: int,
                   infer_done: int) -> None:
+        self._reap_overdue()
+        if batch.done is not None:
+            # Outside the try below: an instance declared dead here must stop its thread.
+            if not gpu.wait_event(batch.done, self._device_time_left(batch)):
+                self._device_overran(batch)
+                return
+            infer_done = time.perf_counter_ns()
         try:
-            if batch.done is not None:
-                batch.done.synchronize()
-                infer_done = time.perf_counter_ns()
             host = [to_numpy(t, o.datatype) for t, o in zip(outputs, self._output_specs)]
             results = self._split(batch.requests, host)
         except Exception as exc:
@@ -737,6 +834,46 @@ class Executor:
         self._on_batch(batch, infer_done - started, done - infer_done)
         self._finish(batch, results, None, outputs=host)
 
+    def _device_time_left(self, batch: Batch) -> float | None:
+        """Seconds left of the batch's ``execution_timeout_ms`` (None: no limit). The limit
+        covers the device's work, not only the launches: it counts from the compute's start."""
+        timeout_ms = self._spec.execution_timeout_ms
+        if not timeout_ms or batch.started_at is None:
+            return None
+        return batch.started_at + timeout_ms / 1e3 - time.monotonic()
+
+    def _device_overran(self, batch: Batch) -> None:
+        """The batch's device work outlived ``execution_timeout_ms`` (a hung or far too slow
+        kernel): it fails; its slot and staged blocks stay with it until its event completes
+        (``_reap_overdue``). Too many such batches still running and the instance is dead."""
+        spec = self._spec
+        log.error("batch_timed_out", model=spec.name, batch=batch.id, size=batch.samples,
+                  execution_timeout_ms=spec.execution_timeout_ms, on="device",
+                  requests=[r.id for r in batch.requests])
+        with self._running_lock:
+            self._overdue.append(batch)
+            overdue = len(self._overdue)
+        self._finish(batch, None, ModelExecutionError(
+            f"model '{spec.name}' did not finish a batch of {batch.samples} within "
+            f"execution_timeout_ms={spec.execution_timeout_ms} (its work on {spec.device} was "
+            "still running); the batch failed"), inputs_in_use=True)
+        if overdue > MAX_ABANDONED:
+            raise InstanceDead(f"{overdue} batches overran execution_timeout_ms="
+                               f"{spec.execution_timeout_ms} on the device and are still running")
+
+    def _reap_overdue(self) -> None:
+        """Overdue batches whose device work has ended give back their inputs."""
+        with self._running_lock:
+            if not self._overdue:
+                return
+            ended = [b for b in self._overdue if b.done.query()]
+            self._overdue = [b for b in self._overdue if b not in ended]
+        for batch in ended:
+            if batch.staged:
+                self._stager.release(batch.staged)
+                batch.staged = []
+            self._deliver(Outcome(batch, None, None, release_only=True))
+
     def _fail(self, batch: Batch, error: Exception) -> None:
         if self._cuda:
             # The failed forward may have left copies or kernels reading the slot's buffers:
@@ -750,7 +887,7 @@ class Executor:
                 inputs_in_use: bool = False) -> None:
         batch.tensors = []
         if inputs_in_use:
-            self._replace_slot(batch.slot)
+            self._replace_slot(batch.slot)  # staged blocks too stay with the batch
         else:
             self._recycle(batch)
         if self._on_inflight is not None:
