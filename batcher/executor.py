@@ -678,12 +678,14 @@ class Executor:
                           requests=[r.id for r in batch.requests])
             if gpu.classify(exc) == "sticky":
                 # The CUDA context is broken: every later call would fail too.
+                # The instance (and the process's hook) hear of it before the batch's callers.
                 reason = f"a CUDA error broke the device ({precisions._first_line(exc)})"
+                gpu.device_lost(reason)
+                self._die(reason, None)
                 self._finish(batch, None, ModelExecutionError(
                     f"model '{spec.name}' hit a CUDA error that leaves {spec.device} unusable "
                     "while running a batch; it stopped serving and the server log has the "
                     "details"))
-                gpu.device_lost(reason)
                 raise InstanceDead(reason) from None
             error = ModelExecutionError(
                 f"model '{spec.name}' raised {type(exc).__name__} while running a batch of "
