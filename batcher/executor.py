@@ -259,7 +259,8 @@ class Executor:
         thread configured like the compute thread; then capture the CUDA graphs, if planned.
 
         Returns ``batch_sizes`` (rows each run had, padding included), ``activation_bytes``
-        (CUDA: the most the largest run allocated beyond what was live before, else None),
+        (where the model's memory is measured, on CUDA: the most the largest run allocated
+        beyond what was live before, else None),
         ``graphs`` (what became of the CUDA graphs, "" when none were planned) and ``timed``
         ((rows, seconds) of a second run per batch size). Raises what a run raised; out of
         memory is not split here: a model that does not fit must not load.
@@ -296,17 +297,15 @@ class Executor:
         request = InferenceRequest([np.array(a) for a in arrays], batch_size=rows)
         batch = Batch(0, [request], "warmup")
         batch.slot = self._plan.slots[0]
-        measure = self._cuda and rows == self._spec.batching.max_batch_size
+        measure = self._memory.measures and rows == max(self._spec.batching.max_batch_size, 1)
         if measure:
-            torch.cuda.synchronize(self._device)
-            before = torch.cuda.memory_allocated(self._device)
-            torch.cuda.reset_peak_memory_stats(self._device)
+            before = self._memory.start_peak()
         self._assemble(batch)
         self._launch(batch)
         if batch.done is not None:
             batch.done.synchronize()
         if measure:
-            peak = torch.cuda.max_memory_allocated(self._device) - before
+            peak = self._memory.peak_since(before)
             report["activation_bytes"] = max(peak, report["activation_bytes"] or 0)
         return batch.bucket
 
@@ -373,6 +372,12 @@ class Executor:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             thread.join(left)
         return not any(t.is_alive() for t in self._threads)
+
+    def release_module(self) -> None:
+        """The instance has stopped: drop what keeps the model's memory alive (its module,
+        its graphs), so that its pools can go back to the device."""
+        self._module = None
+        self._graphs = None
 
     # -- the threads ---------------------------------------------------------------------------
 

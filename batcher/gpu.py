@@ -119,6 +119,9 @@ class PoolStats:
     allocated: int  # of which live tensors use
 
 
+FOOTPRINT_PARTS = ("weights", "activations", "graphs", "staging", "plan")
+
+
 @dataclasses.dataclass(frozen=True)
 class Footprint:
     """What a model holds on its device, measured at warm-up (bytes)."""
@@ -208,6 +211,22 @@ class ModelMemory:
     def free_and_total(self) -> tuple[int, int]:
         """The device's free and total memory now."""
         return torch.cuda.mem_get_info(self.device)
+
+    def device_stats(self) -> PoolStats:
+        """What this process's allocator holds on the device, every pool together."""
+        return PoolStats(torch.cuda.memory_reserved(self.device),
+                         torch.cuda.memory_allocated(self.device))
+
+    def start_peak(self) -> int:
+        """Begin measuring a peak: the device's allocated bytes now (after a synchronize)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak_since(self, start: int) -> int:
+        """The most allocated beyond ``start`` since ``start_peak``."""
+        torch.cuda.synchronize(self.device)
+        return max(0, torch.cuda.max_memory_allocated(self.device) - start)
 
     def close(self) -> None:
         """The model is gone: drop its pools and give their cached segments back."""

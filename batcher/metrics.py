@@ -229,6 +229,7 @@ class ModelMetrics:
         self._profile_seconds = metrics.profile_seconds
         self._profile_children: dict[int, tuple[Gauge, Gauge]] = {}
         self._device_share_seconds = metrics.device_share_seconds
+        self._metrics = metrics
         self._model = model
         self.pool_bytes_reserved = metrics.model_pool_bytes_reserved.labels(model)
         self.pool_bytes_in_use = metrics.model_pool_bytes_in_use.labels(model)
@@ -250,3 +251,19 @@ class ModelMetrics:
 
     def device_share_seconds(self, device: str):
         return self._device_share_seconds.labels(self._model, device)
+
+    def model_device_bytes_reserved(self, device: str):
+        return self._metrics.model_device_bytes_reserved.labels(self._model, device)
+
+    def model_device_bytes_allocated(self, device: str):
+        return self._metrics.model_device_bytes_allocated.labels(self._model, device)
+
+    def footprint_bytes(self, device: str, part: str):
+        return self._metrics.model_footprint_bytes.labels(self._model, device, part)
+
+    def device(self, device: str, reserved: int, allocated: int) -> None:
+        """The device's figures, every model's pools together."""
+        metrics = self._metrics
+        metrics.device_bytes_reserved.labels(device).set(reserved)
+        metrics.device_bytes_allocated.labels(device).set(allocated)
+        metrics.device_fragmentation_bytes.labels(device).set(reserved - allocated)

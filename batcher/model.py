@@ -40,6 +40,7 @@ import numpy as np
 import structlog
 import torch
 
+from batcher import gpu
 from batcher import graphs as cuda_graphs
 from batcher import precision as precisions
 from batcher.admission import Admission
@@ -105,12 +106,18 @@ class ServedModel:
         pools: DevicePools | None = None,
         on_failed: Callable[[str], None] | None = None,
         profile: LatencyProfile | None = None,
+        memory: gpu.ModelMemory | None = None,
     ) -> None:
         """``pools``: the server's device memory pools; without them (tests, benchmarks) the
         model's buffers are plain tensors. ``on_failed(reason)``: an instance stopped for good
         (called from its thread). ``profile``: batch times to start from (tests), instead of
-        those measured at warm-up."""
+        those measured at warm-up. ``memory``: the model's own allocator pools, which its
+        weights were loaded under (default: new ones, which its weights are not in); this
+        model closes them when it stops."""
         self._spec = spec
+        self.memory = memory if memory is not None else gpu.ModelMemory(spec.device, spec.name)
+        self.footprint: gpu.Footprint | None = None
+        self._memory_refreshed = 0.0
         self._on_failed = on_failed
         self._failed = False
         self._failed_lock = threading.Lock()
@@ -185,13 +192,16 @@ class ServedModel:
             check_inputs = self._warmup_inputs[0]
         # warmup false: the model must not run before it is ready, so neither does the check.
         skipped = None if spec.warmup else "the warmup parameter is false"
-        self._module, checked = precisions.check(
-            spec, self._module, None if skipped else check_inputs, self._run_once, skipped)
+        with self.memory.use():  # fp16 weights are converted here
+            self._module, checked = precisions.check(
+                spec, self._module, None if skipped else check_inputs, self._run_once, skipped)
+        weights = self._weight_bytes()
         graph_buckets, graphs_status = self._graph_plan()
         self._reserve(graph_buckets)
         self._executors = [self._executor(i, reservation)
                            for i, (_, reservation) in enumerate(self._reservations)]
         warm = self._warm_up()
+        self._admit_footprint(weights, warm)
         if graph_buckets:
             graphs_status = warm["graphs"]
         if not self._profile_given:
@@ -206,7 +216,13 @@ class ServedModel:
             "activation_bytes": ("not measured on the CPU" if warm["activation_bytes"] is None
                                  else str(warm["activation_bytes"])),
             "warmed_up_batch_sizes": ",".join(map(str, warm["batch_sizes"])) or "none",
+            "weight_bytes": str(weights),
         }
+        if self.footprint is not None:
+            self.load_report.update(self.footprint.parameters())
+        else:
+            self.load_report["footprint_bytes"] = "not measured on the CPU"
+        self._refresh_memory(force=True)
         if self._metrics is not None:
             self._metrics.largest_bucket.set(self._buckets.largest)
         if self._stager is not None:
@@ -237,6 +253,68 @@ class ServedModel:
             returned = [returned[o.name] for o in self._spec.outputs]
         # BYTES outputs have no precision: the check compares the numeric ones.
         return [t for t, o in zip(returned, self._spec.outputs) if o.datatype != "BYTES"]
+
+    def _weight_bytes(self) -> int:
+        """What the model holds before any batch: its pool's allocated bytes when its weights
+        were loaded under it, else its parameters' and buffers' bytes on its device."""
+        stats = self.memory.stats()
+        in_pool = stats["eager"].allocated if stats is not None else 0
+        return in_pool or gpu.module_bytes(self._module, torch.device(self._spec.device))
+
+    def _admit_footprint(self, weights: int, warm: dict[str, Any]) -> None:
+        """Measure what the warm model holds and admit it against the device's free memory
+        (where memory is measured: CUDA). Raises ResourceExhausted; ``stop`` then frees it."""
+        memory = self.memory
+        if not memory.measures:
+            return
+        stats = memory.stats() or {}
+        graphs = stats["graphs"].reserved if "graphs" in stats else 0
+        plan = sum(r.nbytes for _, r in self._reservations if r)
+        staging = self._stager.cap_bytes if self._stager is not None else 0
+        self.footprint = footprint = gpu.Footprint(
+            weights=weights, activations=warm["activation_bytes"] or 0, graphs=graphs,
+            staging=staging, plan=plan)
+        # Taken from the device already: the pools' segments (which hold the warm-up's peak)
+        # and the plan and staging, which come out of the device pool reserved before.
+        held = sum(s.reserved for s in stats.values()) + plan + staging
+        free, total = memory.free_and_total()
+        try:
+            gpu.admit(self._spec.name, self._spec.device, footprint, held=held, free=free,
+                      total=total)
+        except ResourceExhausted as exc:
+            log.error("model_does_not_fit", model=self._spec.name, reason=str(exc))
+            raise
+        log.info("model_footprint", model=self._spec.name, device=self._spec.device,
+                 **footprint.parameters(), device_free_bytes=free)
+
+    def _refresh_memory(self, *, force: bool = False, closing: bool = False) -> None:
+        """Set the memory gauges of this model and its device (at most once a second, after
+        batches: reading the pools walks the allocator's segments)."""
+        metrics, memory = self._metrics, self.memory
+        if metrics is None or not memory.measures and not closing:
+            return
+        now = time.monotonic()
+        if not force and now - self._memory_refreshed < 1.0:
+            return
+        self._memory_refreshed = now
+        device = self._spec.device
+        reserved_gauge = metrics.model_device_bytes_reserved(device)
+        allocated_gauge = metrics.model_device_bytes_allocated(device)
+        stats = None if closing else memory.stats()
+        if stats is None:
+            reserved_gauge.set(0)
+            allocated_gauge.set(0)
+            for part in gpu.FOOTPRINT_PARTS:
+                metrics.footprint_bytes(device, part).set(0)
+        else:
+            reserved_gauge.set(sum(s.reserved for s in stats.values()))
+            allocated_gauge.set(sum(s.allocated for s in stats.values()))
+            if self.footprint is not None:
+                for part in gpu.FOOTPRINT_PARTS:
+                    metrics.footprint_bytes(device, part).set(getattr(self.footprint, part))
+        if memory.measures:
+            whole = memory.device_stats()
+            metrics.device(device, whole.reserved, whole.allocated)
 
     def _graph_plan(self) -> tuple[tuple[int, ...], str]:
         """The buckets to capture CUDA graphs for, and what to report when there are none."""
@@ -334,13 +412,18 @@ class ServedModel:
             slots=slots, buckets=self._buckets, stager=self._stager, graph_buffers=graph_buffers,
             owned_storage=owned, on_oom=self._record_oom,
             on_copies=self._record_copies if metrics is not None else None,
-            after_batch=(lambda: self._pools.refresh(pool)) if pool is not None else None)
+            after_batch=lambda: self._after_batch(pool), memory=self.memory)
         return Executor(
             spec, self._module, index=index, next_batch=self._queue.next_batch,
             wake=self._queue.wake, deliver=self._post, on_batch=self._record_batch,
             batch_ids=_next_batch_id,
             on_inflight=self._on_inflight, on_dead=self._instance_died, plan=plan,
             turns=self._turns)
+
+    def _after_batch(self, pool: DevicePool | None) -> None:
+        if pool is not None:
+            self._pools.refresh(pool)
+        self._refresh_memory()
 
     def _warm_up(self) -> dict[str, Any]:
         """Warm every instance; the first one's report (they run the same batches)."""
@@ -403,11 +486,22 @@ class ServedModel:
         hung = sum(e.hung_calls for e in self._executors)
         if drained and not hung:
             self._release()
+            self._close_memory()
         elif self._reservations:
             # A batch still running (a drain that timed out, a call that hung) may write the
             # buffers: they stay reserved rather than go to another model.
             log.warning("memory_plan_kept", model=self._spec.name, hung_calls=hung,
                         bytes=sum(r.nbytes for _, r in self._reservations if r))
+
+    def _close_memory(self) -> None:
+        """Give the model's pools back to the device: its executors and plan are gone, and
+        its module goes with them (the pools' segments are freed once nothing uses them)."""
+        if self.memory.measures:
+            for executor in self._executors:
+                executor.release_module()
+            self._module = None
+            self._refresh_memory(force=True, closing=True)
+        self.memory.close()
 
     # -- the event loop's side -----------------------------------------------------------------
 

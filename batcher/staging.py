@@ -104,6 +104,11 @@ class InputStager:
         self._work: queue_module.SimpleQueue = queue_module.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"{name}-stage", daemon=True)
 
+    @property
+    def cap_bytes(self) -> int:
+        """The most this model's staged inputs may hold."""
+        return self._cap_bytes
+
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:

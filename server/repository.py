@@ -41,7 +41,7 @@ from pathlib import Path
 
 import structlog
 
-from batcher import loading
+from batcher import gpu, loading
 from batcher.errors import (
     BatchgateError,
     InvalidRequest,
@@ -398,13 +398,21 @@ class ModelRepository:
                             f"{model_config.CONFIG_FILENAME})") from None
         warmup = model_config.warmup_inputs(config, spec, model_dir)
         parameters = {key: value.string_value for key, value in config.parameters.items()}
-        module = loading.load_module(
-            version_dir, filename=filename, parameters=parameters, device=spec.device,
-            bytes_outputs=[o.name for o in spec.outputs if o.datatype == "BYTES"],
-        )
+        # On a GPU the model's weights come from its own allocator pool (batcher/gpu.py).
+        memory = gpu.ModelMemory(spec.device, name)
+        try:
+            with memory.use():
+                module = loading.load_module(
+                    version_dir, filename=filename, parameters=parameters, device=spec.device,
+                    bytes_outputs=[o.name for o in spec.outputs if o.datatype == "BYTES"],
+                )
+        except BaseException:
+            memory.close()
+            raise
         served = ServedModel(
             spec, module, metrics=self._metrics, warmup_inputs=warmup, pools=self._pools,
             on_failed=None if on_failed is None else lambda reason: on_failed(served, reason),
+            memory=memory,
         )
         try:
             served.start()
