@@ -164,14 +164,17 @@ def admit(model: str, device: str, footprint: Footprint, *, held: int, free: int
 class ModelMemory:
     """A model's pools on its device; inert on the CPU (see the module docstring)."""
 
-    def __init__(self, device: str | torch.device, name: str = "") -> None:
+    def __init__(self, device: str | torch.device, name: str = "", *,
+                 pooled: bool = True) -> None:
+        """``pooled=False``: no pool of its own on CUDA either (the caching allocator's shared
+        pool, as without this module; ``bench/gpu_check.py`` compares the two)."""
         self.device = torch.device(device)
         self.name = name
         self._lock = threading.Lock()
         self.pool: Any = None
         self.graph_pool: Any = None
         self.closed = False
-        if self.device.type == "cuda" and mem_pools_supported():
+        if pooled and self.device.type == "cuda" and mem_pools_supported():
             with torch.cuda.device(self.device):
                 self.pool = torch.cuda.MemPool()
 

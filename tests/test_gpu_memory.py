@@ -9,7 +9,9 @@ the ``cuda``-marked tests.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import copy
 import gc
 import threading
 
@@ -212,3 +214,59 @@ async def test_a_model_pool_holds_its_weights_and_activations_and_unload_returns
     torch.cuda.empty_cache()
     # The weights' segments went back to the device with the pool (a cuBLAS workspace may stay).
     assert torch.cuda.memory_reserved(0) - before < weights
+
+
+def _linear_model(name: str, width: int, **fields) -> tuple[ServedModel, torch.nn.Module]:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(width)
+        cpu = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(),
+                                  torch.nn.Linear(width, width)).eval()
+    memory = gpu.ModelMemory("cuda:0", name)
+    with memory.use():  # its weights in its own pool
+        module = copy.deepcopy(cpu).to("cuda:0")
+    spec = ModelSpec(name=name, version="1", platform="test", device="cuda:0",
+                     inputs=(TensorSpec("x", "FP32", (width,)),),
+                     outputs=(TensorSpec("y", "FP32", (width,)),),
+                     batching=BatchingConfig(max_batch_size=64), buckets=(1, 8, 64), **fields)
+    return ServedModel(spec, module, memory=memory), cpu
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device; this machine has none")
+async def test_a_graph_model_captured_while_another_serves_leaves_both_correct():
+    serving, serving_cpu = _linear_model("serving", 1024, cuda_graphs=True)
+    serving.start()
+    late = None
+    try:
+        assert serving.load_report["cuda_graphs_status"].startswith("captured")
+        rng = np.random.default_rng(0)
+
+        async def check(model, cpu_module, rows):
+            x = rng.standard_normal((rows, model.spec.inputs[0].dims[0]), dtype=np.float32)
+            out = (await model.infer(InferenceRequest([x], batch_size=rows)))["y"]
+            with torch.inference_mode():
+                want = cpu_module(torch.from_numpy(x)).numpy()
+            np.testing.assert_allclose(out, want, rtol=2e-3, atol=2e-3)
+
+        stop = False
+
+        async def traffic():
+            while not stop:
+                await asyncio.gather(*(check(serving, serving_cpu, rows)
+                                       for rows in (1, 5, 8, 40, 64)))
+
+        running = asyncio.ensure_future(traffic())
+        torch.cuda.synchronize()
+        reserved = torch.cuda.memory_reserved(0)
+        late, late_cpu = _linear_model("late", 512, cuda_graphs=True)
+        await asyncio.to_thread(late.start)  # captures while "serving" replays its graphs
+        # torch.cuda.graph would have emptied the caching allocator's cache here.
+        assert torch.cuda.memory_reserved(0) >= reserved
+        assert late.load_report["cuda_graphs_status"].startswith("captured")
+        await asyncio.gather(*(check(late, late_cpu, rows) for rows in (1, 8, 33, 64)))
+        stop = True
+        await running
+    finally:
+        if late is not None:
+            late.stop(5)
+        serving.stop(5)
