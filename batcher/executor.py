@@ -11,7 +11,8 @@ largest batch). Threads:
 - the *compute* thread makes its stream wait for that event, runs the model (a captured CUDA
   graph for the bucket, or eager under the model's precision), checks that every output kept
   the batch dimension, and on a GPU starts the copies of the outputs (padding rows dropped) into
-  pinned host memory and records an event;
+  pinned host memory on an output stream of their own (the next batch's compute does not queue
+  behind them) and records a blocking event;
 - on a GPU a *finisher* thread waits for that event, splits the outputs per request and hands
   them back. So one batch is assembled and one computes while the last one's outputs come home.
   On the CPU the compute thread finishes its batch itself (nothing is asynchronous there).
@@ -25,13 +26,22 @@ With ``execution_timeout_ms`` each batch's run goes through a ``TimedRunner``
 (``batcher/watchdog.py``): a batch that overruns fails, and since the abandoned call may still
 read its slot's buffers, that slot is retired and the instance goes on with fresh buffers
 (allocated outside the pool; at most ``watchdog.MAX_ABANDONED`` times before the instance is
-declared dead). A model that raises a ``BaseException`` (SystemExit...) or an executor thread
-that fails kills the instance (``on_dead``): its queued batches fail with UNAVAILABLE.
+declared dead). On a GPU the limit covers the device's work too: the wait for a batch's event
+polls it against the same deadline, and a batch whose kernels are still running then fails the
+same way (its slot and staged blocks are kept until its event completes). A model that raises a
+``BaseException`` (SystemExit...), a sticky CUDA error (``batcher/gpu.py``: the context is
+broken; the process is told through ``gpu.on_device_lost``) or an executor thread that fails
+kills the instance (``on_dead``): its queued batches fail with UNAVAILABLE.
 
-Out of memory: a batch whose forward raises ``torch.OutOfMemoryError`` is split in halves, each
-run again (recursively); the model's largest bucket is lowered below the size that failed, so
-later batches run in pieces no larger than that; every request is still answered. Only a
-single sample that does not fit fails, with RESOURCE_EXHAUSTED.
+Out of memory: a batch whose forward raises ``torch.OutOfMemoryError`` (or a cuBLAS/cuDNN
+allocation failure, a plain RuntimeError) is split in halves, each run again (recursively),
+after leaving the ``except`` block so that the failed forward's frames and activations are
+freed first; the model's largest bucket is lowered below the size that failed, so later batches
+run in pieces no larger than that; every request is still answered. Only a single sample that
+does not fit fails, with RESOURCE_EXHAUSTED.
+
+Memory: on a GPU every allocation of the instance's threads (assembly, forward, graph warm-up)
+is made under the model's own pool (``ExecutorPlan.memory``, ``batcher/gpu.py``).
 
 Models whose inputs have variable dims or are BYTES cannot have fixed buffers: their batches
 are concatenated on the host and copied to the device as they are (no padding, no graphs).

@@ -15,10 +15,14 @@ a batch.
    nothing, else ``ResourceExhausted`` naming the bytes needed and free;
 3. warm-up through the real batch path at every batch bucket (and the config's
    ``model_warmup`` samples), then the CUDA graphs' capture;
-4. the input stager (``input_staging`` queue) and the executor threads.
+4. on a GPU, the footprint (weights, the largest batch's peak, the graph pool, staging, the
+   plan) measured and admitted against the device's free memory (``batcher/gpu.py``), else
+   ``ResourceExhausted`` naming the bytes needed and free;
+5. the input stager (``input_staging`` queue) and the executor threads.
 
 What it found goes to ``load_report``, which the server shows in the model's config parameters.
-``stop`` gives the plan's memory back to the pool.
+``stop`` gives the plan's memory back to the pool and closes the model's own allocator pools
+(``memory``), so that their segments go back to the device.
 
 Around the queue: a latency profile (seeded by a timed warm run per batch size, fed by every
 batch) that admission control and the deadline policy predict from; the device's weighted turns
