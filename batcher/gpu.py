@@ -232,7 +232,9 @@ class ModelMemory:
         return max(0, torch.cuda.max_memory_allocated(self.device) - start)
 
     def close(self) -> None:
-        """The model is gone: drop its pools and give their cached segments back."""
+        """The model is gone: drop its pools and give their cached segments back. A segment
+        still holding a live block stays (a cuBLAS workspace torch keeps per handle and stream
+        for the process's lifetime is one: a few MiB)."""
         with self._lock:
             if self.closed:
                 return
@@ -246,7 +248,12 @@ class ModelMemory:
 
 def _pool_stats(pool: Any) -> PoolStats:
     reserved = allocated = 0
-    for segment in pool.snapshot():
+    if hasattr(pool, "snapshot"):
+        segments = pool.snapshot()
+    else:  # a torch whose MemPool has no snapshot: the allocator's, filtered by pool
+        segments = [s for s in torch.cuda.memory_snapshot()
+                    if tuple(s.get("segment_pool_id", ())) == tuple(pool.id)]
+    for segment in segments:
         reserved += segment.get("total_size", 0)
         allocated += segment.get("allocated_size", 0)
     return PoolStats(reserved, allocated)
