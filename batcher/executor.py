@@ -692,16 +692,7 @@ class Executor:
             log.exception("model_raised", model=spec.name, batch=batch.id, size=batch.samples,
                           requests=[r.id for r in batch.requests])
             if gpu.classify(exc) == "sticky":
-                # The CUDA context is broken: every later call would fail too.
-                # The instance (and the process's hook) hear of it before the batch's callers.
-                reason = f"a CUDA error broke the device ({precisions._first_line(exc)})"
-                gpu.device_lost(reason)
-                self._die(reason, None)
-                self._finish(batch, None, ModelExecutionError(
-                    f"model '{spec.name}' hit a CUDA error that leaves {spec.device} unusable "
-                    "while running a batch; it stopped serving and the server log has the "
-                    "details"))
-                raise InstanceDead(reason) from None
+                self._device_broken(batch, exc)
             error = ModelExecutionError(
                 f"model '{spec.name}' raised {type(exc).__name__} while running a batch of "
                 f"{batch.samples}; the server log has the details")
@@ -831,7 +822,12 @@ class Executor:
         self._reap_overdue()
         if batch.done is not None:
             # Outside the try below: an instance declared dead here must stop its thread.
-            if not gpu.wait_event(batch.done, self._device_time_left(batch)):
+            try:
+                finished = gpu.wait_event(batch.done, self._device_time_left(batch))
+            except Exception as exc:  # the device's errors surface here, asynchronously
+                self._device_failed(batch, exc)
+                return
+            if not finished:
                 self._device_overran(batch)
                 return
             infer_done = time.perf_counter_ns()
@@ -850,6 +846,28 @@ class Executor:
                   infer_ms=(infer_done - started) / 1e6)
         self._on_batch(batch, infer_done - started, done - infer_done)
         self._finish(batch, results, None, outputs=host)
+
+    def _device_broken(self, batch: Batch, exc: BaseException) -> None:
+        """A sticky CUDA error: the context is broken and every later call would fail too.
+        The instance (and the process's hook) hear of it before the batch's callers."""
+        reason = f"a CUDA error broke the device ({precisions._first_line(exc)})"
+        gpu.device_lost(reason)
+        self._die(reason, None)
+        self._finish(batch, None, ModelExecutionError(
+            f"model '{self._spec.name}' hit a CUDA error that leaves {self._spec.device} "
+            "unusable while running a batch; it stopped serving and the server log has the "
+            "details"))
+        raise InstanceDead(reason) from None
+
+    def _device_failed(self, batch: Batch, exc: Exception) -> None:
+        """Waiting for the batch's device work raised (a kernel's error, reported late)."""
+        log.error("batch_device_failed", model=self._spec.name, batch=batch.id,
+                  error=precisions._first_line(exc), requests=[r.id for r in batch.requests])
+        if gpu.classify(exc) == "sticky":
+            self._device_broken(batch, exc)
+        self._finish(batch, None, ModelExecutionError(
+            f"model '{self._spec.name}' failed on {self._spec.device} while running a batch of "
+            f"{batch.samples} ({type(exc).__name__}); the server log has the details"))
 
     def _device_time_left(self, batch: Batch) -> float | None:
         """Seconds left of the batch's ``execution_timeout_ms`` (None: no limit). The limit

@@ -136,6 +136,37 @@ async def test_a_sticky_cuda_error_stops_the_instance_and_tells_the_process(monk
         model.stop(5)
 
 
+class FailsOnDevice:
+    """A CUDA event whose work hit an illegal address: CUDA reports it when asked."""
+
+    def query(self) -> bool:
+        raise RuntimeError(ILLEGAL_ADDRESS)
+
+    synchronize = query
+
+
+async def test_a_sticky_error_reported_by_the_device_late_stops_the_instance(monkeypatch):
+    lost: list[str] = []
+    monkeypatch.setattr(gpu, "on_device_lost", lost.append)
+    launch = Executor._launch
+
+    def launch_that_fails_on_the_device(self, batch):
+        outputs = launch(self, batch)
+        if bool((batch.tensors[0] == 13).any()):
+            batch.done = FailsOnDevice()  # the launch returned; the kernel failed later
+        return outputs
+
+    monkeypatch.setattr(Executor, "_launch", launch_that_fails_on_the_device)
+    model = ServedModel(_spec(warmup=False), lambda x: x)
+    model.start()
+    try:
+        with pytest.raises(ModelExecutionError, match="unusable"):
+            await _infer(model, np.full((1, 2), 13.0, np.float32))
+        assert lost and not model.ready
+    finally:
+        model.stop(5)
+
+
 # -- the time limit covers the device's work ---------------------------------------------------
 
 
