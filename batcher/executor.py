@@ -50,7 +50,6 @@ are concatenated on the host and copied to the device as they are (no padding, n
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import queue as queue_module
 import threading
 import time
@@ -64,7 +63,15 @@ import torch
 from batcher import gpu
 from batcher import graphs as cuda_graphs
 from batcher import precision as precisions
-from batcher.buckets import BatchBuckets
+from batcher.batch import (
+    Batch,
+    BatchAccounting,
+    ExecutorPlan,
+    InstanceDead,
+    Outcome,
+    Slot,
+    default_plan,
+)
 from batcher.device_share import DeviceTurns
 from batcher.errors import (
     BatchgateError,
@@ -74,113 +81,13 @@ from batcher.errors import (
 )
 from batcher.request import InferenceRequest
 from batcher.spec import ModelSpec, TensorSpec
-from batcher.staging import InputStager, Staged
-from batcher.tensors import TORCH_DTYPES, bytes_tensor, host_array, to_numpy, to_torch
+from batcher.tensors import TORCH_DTYPES, bytes_tensor, to_numpy, to_torch
 from batcher.watchdog import MAX_ABANDONED, ExecutionTimeout, TimedRunner, TooManyHungCalls
 
 log = structlog.get_logger(__name__)
 
 _interop_lock = threading.Lock()
 _interop_set = False
-
-
-class Slot:
-    """One batch in flight: the input buffers a batch's requests are gathered into."""
-
-    __slots__ = ("index", "inputs", "host", "pinned", "_pinned_views")
-
-    def __init__(self, index: int, inputs: Sequence[torch.Tensor]) -> None:
-        self.index = index
-        self.inputs = tuple(inputs)  # () when the model's inputs cannot have fixed buffers
-        # On the CPU, numpy views of the buffers: np.copyto takes read-only sources as they are.
-        cpu = all(t.device.type == "cpu" for t in self.inputs)
-        self.host = [host_array(t) for t in self.inputs] if cpu else None
-        # On a GPU, pinned host copies of the buffers that host inputs are gathered into
-        # (made at the first gather from host memory: the warm-up's).
-        self.pinned: tuple[torch.Tensor, ...] = ()
-        self._pinned_views: list[np.ndarray] = []
-
-    def pinned_views(self) -> list[np.ndarray]:
-        if not self.pinned:
-            self.pinned = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                                for t in self.inputs)
-            self._pinned_views = [host_array(t) for t in self.pinned]
-        return self._pinned_views
-
-
-@dataclasses.dataclass
-class ExecutorPlan:
-    """What one instance runs with, set up by its ``ServedModel`` at load."""
-
-    slots: list[Slot]
-    buckets: BatchBuckets
-    stager: InputStager | None = None
-    # Per bucket: a CUDA graph's fixed input and output buffers (None: no graphs).
-    graph_buffers: tuple[dict[int, tuple[torch.Tensor, ...]],
-                         dict[int, tuple[torch.Tensor, ...]]] | None = None
-    # Storages of the buffers above: an output that aliases one is copied before it leaves.
-    owned_storage: frozenset[int] = frozenset()
-    on_oom: Callable[[int, int], None] | None = None  # (rows that failed, new largest)
-    on_copies: Callable[[int, int], None] | None = None  # (staged when queued, copied at batch)
-    after_batch: Callable[[], None] | None = None
-    memory: gpu.ModelMemory | None = None  # the model's pools (None: the default allocator)
-
-
-def default_plan(spec: ModelSpec) -> ExecutorPlan:
-    """Slots without buffers and no padding: the host-concatenation path."""
-    slots = [Slot(i, ()) for i in range(spec.inflight_batches)]
-    return ExecutorPlan(slots, BatchBuckets((), spec.batching.max_batch_size))
-
-
-class Batch:
-    __slots__ = ("id", "requests", "reason", "samples", "bucket", "slot", "tensors", "ready",
-                 "done", "staged", "graph", "taken_at", "started_at", "finished_at", "input_ns",
-                 "model_cpu_ns")
-
-    def __init__(self, batch_id: int, requests: list[InferenceRequest], reason: str) -> None:
-        self.id = batch_id
-        self.requests = requests
-        self.reason = reason
-        self.samples = sum(r.batch_size for r in requests)
-        self.bucket = self.samples  # rows the model runs at (padding included)
-        self.slot: Slot | None = None
-        self.tensors: list[Any] = []
-        self.ready: Any = None  # CUDA event: inputs are on the device
-        self.done: Any = None  # CUDA event: outputs are in host memory
-        self.staged: list[Staged] = []
-        self.graph = False  # runs as a captured CUDA graph
-        self.taken_at = time.monotonic()
-        self.started_at: float | None = None  # when its compute began (monotonic)
-        self.finished_at: float | None = None  # when its answers were handed on (monotonic)
-        self.input_ns = 0
-        self.model_cpu_ns = 0  # CPU time of the thread that ran the forward, inside it
-
-
-class Outcome:
-    """What the compute thread hands back to the event loop for one batch.
-
-    ``outputs``: the batch's host arrays, one per output in the model's order, padding rows
-    dropped; ``results`` holds each request's views of them. ``inputs_in_use``: a call that
-    timed out may still read the batch's inputs, so they are not released with the answers; a
-    second, ``release_only`` outcome follows if the call returns.
-    """
-
-    __slots__ = ("batch", "results", "outputs", "error", "inputs_in_use", "release_only")
-
-    def __init__(self, batch: Batch, results: list[dict[str, np.ndarray]] | None,
-                 error: Exception | None, *, outputs: list[np.ndarray] | None = None,
-                 inputs_in_use: bool = False, release_only: bool = False) -> None:
-        self.batch = batch
-        self.results = results
-        self.outputs = outputs
-        self.error = error
-        self.inputs_in_use = inputs_in_use
-        self.release_only = release_only
-
-
-class InstanceDead(Exception):
-    """The instance cannot run batches any more (the model raised a BaseException such as
-    SystemExit, too many calls hung, or the executor's own code failed)."""
 
 
 class Executor:
@@ -195,9 +102,8 @@ class Executor:
         next_batch: Callable[..., tuple[list[InferenceRequest], str] | None],
         wake: Callable[[], None],
         deliver: Callable[[Outcome], None],
-        on_batch: Callable[[Batch, int, int], None],
         batch_ids: Callable[[], int],
-        on_inflight: Callable[[Batch, int], None] | None = None,
+        accounting: BatchAccounting | None = None,
         on_dead: Callable[[str], None] | None = None,
         plan: ExecutorPlan | None = None,
         turns: DeviceTurns | None = None,
@@ -210,9 +116,8 @@ class Executor:
         # Batches handed to the compute thread and not finished yet.
         self._running = 0
         self._deliver = deliver
-        self._on_batch = on_batch
         self._batch_ids = batch_ids
-        self._on_inflight = on_inflight
+        self._accounting = accounting if accounting is not None else BatchAccounting()
         # The device's weighted turns (batcher/device_share.py), when the model takes part.
         self._turns = turns
         self._plan = plan if plan is not None else default_plan(spec)
@@ -457,8 +362,7 @@ class Executor:
         """The batch with its inputs assembled (on the device), or None if that failed."""
         batch = Batch(self._batch_ids(), requests, reason)
         batch.slot = slot
-        if self._on_inflight is not None:
-            self._on_inflight(batch, 1)
+        self._accounting.taken(batch)
         try:
             started = time.perf_counter_ns()
             self._assemble(batch)
@@ -608,8 +512,8 @@ class Executor:
                 else:
                     self._from_host(slot, [request.inputs], request.batch_size, where)
                 offset += request.batch_size
-        if self._plan.on_copies is not None and batch.id:  # id 0: a warm-up run
-            self._plan.on_copies(len(staged), len(requests) - len(staged))
+        if batch.id:  # id 0: a warm-up run
+            self._accounting.copies(len(staged), len(requests) - len(staged))
 
     def _from_host(self, slot: Slot, inputs: list[Sequence[np.ndarray]], rows: int | None,
                    where: slice | None = None) -> None:
@@ -789,8 +693,7 @@ class Executor:
         largest = self._buckets.lower(running)
         log.warning("batch_out_of_memory", model=self._spec.name, rows=running,
                     largest_bucket=largest, retrying_in=2)
-        if self._plan.on_oom is not None:
-            self._plan.on_oom(running, largest)
+        self._accounting.out_of_memory(running, largest)
         return self._in_pieces(tensors, rows, min(largest, -(-rows // 2)))
 
     def _in_pieces(self, tensors: Sequence[Any], rows: int, size: int) -> list[torch.Tensor]:
@@ -844,7 +747,7 @@ class Executor:
         log.debug("batch_done", model=self._spec.name, batch=batch.id, size=batch.samples,
                   bucket=batch.bucket, graph=batch.graph, reason=batch.reason,
                   infer_ms=(infer_done - started) / 1e6)
-        self._on_batch(batch, infer_done - started, done - infer_done)
+        self._accounting.ran(batch, infer_done - started, done - infer_done)
         self._finish(batch, results, None, outputs=host)
 
     def _device_broken(self, batch: Batch, exc: BaseException) -> None:
@@ -925,12 +828,10 @@ class Executor:
             self._replace_slot(batch.slot)  # staged blocks too stay with the batch
         else:
             self._recycle(batch)
-        if self._on_inflight is not None:
-            self._on_inflight(batch, -1)
+        self._accounting.ended(batch)
         if self._turns is not None:  # after the count: the share asks whether more work waits
             self._turns.end(batch.id)
-        if self._plan.after_batch is not None:
-            self._plan.after_batch()
+        self._accounting.after_batch()
         batch.finished_at = time.monotonic()
         self._deliver(Outcome(batch, results, error, outputs=outputs,
                               inputs_in_use=inputs_in_use))

@@ -47,6 +47,7 @@ import torch
 from batcher import gpu
 from batcher import graphs as cuda_graphs
 from batcher import precision as precisions
+from batcher.accounting import ModelAccounting
 from batcher.admission import Admission
 from batcher.buckets import BatchBuckets
 from batcher.device_share import DeviceTurns, share_for
@@ -61,20 +62,14 @@ from batcher.errors import (
     RequestCancelled,
     ResourceExhausted,
 )
-from batcher.executor import (
-    TORCH_DTYPES,
-    Batch,
-    Executor,
-    ExecutorPlan,
-    Outcome,
-    Slot,
-    to_torch,
-)
+from batcher.batch import ExecutorPlan, Outcome, Slot
+from batcher.executor import Executor
+from batcher.tensors import TORCH_DTYPES, to_torch
 from batcher.memory import DevicePools
 from batcher.metrics import BatcherMetrics, ModelMetrics
 from batcher.pool import DevicePool, ModelReservation, model_plan, unpooled_reservation
 from batcher.profile import LatencyProfile
-from batcher.queue import ModelQueue, scheduling_deadline
+from batcher.queue import ModelQueue
 from batcher.request import DONE, InferenceRequest
 from batcher.spec import ModelSpec
 from batcher.staging import Block, InputStager
@@ -161,8 +156,9 @@ class ServedModel:
         self.load_report: dict[str, str] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._accepting = False
-        self._inflight_batches: dict[int, Batch] = {}  # batch id -> batch, taken and not finished
-        self._inflight_lock = threading.Lock()
+        self._accounting = ModelAccounting(stats=self.stats, profile=self.profile,
+                                           metrics=self._metrics, slo_s=self._slo_s,
+                                           after_batch=self._after_batch)
         # Called on the loop once per finished batch, before the requests' futures are resolved:
         # (the batch's requests, its outputs, each request's views of them). The executor
         # process writes a batch's outputs into shared memory once, here, not once per request.
@@ -210,7 +206,7 @@ class ServedModel:
             graphs_status = warm["graphs"]
         if not self._profile_given:
             for rows, seconds in warm["timed"]:
-                self._publish_profile(self.profile.record(rows, seconds))
+                self._accounting.publish_profile(self.profile.record(rows, seconds))
         if self._metrics is not None:
             self._metrics.response_margin_seconds.set(self.profile.margin())
         self.load_report = {
@@ -399,7 +395,6 @@ class ServedModel:
 
     def _executor(self, index: int, reservation: ModelReservation | None) -> Executor:
         spec = self._spec
-        metrics = self._metrics
         if reservation is None:
             slots = [Slot(i, ()) for i in range(spec.inflight_batches)]
             graph_buffers, owned = None, frozenset()
@@ -411,21 +406,19 @@ class ServedModel:
                               for group in (reservation.batch, reservation.inputs,
                                             reservation.outputs)
                               for tensors in group.values() for t in tensors)
-        pool = self._reservations[index][0]
         plan = ExecutorPlan(
             slots=slots, buckets=self._buckets, stager=self._stager, graph_buffers=graph_buffers,
-            owned_storage=owned, on_oom=self._record_oom,
-            on_copies=self._record_copies if metrics is not None else None,
-            after_batch=lambda: self._after_batch(pool), memory=self.memory)
+            owned_storage=owned, memory=self.memory)
         return Executor(
             spec, self._module, index=index, next_batch=self._queue.next_batch,
-            wake=self._queue.wake, deliver=self._post, on_batch=self._record_batch,
-            batch_ids=_next_batch_id,
-            on_inflight=self._on_inflight, on_dead=self._instance_died, plan=plan,
+            wake=self._queue.wake, deliver=self._post, batch_ids=_next_batch_id,
+            accounting=self._accounting, on_dead=self._instance_died, plan=plan,
             turns=self._turns)
 
-    def _after_batch(self, pool: DevicePool | None) -> None:
-        if pool is not None:
+    def _after_batch(self) -> None:
+        """After each batch: the gauges that follow the memory in use."""
+        pools = {pool for pool, _ in self._reservations if pool is not None}
+        for pool in pools:
             self._pools.refresh(pool)
         self._refresh_memory()
 
@@ -577,7 +570,7 @@ class ServedModel:
     def _admit(self, request: InferenceRequest) -> None:
         """Admission control (``batcher/admission.py``): raise, counted, if it cannot be in time."""
         now = time.monotonic()
-        in_flight_s, in_flight_var = self._inflight_work_s(now)
+        in_flight_s, in_flight_var = self._accounting.inflight_work_s(now)
         try:
             self._admission.check(batch_size=request.batch_size, deadline=request.deadline,
                                   now=now,
@@ -645,30 +638,14 @@ class ServedModel:
             self.on_results(requests, outcome.outputs, outcome.results)
         now = time.monotonic()
         if outcome.batch.finished_at is not None:
-            self.profile.record_delivery(now - outcome.batch.finished_at)
-            if self._metrics is not None:
-                self._metrics.response_margin_seconds.set(self.profile.margin())
-        success_ns = answered = 0
-        met = missed = 0
-        slack = self._metrics.deadline_slack_seconds if self._metrics is not None else None
+            self._accounting.delivered(now - outcome.batch.finished_at)
+        answered = []
         for request, result in zip(requests, outcome.results):
             if request.future.done():  # expired or cancelled while its batch ran: counted then
                 continue
             request.future.set_result(result)
-            answered += 1
-            success_ns += int((now - request.arrival) * 1e9)
-            target = scheduling_deadline(request, self._slo_s)
-            if slack is not None and target != math.inf:
-                slack.observe(target - now)
-                if now <= target:
-                    met += 1
-                else:
-                    missed += 1
-        self.stats.record_success(answered, success_ns)
-        if met:
-            self._metrics.slo_met.inc(met)
-        if missed:
-            self._metrics.slo_missed.inc(missed)
+            answered.append(request)
+        self._accounting.answered(answered, now)
 
     def _instance_died(self, reason: str) -> None:
         """An executor stopped for good (executor thread): the model stops serving.
@@ -730,84 +707,13 @@ class ServedModel:
             self._removed(request)
         self._fail(requests, error, "infeasible")
 
-    def _on_inflight(self, batch: Batch, delta: int) -> None:
-        with self._inflight_lock:
-            if delta > 0:
-                self._inflight_batches[batch.id] = batch
-            else:
-                self._inflight_batches.pop(batch.id, None)
-        if self._metrics is not None:
-            self._metrics.inflight_batches.inc(delta)
-
-    def _inflight_work_s(self, now: float) -> tuple[float, float]:
-        """Admission control's view of the batches taken and not finished: the seconds of work
-        they have left (each one's mean time for its own size, less what a running one has
-        run) and the sum of their squared deviations (fifo holds the completion at its p99)."""
-        with self._inflight_lock:
-            batches = list(self._inflight_batches.values())
-        left = variance = 0.0
-        for batch in batches:
-            mean_s = self.profile.mean(batch.samples) or 0.0
-            started = batch.started_at
-            left += mean_s if started is None else max(0.0, mean_s - (now - started))
-            variance += (self.profile.deviation(batch.samples) or 0.0) ** 2
-        return left, variance
-
     def _backlog(self) -> bool:
         """Work this model has right now: queued requests, or batches formed and not finished."""
-        return self._queue.depth > 0 or bool(self._inflight_batches)
-
-    def _record_batch(self, batch: Batch, infer_ns: int, output_ns: int) -> None:
-        queue_ns = 0
-        metrics = self._metrics
-        for request in batch.requests:
-            waited = batch.taken_at - request.enqueued
-            queue_ns += int(waited * 1e9)
-            if metrics is not None:
-                metrics.queue_seconds.observe(waited)
-        self.stats.record_batch(
-            requests=len(batch.requests), samples=batch.samples, queue_ns=queue_ns,
-            input_ns=batch.input_ns, infer_ns=infer_ns, output_ns=output_ns,
-        )
-        compute_s = (batch.input_ns + infer_ns + output_ns) / 1e9
-        self._publish_profile(self.profile.record(batch.samples, compute_s))
-        if metrics is not None:
-            metrics.model_cpu_seconds.inc(batch.model_cpu_ns / 1e9)
-            metrics.batch_size.observe(batch.samples)
-            metrics.batches[batch.reason].inc()
-            metrics.compute_seconds.observe(compute_s)
-
-    def _publish_profile(self, size_class: int | None) -> None:
-        """Show the latency profile's estimate for ``size_class`` (just updated) as metrics."""
-        if self._metrics is None or size_class is None:
-            return
-        estimate = self.profile.measured_class(size_class)
-        if estimate is not None:
-            self._metrics.profile_class(size_class, *estimate)
-
-    def _record_oom(self, rows: int, largest: int) -> None:
-        if self._metrics is not None:
-            self._metrics.oom_events.inc()
-            self._metrics.largest_bucket.set(largest)
-
-    def _record_copies(self, queued: int, at_batch: int) -> None:
-        copies = self._metrics.input_copies
-        if queued:
-            copies["queued"].inc(queued)
-        if at_batch:
-            copies["batch"].inc(at_batch)
+        return self._queue.depth > 0 or self._accounting.has_inflight()
 
     def _count_failure(self, reason: str, requests: list[InferenceRequest]) -> None:
-        now = time.monotonic()
-        missed = 0
-        for request in requests:
-            self.stats.record_failure(int((now - request.arrival) * 1e9))
-            if reason != "cancelled" and scheduling_deadline(request, self._slo_s) != math.inf:
-                missed += 1
-        if self._metrics is not None and requests:
-            self._metrics.failures[reason].inc(len(requests))
-            if missed:
-                self._metrics.slo_missed.inc(missed)
+        self._accounting.failed(reason, requests)
+
 
 
 def warmup_sets(spec: ModelSpec, given: list[list[np.ndarray]] | None,

@@ -19,7 +19,8 @@ from prometheus_client import CollectorRegistry
 
 from batcher import gpu, precision
 from batcher.errors import LoadError, ModelExecutionError, ModelUnavailable
-from batcher.executor import Batch, Executor, ExecutorPlan, Slot
+from batcher.batch import Batch, ExecutorPlan, Slot
+from batcher.executor import Executor
 from batcher.buckets import BatchBuckets
 from batcher.memory import DevicePools, PoolSettings
 from batcher.metrics import BatcherMetrics
@@ -235,8 +236,8 @@ def test_a_batch_is_gathered_with_one_operation_per_input(monkeypatch):
     slot = Slot(0, [torch.zeros(16, 3), torch.zeros(16, 1, dtype=torch.int64)])
     plan = ExecutorPlan([slot], BatchBuckets((16,), 16))
     executor = Executor(spec, lambda a, b: a, index=0, next_batch=lambda *_: None,
-                        wake=lambda: None, deliver=lambda _: None,
-                        on_batch=lambda *_: None, batch_ids=lambda: 1, plan=plan)
+                        wake=lambda: None, deliver=lambda _: None, batch_ids=lambda: 1,
+                        plan=plan)
     rng = np.random.default_rng(0)
     requests = [InferenceRequest([rng.standard_normal((n, 3), dtype=np.float32),
                                   rng.integers(0, 9, (n, 1))], batch_size=n)
