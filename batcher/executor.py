@@ -33,12 +33,9 @@ same way (its slot and staged blocks are kept until its event completes). A mode
 broken; the process is told through ``gpu.on_device_lost``) or an executor thread that fails
 kills the instance (``on_dead``): its queued batches fail with UNAVAILABLE.
 
-Out of memory: a batch whose forward raises ``torch.OutOfMemoryError`` (or a cuBLAS/cuDNN
-allocation failure, a plain RuntimeError) is split in halves, each run again (recursively),
-after leaving the ``except`` block so that the failed forward's frames and activations are
-freed first; the model's largest bucket is lowered below the size that failed, so later batches
-run in pieces no larger than that; every request is still answered. Only a single sample that
-does not fit fails, with RESOURCE_EXHAUSTED.
+The model call itself (precision, the outputs' check, graph replay, the out-of-memory split)
+is ``batcher/forward.py``; the batch and slot types and the accounting interface are
+``batcher/batch.py``.
 
 Memory: on a GPU every allocation of the instance's threads (assembly, forward, graph warm-up)
 is made under the model's own pool (``ExecutorPlan.memory``, ``batcher/gpu.py``).
@@ -54,7 +51,7 @@ import queue as queue_module
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 import structlog
@@ -73,15 +70,11 @@ from batcher.batch import (
     default_plan,
 )
 from batcher.device_share import DeviceTurns
-from batcher.errors import (
-    BatchgateError,
-    ModelExecutionError,
-    ModelUnavailable,
-    ResourceExhausted,
-)
+from batcher.errors import BatchgateError, ModelExecutionError, ModelUnavailable
+from batcher.forward import ModelForward
 from batcher.request import InferenceRequest
 from batcher.spec import ModelSpec, TensorSpec
-from batcher.tensors import TORCH_DTYPES, bytes_tensor, to_numpy, to_torch
+from batcher.tensors import TORCH_DTYPES, to_numpy, to_torch
 from batcher.watchdog import MAX_ABANDONED, ExecutionTimeout, TimedRunner, TooManyHungCalls
 
 log = structlog.get_logger(__name__)
@@ -109,7 +102,6 @@ class Executor:
         turns: DeviceTurns | None = None,
     ) -> None:
         self._spec = spec
-        self._module = module
         self._index = index
         self._next_batch = next_batch
         self._wake = wake
@@ -143,9 +135,8 @@ class Executor:
         self._overdue: list[Batch] = []  # failed past the timeout, device work still running
         self._input_types = [t.datatype for t in spec.inputs]
         self._output_specs: Sequence[TensorSpec] = spec.outputs
-        self._bytes_outputs = tuple(i for i, o in enumerate(spec.outputs) if o.datatype == "BYTES")
-        self._graphs: cuda_graphs.BucketGraphs | None = None
-        self._warming = False
+        self._model = ModelForward(spec, module, buckets=self._buckets, pooled=self._pooled,
+                                   accounting=self._accounting)
         # Storages of our buffers, for the alias check; grows when a slot is replaced.
         self._owned_storage = set(self._plan.owned_storage)
         self._threads: list[threading.Thread] = []
@@ -160,7 +151,7 @@ class Executor:
 
     @property
     def graph_buckets(self) -> tuple[int, ...]:
-        return self._graphs.buckets if self._graphs is not None else ()
+        return self._model.graphs.buckets if self._model.graphs is not None else ()
 
     @property
     def hung_calls(self) -> int:
@@ -186,7 +177,7 @@ class Executor:
 
         def run() -> None:
             self._configure_thread()
-            self._warming = True
+            self._model.warming = True
             try:
                 for arrays in samples:
                     report["batch_sizes"].append(self._warm_one(arrays, report))
@@ -198,7 +189,7 @@ class Executor:
             except BaseException as exc:  # reported to the loader below
                 failure.append(exc)
             finally:
-                self._warming = False
+                self._model.warming = False
 
         thread = threading.Thread(target=run, name=f"{self._spec.name}-warmup", daemon=True)
         thread.start()
@@ -242,7 +233,7 @@ class Executor:
     def _capture_graphs(self) -> str:
         static_inputs, static_outputs = self._plan.graph_buffers
         graphs = cuda_graphs.BucketGraphs(
-            self._device, lambda inputs, capturing: self._forward(inputs, len(inputs[0]),
+            self._device, lambda inputs, capturing: self._model.forward(inputs, len(inputs[0]),
                                                                   capturing=capturing),
             static_inputs, static_outputs,
             pool=self._memory.graph_pool_id() if self._memory.measures else None,
@@ -256,7 +247,7 @@ class Executor:
             log.warning("cuda_graphs_failed", model=self._spec.name, instance=self._index,
                         reason=reason, running="eager")
             return f"eager: capture failed ({reason})"
-        self._graphs = graphs
+        self._model.graphs = graphs
         log.info("cuda_graphs_captured", model=self._spec.name, instance=self._index,
                  buckets=list(graphs.buckets))
         return f"captured for buckets {','.join(map(str, graphs.buckets))}"
@@ -291,8 +282,8 @@ class Executor:
     def release_module(self) -> None:
         """The instance has stopped: drop what keeps the model's memory alive (its module,
         its graphs), so that its pools can go back to the device."""
-        self._module = None
-        self._graphs = None
+        self._model.module = None
+        self._model.graphs = None
 
     # -- the threads ---------------------------------------------------------------------------
 
@@ -471,7 +462,7 @@ class Executor:
                 batch.ready.record(self._copy_stream)
         inputs = batch.slot.inputs
         batch.tensors = [b[:batch.bucket] for b in inputs] if self._batching else list(inputs)
-        batch.graph = (self._graphs is not None and batch.bucket in self._graphs.buckets
+        batch.graph = (self._model.graphs is not None and batch.bucket in self._model.graphs.buckets
                        and rows <= self._buckets.largest)
 
     def _gather(self, batch: Batch) -> None:
@@ -620,7 +611,7 @@ class Executor:
         copies are still under way: they are valid once ``batch.done`` has completed."""
         if not self._cuda:
             return [self._owned(t) for t in self._run(batch)]
-        stream = self._graphs.replay_stream if batch.graph else self._compute_stream
+        stream = self._model.graphs.replay_stream if batch.graph else self._compute_stream
         with self._memory.use(), torch.cuda.stream(stream):
             if batch.ready is not None:
                 stream.wait_event(batch.ready)
@@ -658,59 +649,9 @@ class Executor:
     def _run(self, batch: Batch) -> list[torch.Tensor]:
         started = time.thread_time_ns()
         try:
-            return self._run_model(batch)
+            return self._model.run(batch)
         finally:
             batch.model_cpu_ns += time.thread_time_ns() - started
-
-    def _run_model(self, batch: Batch) -> list[torch.Tensor]:
-        rows = batch.samples
-        if batch.graph:
-            outputs = self._graphs.replay(batch.bucket, batch.tensors)
-            return [t[:rows] for t in outputs]
-        if not self._batching:
-            return self._forward(batch.tensors, rows)
-        return self._eager(batch.tensors, rows)
-
-    def _eager(self, tensors: Sequence[Any], rows: int) -> list[torch.Tensor]:
-        """Outputs of the first ``rows`` rows of ``tensors`` (which may hold padding after
-        them), split into pieces when ``rows`` is over the largest bucket or runs out of memory."""
-        largest = self._buckets.largest
-        if rows > largest:
-            return self._in_pieces(tensors, rows, largest)
-        running = tensors[0].shape[0] if self._pooled else rows
-        try:
-            outputs = self._forward(tensors, running)
-        except Exception as exc:
-            if self._warming or gpu.classify(exc) != "oom":
-                raise
-        else:
-            return [t[:rows] for t in outputs] if running != rows else outputs
-        # Out of memory. Split only here, outside the except block: inside it the exception's
-        # traceback keeps the failed forward's frames, and their activations, alive.
-        if rows == 1:
-            raise ResourceExhausted(
-                f"model '{self._spec.name}' ran out of device memory on a single sample")
-        largest = self._buckets.lower(running)
-        log.warning("batch_out_of_memory", model=self._spec.name, rows=running,
-                    largest_bucket=largest, retrying_in=2)
-        self._accounting.out_of_memory(running, largest)
-        return self._in_pieces(tensors, rows, min(largest, -(-rows // 2)))
-
-    def _in_pieces(self, tensors: Sequence[Any], rows: int, size: int) -> list[torch.Tensor]:
-        parts = [self._eager([t[start:min(start + size, rows)] for t in tensors],
-                             min(size, rows - start))
-                 for start in range(0, rows, size)]
-        return [np.concatenate(column) if isinstance(column[0], np.ndarray) else torch.cat(column)
-                for column in zip(*parts)]
-
-    def _forward(self, tensors: Sequence[Any], rows: int, *, capturing: bool = False
-                 ) -> list[torch.Tensor]:
-        precision = self._spec.precision
-        inputs = precisions.cast_inputs(tensors, precision)
-        with torch.inference_mode(), precisions.autocast(precision, self._device.type,
-                                                         capturing=capturing):
-            returned = self._module(*inputs)
-        return self._outputs_of(returned, rows)
 
     def _owned(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``, copied if it is a view of our buffers (a model that returns its input,
@@ -862,73 +803,6 @@ class Executor:
             self._stager.release(batch.staged)
             batch.staged = []
         self._deliver(Outcome(batch, None, None, release_only=True))
-
-    def _outputs_of(self, returned: Any, rows: int) -> list[torch.Tensor]:
-        specs = self._output_specs
-        if isinstance(returned, (torch.Tensor, np.ndarray)):
-            returned = (returned,)
-        if isinstance(returned, dict):
-            missing = [o.name for o in specs if o.name not in returned]
-            if missing:
-                raise ModelExecutionError(
-                    f"model '{self._spec.name}' returned a dict without outputs {missing}")
-            tensors = [returned[o.name] for o in specs]
-        elif isinstance(returned, (tuple, list)):
-            if len(returned) < len(specs):
-                raise ModelExecutionError(
-                    f"model '{self._spec.name}' returned {len(returned)} outputs, "
-                    f"its configuration declares {len(specs)}")
-            tensors = list(returned[: len(specs)])
-        else:
-            raise ModelExecutionError(
-                f"model '{self._spec.name}' returned {type(returned).__name__}, "
-                "expected a tensor, a tuple of tensors or a dict of tensors")
-        for i in self._bytes_outputs:
-            tensors[i] = self._bytes_output(tensors[i], specs[i], rows)
-        for tensor, o in zip(tensors, specs):
-            if isinstance(tensor, torch.Tensor):
-                if self._batching and (tensor.dim() == 0 or tensor.shape[0] != rows):
-                    self._lost_batch(tuple(tensor.shape), o, rows)
-            elif o.datatype != "BYTES":
-                self._not_a_tensor(tensor, o, rows)
-        return tensors
-
-    def _lost_batch(self, got: Any, o: TensorSpec, rows: int) -> NoReturn:
-        raise ModelExecutionError(
-            f"model '{self._spec.name}' returned output '{o.name}' with shape {got} for a "
-            f"batch of {rows}: the batch dimension must be kept")
-
-    def _not_a_tensor(self, returned: Any, o: TensorSpec, rows: int) -> NoReturn:
-        if isinstance(returned, np.ndarray) and returned.dtype.kind in "OSU":
-            raise ModelExecutionError(
-                f"model '{self._spec.name}' returned {o.datatype} output '{o.name}' as a numpy "
-                f"{returned.dtype} array: only a BYTES (TYPE_STRING) output may hold bytes or "
-                "str; return a tensor")
-        if not self._batching:
-            raise ModelExecutionError(
-                f"model '{self._spec.name}' returned output '{o.name}' as "
-                f"{type(returned).__name__}, expected a tensor")
-        self._lost_batch(type(returned).__name__, o, rows)
-
-    def _bytes_output(self, returned: Any, o: TensorSpec, rows: int) -> np.ndarray:
-        """The object array of bytes a BYTES output is sent as (``bytes_tensor``), with the
-        batch dimension kept and the declared dims."""
-        try:
-            array = bytes_tensor(returned, o.dims, self._batching)
-        except TypeError as exc:
-            raise ModelExecutionError(
-                f"model '{self._spec.name}' returned BYTES output '{o.name}' {exc}") from None
-        shape = array.shape
-        if self._batching:
-            if not shape or shape[0] != rows:
-                self._lost_batch(shape, o, rows)
-            shape = shape[1:]
-        if len(shape) != len(o.dims) or any(d >= 0 and n != d for n, d in zip(shape, o.dims)):
-            batch = f" for a batch of {rows}" if self._batching else ""
-            raise ModelExecutionError(
-                f"model '{self._spec.name}' returned BYTES output '{o.name}' with shape "
-                f"{array.shape}{batch}: its configuration declares dims {list(o.dims)}")
-        return array
 
     def _split(self, requests: list[InferenceRequest], host: list[np.ndarray]
                ) -> list[dict[str, np.ndarray]]:
