@@ -50,7 +50,8 @@ from batcher import precision as precisions
 from batcher.accounting import ModelAccounting
 from batcher.admission import Admission
 from batcher.buckets import BatchBuckets
-from batcher.device_share import DeviceTurns, share_for
+from batcher.device import Devices
+from batcher.device_share import DeviceTurns
 from batcher.errors import (
     AdmissionRefused,
     DeadlineExceeded,
@@ -106,13 +107,16 @@ class ServedModel:
         on_failed: Callable[[str], None] | None = None,
         profile: LatencyProfile | None = None,
         memory: gpu.ModelMemory | None = None,
+        devices: Devices | None = None,
     ) -> None:
         """``pools``: the server's device memory pools; without them (tests, benchmarks) the
         model's buffers are plain tensors. ``on_failed(reason)``: an instance stopped for good
         (called from its thread). ``profile``: batch times to start from (tests), instead of
         those measured at warm-up. ``memory``: the model's own allocator pools, which its
         weights were loaded under (default: new ones, which its weights are not in); this
-        model closes them when it stops."""
+        model closes them when it stops. ``devices``: the process's devices, whose pools and
+        weighted turns the models placed on one device share (default: devices of this model's
+        own, over ``pools``)."""
         self._spec = spec
         self.memory = memory if memory is not None else gpu.ModelMemory(spec.device, spec.name)
         self.footprint: gpu.Footprint | None = None
@@ -123,7 +127,7 @@ class ServedModel:
         self._module = module
         self._metrics: ModelMetrics | None = metrics.for_model(spec.name) if metrics else None
         self._warmup_inputs = warmup_inputs
-        self._pools = pools
+        self._device = (devices if devices is not None else Devices(pools)).get(spec.device)
         self.stats = ModelStats()
         # Fixed buffers (and so padding, staging, graphs) need fixed, numeric inputs.
         self._pooled = all(t.fixed() and t.datatype != "BYTES" for t in spec.inputs)
@@ -149,7 +153,7 @@ class ServedModel:
                       instances=spec.instance_count, include_own=batching.policy == "deadline")
             if batching.admission else None
         )
-        self._turns = DeviceTurns(share_for(spec.device)) if batching.device_share_weight else None
+        self._turns = DeviceTurns(self._device.share) if batching.device_share_weight else None
         self._executors: list[Executor] = []
         self._reservations: list[tuple[DevicePool | None, ModelReservation]] = []
         self._stager: InputStager | None = None
@@ -338,7 +342,7 @@ class ServedModel:
             [(t.dims, TORCH_DTYPES[t.datatype]) for t in spec.inputs],
             [(t.dims, TORCH_DTYPES[t.datatype]) for t in spec.outputs] if graph_buckets else [],
             max_rows=spec.max_batch_size or None, slots=slots, graph_buckets=graph_buckets)
-        pool = self._pools.get(spec.device) if self._pools is not None else None
+        pool = self._device.pool()
         for index in range(spec.instance_count):
             name = f"{spec.name}:{spec.version}#{next(_reservation_ids)}.{index}"
             if pool is None:
@@ -365,7 +369,7 @@ class ServedModel:
             if fallbacks:
                 self._metrics.pool_fallbacks.inc(fallbacks)
         if pool is not None:
-            self._pools.refresh(pool)
+            self._device.refresh(pool)
 
     def _new_stager(self, pool: DevicePool | None) -> InputStager:
         spec = self._spec
@@ -419,7 +423,7 @@ class ServedModel:
         """After each batch: the gauges that follow the memory in use."""
         pools = {pool for pool, _ in self._reservations if pool is not None}
         for pool in pools:
-            self._pools.refresh(pool)
+            self._device.refresh(pool)
         self._refresh_memory()
 
     def _warm_up(self) -> dict[str, Any]:
@@ -459,7 +463,7 @@ class ServedModel:
                 self._metrics.pool_bytes_reserved.dec(reservation.nbytes)
                 self._metrics.pool_bytes_in_use.dec(reservation.nbytes)
             if pool is not None:
-                self._pools.refresh(pool)
+                self._device.refresh(pool)
 
     def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Refuse new requests, let queued and running ones finish, then stop the threads."""

@@ -51,6 +51,7 @@ from batcher.errors import (
     ResourceExhausted,
     quoted,
 )
+from batcher.device import Devices
 from batcher.memory import DevicePools
 from batcher.model import ServedModel
 from batcher.spec import ModelSpec
@@ -124,6 +125,8 @@ class ModelRepository:
         self._root = Path(root)
         self._metrics = metrics
         self._pools = pools if pools is not None else DevicePools(metrics=metrics)
+        # What the models on one device share: its pool and its weighted turns.
+        self._devices = Devices(self._pools)
         self._cuda = loading.cuda_available() if cuda_available is None else cuda_available
         self._on_state_change = on_state_change
         self._slots: dict[str, _Slot] = {}
@@ -412,7 +415,7 @@ class ModelRepository:
         served = ServedModel(
             spec, module, metrics=self._metrics, warmup_inputs=warmup, pools=self._pools,
             on_failed=None if on_failed is None else lambda reason: on_failed(served, reason),
-            memory=memory,
+            memory=memory, devices=self._devices,
         )
         try:
             served.start()
