@@ -74,7 +74,7 @@ from batcher.errors import BatchgateError, ModelExecutionError, ModelUnavailable
 from batcher.forward import ModelForward
 from batcher.request import InferenceRequest
 from batcher.spec import ModelSpec, TensorSpec
-from batcher.tensors import TORCH_DTYPES, to_numpy, to_torch
+from batcher.tensors import TORCH_DTYPES, host_input, to_numpy, to_torch
 from batcher.watchdog import MAX_ABANDONED, ExecutionTimeout, TimedRunner, TooManyHungCalls
 
 log = structlog.get_logger(__name__)
@@ -309,6 +309,9 @@ class Executor:
             torch.cuda.set_device(self._device)
         try:
             while True:
+                # The last batch's requests are not kept alive while the next is awaited (their
+                # inputs may map a client's shared memory that is to be unmapped).
+                taken = batch = None
                 slot = self._free_slots.get()
                 taken = self._next_batch(self._busy)
                 if taken is None:
@@ -332,6 +335,7 @@ class Executor:
         self._configure_thread()
         try:
             while True:
+                taken = batch = None  # as in _assemble_loop
                 slot = self._free_slots.get()
                 taken = self._next_batch(None)
                 if taken is None:
@@ -376,6 +380,7 @@ class Executor:
                 self._compute(batch)
                 if not self._cuda:
                     self._retire()
+                batch = None  # as in _assemble_loop
         except InstanceDead as exc:
             self._die(str(exc), None)
         except BaseException as exc:
@@ -392,6 +397,7 @@ class Executor:
             while (item := self._finishing.get()) is not None:
                 self._complete(*item)
                 self._retire()
+                item = None  # as in _assemble_loop
         except InstanceDead as exc:
             self._die(str(exc), None)
             self._fail_finishing()
@@ -470,6 +476,11 @@ class Executor:
         of their staged blocks, or a host concatenation and, on a GPU, one copy from pinned
         memory), per request only when a batch mixes staged and unstaged requests."""
         slot, requests = batch.slot, batch.requests
+        for request in requests:
+            if request.check_inputs is not None:
+                _check_inputs(request)
+        # Inputs in a client's CUDA shared memory are device tensors: copied as they are.
+        direct = any(isinstance(a, torch.Tensor) for r in requests for a in r.inputs)
         claimed = ([self._stager.claim(r) for r in requests] if self._stager is not None
                    else [None] * len(requests))
         staged = [c for c in claimed if c is not None]
@@ -483,7 +494,7 @@ class Executor:
                 for buffer, block in zip(slot.inputs, staged[0].blocks):
                     buffer.copy_(block.tensor, non_blocking=self._cuda)
             else:
-                self._from_host(slot, [request.inputs for request in requests], None)
+                self._request_into(slot, requests[0], slice(None))
         elif len(staged) == len(requests):
             for i, buffer in enumerate(slot.inputs):
                 blocks = [item.blocks[i].tensor for item in staged]
@@ -491,7 +502,7 @@ class Executor:
                     buffer[:rows].copy_(blocks[0], non_blocking=self._cuda)
                 else:
                     torch.cat(blocks, out=buffer[:rows])
-        elif not staged:
+        elif not staged and not direct:
             self._from_host(slot, [request.inputs for request in requests], rows)
         else:
             offset = 0
@@ -501,10 +512,23 @@ class Executor:
                     for buffer, block in zip(slot.inputs, item.blocks):
                         buffer[where].copy_(block.tensor, non_blocking=self._cuda)
                 else:
-                    self._from_host(slot, [request.inputs], request.batch_size, where)
+                    self._request_into(slot, request, where)
                 offset += request.batch_size
         if batch.id:  # id 0: a warm-up run
             self._accounting.copies(len(staged), len(requests) - len(staged))
+
+    def _request_into(self, slot: Slot, request: InferenceRequest, where: slice) -> None:
+        """One request's inputs into ``slot``'s buffers at ``where``."""
+        if not any(isinstance(a, torch.Tensor) for a in request.inputs):
+            self._from_host(slot, [request.inputs], None, where)
+            return
+        for i, (buffer, array) in enumerate(zip(slot.inputs, request.inputs)):
+            if slot.host is not None:
+                np.copyto(slot.host[i][where], host_input(array))
+            elif isinstance(array, torch.Tensor):
+                buffer[where].copy_(array, non_blocking=True)
+            else:
+                buffer[where].copy_(to_torch(array, self._input_types[i]), non_blocking=True)
 
     def _from_host(self, slot: Slot, inputs: list[Sequence[np.ndarray]], rows: int | None,
                    where: slice | None = None) -> None:
@@ -527,13 +551,17 @@ class Executor:
 
     def _concatenate(self, batch: Batch) -> None:
         requests = batch.requests
+        for request in requests:
+            if request.check_inputs is not None:
+                _check_inputs(request)
         if len(requests) == 1:
             # Decoded inputs are read-only views of the request's bytes; a model may write to
             # its inputs, so it gets its own copy (concatenation makes one anyway).
-            arrays = [a if a.flags.writeable else a.copy() for a in requests[0].inputs]
+            arrays = [a if a.flags.writeable else a.copy()
+                      for a in map(host_input, requests[0].inputs)]
         else:
             arrays = [
-                np.concatenate([r.inputs[i] for r in requests])
+                np.concatenate([host_input(r.inputs[i]) for r in requests])
                 for i in range(len(self._input_types))
             ]
         tensors = [to_torch(a, t) for a, t in zip(arrays, self._input_types)]
@@ -816,3 +844,17 @@ class Executor:
             results.append({name: array[start:stop] for name, array in zip(names, host)})
             start = stop
         return results
+
+
+def _check_inputs(request: InferenceRequest) -> None:
+    """Run the request's check right before its inputs are read; when it fails, the request
+    is answered with that error and the batch reads zeros in its place (never its memory)."""
+    try:
+        request.check_inputs()
+    except BatchgateError as exc:
+        request.input_error = exc
+        request.inputs = [
+            torch.zeros_like(a) if isinstance(a, torch.Tensor)
+            else np.full(a.shape, b"", dtype=object) if a.dtype == object
+            else np.zeros(a.shape, a.dtype)
+            for a in request.inputs]

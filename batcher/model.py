@@ -638,6 +638,9 @@ class ServedModel:
             for request in requests:
                 _reject(request.future, outcome.error)
             return
+        for request in requests:
+            if request.input_error is not None:  # its inputs could not be read: it alone fails
+                _reject(request.future, request.input_error)
         if self.on_results is not None:
             self.on_results(requests, outcome.outputs, outcome.results)
         now = time.monotonic()

@@ -39,6 +39,8 @@ class InferenceRequest:
         "state",
         "future",
         "on_release",
+        "check_inputs",
+        "input_error",
     )
 
     def __init__(
@@ -72,6 +74,12 @@ class InferenceRequest:
         # Called on the event loop when a taken request's batch has finished (its inputs may
         # live in shared memory that their owner reuses only after this).
         self.on_release: Callable[[], None] | None = None
+        # Called by the batch right before it reads the inputs (on its thread): raises a
+        # BatchgateError when they can no longer be read (a client's shared memory that
+        # shrank). The request then fails alone with that error, and the batch reads zeros in
+        # its place.
+        self.check_inputs: Callable[[], None] | None = None
+        self.input_error: BaseException | None = None
 
     @property
     def holds_inputs(self) -> bool:

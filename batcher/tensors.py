@@ -31,8 +31,8 @@ def to_torch(array: np.ndarray, datatype: str) -> torch.Tensor:
     BYTES inputs stay numpy object arrays: torch has no string tensor, so a model that declares
     them (a Python ``model.py``) receives the array itself.
     """
-    if datatype == "BYTES":
-        return array
+    if datatype == "BYTES" or isinstance(array, torch.Tensor):
+        return array  # a tensor already: on a device, from a client's CUDA shared memory
     if datatype == "BF16":
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(array)
@@ -53,6 +53,14 @@ def to_numpy(tensor: torch.Tensor, datatype: str) -> np.ndarray:
     if datatype == "BF16":
         return tensor.view(torch.int16).numpy().view(np.uint16)
     return tensor.numpy()
+
+
+def host_input(array):
+    """An input as a host array in the wire's representation: numpy arrays as they are, a
+    device tensor (a client's CUDA shared memory) copied to the host."""
+    if isinstance(array, torch.Tensor):
+        return host_array(array.cpu())
+    return array
 
 
 def host_array(tensor: torch.Tensor) -> np.ndarray:

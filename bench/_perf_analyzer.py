@@ -118,8 +118,10 @@ def run_perf_analyzer(
     max_trials: int = 6,
     stability_percentages: tuple[float, ...] = (20.0, 40.0),
     timeout_s: float = 120.0,
+    extra_args: tuple[str, ...] = (),
 ) -> PerfRun:
-    """One closed-loop gRPC measurement at ``concurrency``; retried at looser stabilities."""
+    """One closed-loop gRPC measurement at ``concurrency``; retried at looser stabilities.
+    ``extra_args``: further perf_analyzer flags (``--shared-memory system`` ...)."""
     if not os.access(perf_analyzer, os.X_OK):
         raise PerfAnalyzerError(f"perf_analyzer not found at {perf_analyzer}; {INSTALL_HINT}")
     failures = []
@@ -132,7 +134,7 @@ def run_perf_analyzer(
                 "--measurement-interval", str(measurement_interval_ms),
                 "--max-trials", str(max_trials),
                 "--stability-percentage", f"{stability:g}",
-                "-f", str(csv_path),
+                "-f", str(csv_path), *extra_args,
             ]
             before = resource.getrusage(resource.RUSAGE_CHILDREN)
             started = time.monotonic()

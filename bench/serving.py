@@ -533,7 +533,8 @@ def run_bench_cli(url: str, model: str, concurrency: int, seconds: float,
 
 
 def load_step(server: ServerProcess, load_generator: str, concurrency: int, seconds: float,
-              args: argparse.Namespace) -> Step:
+              args: argparse.Namespace, perf_args: tuple[str, ...] = ()) -> Step:
+    """One closed-loop step; ``perf_args``: further perf_analyzer flags."""
     name = server.model
     url = f"127.0.0.1:{server.grpc_port}"
 
@@ -551,6 +552,7 @@ def load_step(server: ServerProcess, load_generator: str, concurrency: int, seco
         perf = run_perf_analyzer(
             url=url, model=name, concurrency=concurrency,
             measurement_interval_ms=int(seconds * 1000), perf_analyzer=args.perf_analyzer,
+            extra_args=perf_args,
         )
     else:
         perf = run_bench_cli(url, name, concurrency, seconds,

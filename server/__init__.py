@@ -11,3 +11,10 @@ SERVER_EXTENSIONS = (
     "schedule_policy",
     "health",
 )
+# Listed when the server serves shared-memory tensors (--shared-memory).
+SHARED_MEMORY_EXTENSIONS = ("system_shared_memory",)
+
+
+def server_extensions(shared_memory: bool) -> tuple[str, ...]:
+    """What ServerMetadata lists, with the settings ``shared_memory`` on or off."""
+    return SERVER_EXTENSIONS + (SHARED_MEMORY_EXTENSIONS if shared_memory else ())

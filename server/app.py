@@ -3,7 +3,8 @@
 ``Gateway.start()`` binds the ports (0 = any free port: tests read ``grpc_port`` and
 ``metrics_port`` back), loads the model repository, and only then reports SERVING.
 ``Gateway.stop()`` follows gRPC's own pattern: health goes NOT_SERVING first, new requests get
-UNAVAILABLE, queued ones finish within ``drain_timeout_s``, then the server stops.
+UNAVAILABLE, queued ones finish within ``drain_timeout_s``, then the server stops; calls that
+arrive meanwhile are answered, never cancelled by the shutdown (``server/drain.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import sys
+import time
 
 import grpc
 import structlog
@@ -22,10 +24,12 @@ from protos import inference_pb2, inference_pb2_grpc
 from server import auth, tls
 from server.codec import RequestLimits
 from server.control import ControlPlane
+from server.drain import GOAWAY_PROPAGATION_S, LAST_ANSWERS_S
 from server.logs import runtime_facts
 from server.metrics import ServerMetrics
 from server.repository import ModelRepository
 from server.service import InferenceService
+from server.shared_memory import SharedMemoryRegistry
 from server.settings import DEFAULT_REPOSITORY, Settings  # noqa: F401 (re-exported)
 
 log = structlog.get_logger(__name__)
@@ -64,7 +68,12 @@ class Gateway:
                                max_tensor_elements=settings.max_tensor_elements)
         control = (ControlPlane(repository, max_load_files_bytes=settings.max_load_files_bytes)
                    if not self._remote else repository)
-        self.service = InferenceService(self.repository, self.metrics, limits, control)
+        # Registrations live where the models run: here, or in the executor process.
+        self.shared_memory = (SharedMemoryRegistry(settings.shared_memory)
+                              if not self._remote else None)
+        self.service = InferenceService(self.repository, self.metrics, limits, control,
+                                        shared_memory=settings.shared_memory,
+                                        registry=self.shared_memory)
         self.grpc_port = 0
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
@@ -119,12 +128,26 @@ class Gateway:
     async def stop(self, drain_timeout_s: float | None = None) -> None:
         """Drain and stop: NOT_SERVING first, then finish what was accepted, then close."""
         grace = self.settings.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        deadline = time.monotonic() + grace
+        drain = self.service.drain
         self.service.start_draining()
         await self.health.enter_graceful_shutdown()
         log.info("draining", drain_timeout_s=grace)
         await self.repository.close(grace)
         if self._server is not None:
-            await self._server.stop(grace)
+            # gRPC's shutdown would cancel calls it holds unhandled and those that reach it
+            # before their client heard the GOAWAY: park arrivals until they are quiet, shut
+            # down, and answer the parked calls once the GOAWAY had time to reach the clients.
+            await drain.park_until_quiet(deadline)
+            shutdown = asyncio.ensure_future(self._server.stop(
+                max(deadline - time.monotonic(), GOAWAY_PROPAGATION_S + LAST_ANSWERS_S)))
+            await asyncio.wait({shutdown}, timeout=GOAWAY_PROPAGATION_S)
+            drain.release()
+            await shutdown
+        else:
+            drain.release()
+        if self.shared_memory is not None:
+            self.shared_memory.close()
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()

@@ -1,8 +1,9 @@
 """Bearer-token authorization of the inference service, as a grpc.aio server interceptor.
 
 Two tokens, each optional. The **admin token** guards the RPCs that change or reveal what is
-served: RepositoryModelLoad, RepositoryModelUnload, RepositoryIndex (and LogSettings,
-TraceSetting). The **infer token** guards every other RPC of the inference service except
+served: RepositoryModelLoad, RepositoryModelUnload, RepositoryIndex, the six shared-memory
+registration RPCs (they open files and device memory on the server's host by name), and
+LogSettings, TraceSetting. The **infer token** guards every other RPC of the inference service except
 ServerLive and ServerReady, which stay open like grpc.health.v1 and reflection: probes and load
 balancers call them without credentials. The admin token is accepted wherever the infer token
 is; with only the infer token set, it guards the admin RPCs too.
@@ -33,6 +34,9 @@ SERVICE = inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 ADMIN_METHODS = frozenset({
     "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload", "LogSettings",
     "TraceSetting",
+    # They open files and device memory on the server's host by name.
+    "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
+    "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister",
 })
 OPEN_METHODS = frozenset({"ServerLive", "ServerReady"})
 METADATA_KEY = "authorization"

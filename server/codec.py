@@ -27,6 +27,7 @@ from batcher.errors import InvalidRequest, NotSupported, ResourceExhausted, quot
 from batcher.request import InferenceRequest
 from batcher.spec import ELEMENT_SIZES, NUMPY_DTYPES, ModelSpec, TensorSpec
 from protos import inference_pb2 as pb
+from server.shared_memory import OFF_MESSAGE, Placed, Placement
 
 # Typed contents field per datatype, and the numpy type that field holds.
 TYPED_FIELDS: Mapping[str, tuple[str, np.dtype]] = {
@@ -61,6 +62,49 @@ class RequestLimits:
 DEFAULT_LIMITS = RequestLimits()
 
 
+class PlacedRequest(InferenceRequest):
+    """A request with tensors in the client's shared-memory regions: ``input_placements`` per
+    model input (None: the input is in ``inputs``), ``output_placements`` per requested output
+    (None: the output goes in the reply). A placed input's entry in ``inputs`` is None until
+    the process holding the registrations puts the region's view there."""
+
+    __slots__ = ("input_placements", "output_placements")
+
+
+def _is_placed(tensor) -> bool:
+    parameters = tensor.parameters
+    return bool(parameters) and any(k in parameters for k in SHARED_MEMORY_KEYS)
+
+
+def _placement(model: str, kind: str, tensor, shape: tuple[int, ...] = ()) -> Placement:
+    """The (region, offset, byte size) a tensor's ``shared_memory_*`` parameters name."""
+    parameters = tensor.parameters
+    what = f"model '{model}': {kind} {quoted(tensor.name)}"
+    if "shared_memory_region" not in parameters or "shared_memory_byte_size" not in parameters:
+        raise InvalidRequest(
+            f"{what}: the parameters 'shared_memory_region' and 'shared_memory_byte_size' go "
+            "together ('shared_memory_offset' is optional)")
+    region = parameters["shared_memory_region"]
+    which = region.WhichOneof("parameter_choice")
+    if which != "string_param":
+        raise InvalidRequest(
+            f"{what}: parameter 'shared_memory_region' must be a string, got {which}")
+    values = []
+    for key in ("shared_memory_offset", "shared_memory_byte_size"):
+        if key not in parameters:
+            values.append(0)
+            continue
+        param = parameters[key]
+        which = param.WhichOneof("parameter_choice")
+        if which not in ("int64_param", "uint64_param"):
+            raise InvalidRequest(f"{what}: parameter '{key}' must be an integer, got {which}")
+        value = getattr(param, which)
+        if value < 0:
+            raise InvalidRequest(f"{what}: parameter '{key}' must be >= 0, got {value}")
+        values.append(value)
+    return Placement(region.string_param, values[0], values[1], shape)
+
+
 def _int_parameter(parameters, key: str) -> int:
     param = parameters[key]
     which = param.WhichOneof("parameter_choice")
@@ -79,9 +123,14 @@ def decode_request(
     *,
     deadline: float | None = None,
     limits: RequestLimits = DEFAULT_LIMITS,
+    shared_memory: bool = False,
 ) -> InferenceRequest:
     """An InferenceRequest with inputs in the model's order, or InvalidRequest (the request does
-    not fit the model) / ResourceExhausted (it is over one of ``limits``) saying why."""
+    not fit the model) / ResourceExhausted (it is over one of ``limits``) saying why.
+
+    ``shared_memory``: whether the server serves shared-memory tensors (``--shared-memory``);
+    a request naming a region is then a ``PlacedRequest``, checked here for all that can be
+    checked without the region (parameter types, byte size against the shape)."""
     name = spec.name
     priority = 0
     timeout_us = 0
@@ -93,15 +142,25 @@ def decode_request(
 
     n_inputs = len(msg.inputs)
     raw = msg.raw_input_contents
-    if raw and len(raw) != n_inputs:
-        raise InvalidRequest(
-            f"model '{name}': {len(raw)} raw_input_contents for {n_inputs} inputs; "
-            "send one raw buffer per input, in the order of 'inputs'"
-        )
+    placed = [_is_placed(t) for t in msg.inputs] if any(t.parameters for t in msg.inputs) else ()
+    if any(placed) and not shared_memory:
+        raise NotSupported(OFF_MESSAGE)
+    if raw:
+        n_raw = n_inputs - sum(placed)
+        if len(raw) != n_raw:
+            raise InvalidRequest(
+                f"model '{name}': {len(raw)} raw_input_contents for {n_raw} inputs; "
+                + ("send one raw buffer per input that is not in shared memory, in the order "
+                   "of 'inputs'" if n_raw != n_inputs else
+                   "send one raw buffer per input, in the order of 'inputs'")
+            )
     batching = spec.batching.max_batch_size > 0
-    arrays: dict[str, np.ndarray] = {}
+    arrays: dict[str, np.ndarray | None] = {}
+    placements: dict[str, Placement] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     batch_size = -1
     request_bytes = 0
+    raw_index = 0
     for index, tensor in enumerate(msg.inputs):
         tspec = spec.input(tensor.name)
         if tspec is None:
@@ -121,11 +180,6 @@ def decode_request(
                 f"model '{name}': input '{tensor.name}' must be {tspec.datatype}, "
                 f"got {quoted(tensor.datatype)}"
             )
-        if tensor.parameters and any(k in tensor.parameters for k in SHARED_MEMORY_KEYS):
-            raise NotSupported(
-                "shared-memory inputs are not supported by this server; send the tensor data "
-                "in raw_input_contents"
-            )
         rows, count, shape = _check_shape(name, tspec, tensor.shape, batching,
                                           spec.batching.max_batch_size, limits)
         if batching:
@@ -136,15 +190,36 @@ def decode_request(
                     f"model '{name}': inputs disagree on the batch dimension "
                     f"({batch_size} and {rows} for '{tensor.name}')"
                 )
-        if raw:
+        if placed and placed[index]:
+            placement = _placement(name, "input", tensor, shape)
+            if tensor.HasField("contents"):
+                raise InvalidRequest(
+                    f"model '{name}': input {quoted(tensor.name)} is in shared memory and has "
+                    "contents too; use one or the other"
+                )
+            size = ELEMENT_SIZES.get(tspec.datatype)
+            if size is not None and placement.nbytes != count * size:
+                raise InvalidRequest(
+                    f"model '{name}': input {quoted(tensor.name)} of shape {_shape_text(shape)} "
+                    f"and datatype {tspec.datatype} needs {count * size} bytes, "
+                    f"shared_memory_byte_size is {placement.nbytes}"
+                )
+            request_bytes += _nbytes(tspec, count, placement.nbytes)
+            _check_request_bytes(name, request_bytes, limits)
+            arrays[tensor.name] = None
+            placements[tensor.name] = placement
+            shapes[tensor.name] = shape
+        elif raw:
             if tensor.HasField("contents"):
                 raise InvalidRequest(
                     f"model '{name}': input '{tensor.name}' has typed contents while the "
                     "request uses raw_input_contents; use one or the other"
                 )
-            request_bytes += _nbytes(tspec, count, len(raw[index]))
+            buffer = raw[raw_index]
+            raw_index += 1
+            request_bytes += _nbytes(tspec, count, len(buffer))
             _check_request_bytes(name, request_bytes, limits)
-            arrays[tensor.name] = _from_raw(name, tspec, shape, count, raw[index])
+            arrays[tensor.name] = _from_raw(name, tspec, shape, count, buffer)
         else:
             request_bytes += _nbytes(tspec, count, tensor.contents.ByteSize())
             _check_request_bytes(name, request_bytes, limits)
@@ -155,19 +230,32 @@ def decode_request(
         raise InvalidRequest(f"model '{name}': missing inputs {quoted_list(missing)}")
 
     requested = None
+    output_placements = None
     if msg.outputs:
         requested = []
-        for out in msg.outputs:
+        for index, out in enumerate(msg.outputs):
             if spec.output(out.name) is None:
                 raise InvalidRequest(
                     f"model '{name}' has no output '{out.name}'; "
                     f"its outputs are {quoted_list(t.name for t in spec.outputs)}"
                 )
             requested.append(out.name)
+            if out.parameters and _is_placed(out):
+                if not shared_memory:
+                    raise NotSupported(OFF_MESSAGE)
+                if output_placements is None:
+                    output_placements = [None] * len(msg.outputs)
+                output_placements[index] = _placement(name, "output", out)
 
     ordered = [arrays[t.name] for t in spec.inputs]
-    shape_key = tuple(a.shape[1:] for a in ordered) if batching else tuple(a.shape for a in ordered)
-    request = InferenceRequest(
+    if placements:
+        shape_list = [shapes[t.name] if arrays[t.name] is None else arrays[t.name].shape
+                      for t in spec.inputs]
+    else:
+        shape_list = [a.shape for a in ordered]
+    shape_key = tuple(s[1:] for s in shape_list) if batching else tuple(shape_list)
+    cls = PlacedRequest if placements or output_placements else InferenceRequest
+    request = cls(
         ordered,
         batch_size=batch_size if batching else 1,
         request_id=msg.id,
@@ -177,6 +265,10 @@ def decode_request(
         requested_outputs=requested,
         shape_key=shape_key,
     )
+    if cls is PlacedRequest:
+        request.input_placements = tuple(placements.get(t.name) for t in spec.inputs)
+        request.output_placements = (tuple(output_placements) if output_placements
+                                     else (None,) * len(requested or ()))
     return request
 
 
@@ -363,7 +455,7 @@ def _from_contents(model: str, tspec: TensorSpec, shape: tuple, count: int,
 def encode_outputs(
     response: pb.ModelInferResponse,
     spec: ModelSpec,
-    outputs: Mapping[str, np.ndarray | EncodedBytes],
+    outputs: Mapping[str, np.ndarray | EncodedBytes | Placed],
     requested: tuple[str, ...] | None,
 ) -> pb.ModelInferResponse:
     """Fill ``response`` with the requested outputs (all when none were named) as raw bytes."""
@@ -374,7 +466,11 @@ def encode_outputs(
         array = outputs[name]
         datatype = spec.output(name).datatype
         tensors.add(name=name, datatype=datatype, shape=array.shape)
-        if isinstance(array, EncodedBytes):
+        if type(array) is Placed:
+            # Written into the client's region: an empty entry keeps raw_output_contents
+            # aligned with outputs, as clients index them together (Triton does the same).
+            raws.append(b"")
+        elif isinstance(array, EncodedBytes):
             raws.append(array.data)
         elif datatype == "BYTES":
             raws.append(bytes_encoding(array))

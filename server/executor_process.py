@@ -48,6 +48,7 @@ from server.logs import announce, configure_logging, runtime_facts
 from server.multiproc_metrics import read_pid_once
 from server.repository import READY, ModelIndexEntry, ModelRepository
 from server.settings import Settings, check_devices, read_handover
+from server.shared_memory import Placement, SharedMemoryRegistry
 from server.status import INTERNAL_MESSAGE, Code, status_of
 
 log = structlog.get_logger(__name__)
@@ -102,16 +103,19 @@ class _Remote:
     request.
     """
 
-    __slots__ = ("front", "rid", "model", "request", "outputs", "answered", "_done",
-                 "_callbacks")
+    __slots__ = ("front", "rid", "model", "request", "outputs", "placements", "answered",
+                 "_done", "_callbacks")
 
     def __init__(self, front: _FrontEnd, rid: int, model: ServedModel,
-                 request: InferenceRequest, outputs: tuple[int, ...]) -> None:
+                 request: InferenceRequest, outputs: tuple[int, ...],
+                 placements: tuple[Placement | None, ...] | None = None) -> None:
         self.front = front
         self.rid = rid
         self.model = model
         self.request = request
         self.outputs = outputs  # indexes into the model's outputs
+        # Per entry of ``outputs``: the client's region to write it into (None: the reply).
+        self.placements = placements
         self.answered = False
         self._done = False
         self._callbacks: list | None = None
@@ -159,6 +163,9 @@ class _Remote:
     def _finish(self) -> None:
         self._done = True
         self.front.requests.pop(self.rid, None)
+        # The request refers to this future: without the cycle it goes (with its views of a
+        # client's shared memory) as soon as its batch lets go of it, not at the next collection.
+        self.request = None
         callbacks, self._callbacks = self._callbacks, None
         for callback in callbacks or ():
             callback(self)
@@ -166,8 +173,11 @@ class _Remote:
 
 class ExecutorServer:
     def __init__(self, arena: SharedArena, layout: ArenaLayout,
-                 metrics: BatcherMetrics | None = None) -> None:
+                 metrics: BatcherMetrics | None = None,
+                 shared_memory: SharedMemoryRegistry | None = None) -> None:
         self._arena = arena
+        # The clients' registered regions (off unless the server was started with them on).
+        self.shared_memory = shared_memory or SharedMemoryRegistry(False)
         self._buffer = arena.buffer
         self._layout = layout
         self._outputs = ArenaAllocator(*layout.output_region())
@@ -289,15 +299,31 @@ class ExecutorServer:
             return
         model, dtypes = served
         spec = model.spec
+        placed: list[tuple[str, Placement]] = []
         try:
-            arrays = self._arrays(front, spec, dtypes, message.inputs)
+            arrays = self._arrays(front, spec, dtypes, message.inputs, placed)
         except ValueError as exc:  # a front end's bug: its descriptors do not fit the model
             log.error("bad_descriptor", slot=front.slot, model=spec.name, error=str(exc))
             front.fail(rid, True, Code.INTERNAL,
                        "internal error: the front end described the request's tensors wrongly")
             return
+        except BatchgateError as exc:  # a shared-memory input that cannot be read
+            front.fail(rid, True, *status_of(exc))
+            return
         batching = spec.batching.max_batch_size > 0
         outputs = tuple(message.outputs)
+        placements = None
+        if message.placements:
+            if len(message.placements) != len(outputs):
+                log.error("bad_descriptor", slot=front.slot, model=spec.name,
+                          error=f"{len(message.placements)} placements for "
+                                f"{len(outputs)} outputs")
+                front.fail(rid, True, Code.INTERNAL,
+                           "internal error: the front end described the request's outputs "
+                           "wrongly")
+                return
+            placements = tuple(Placement(p.region, p.offset, p.nbytes) if p.region else None
+                               for p in message.placements)
         request = InferenceRequest(
             arrays, batch_size=message.batch_size if batching else 1, request_id=message.id,
             priority=message.priority,
@@ -306,8 +332,10 @@ class ExecutorServer:
             requested_outputs=[spec.outputs[i].name for i in outputs] if outputs else None,
             shape_key=tuple(a.shape[1:] if batching else a.shape for a in arrays),
         )
+        if placed:
+            request.check_inputs = self.shared_memory.checker(placed)
         remote = _Remote(front, rid, model, request,
-                         outputs or tuple(range(len(spec.outputs))))
+                         outputs or tuple(range(len(spec.outputs))), placements)
         try:
             model.submit(request, remote)
         except BatchgateError as exc:
@@ -315,13 +343,25 @@ class ExecutorServer:
             return
         front.requests[rid] = remote
 
-    def _arrays(self, front: _FrontEnd, spec: ModelSpec, dtypes, tensors) -> list[np.ndarray]:
-        """Views of the request's tensors in the front end's region (BYTES decoded)."""
+    def _arrays(self, front: _FrontEnd, spec: ModelSpec, dtypes, tensors,
+                placed: list) -> list[np.ndarray]:
+        """Views of the request's tensors in the front end's region (BYTES decoded), or in
+        the client's shared-memory region; the placed ones' (name, Placement) into ``placed``."""
         if len(tensors) != len(spec.inputs):
             raise ValueError(f"{len(tensors)} tensors for {len(spec.inputs)} inputs")
         start, end = front.region
         arrays = []
-        for tensor, (dtype, datatype) in zip(tensors, dtypes):
+        for tensor, (dtype, datatype), tspec in zip(tensors, dtypes, spec.inputs):
+            if tensor.HasField("placement"):
+                p = tensor.placement
+                placement = Placement(p.region, p.offset, p.nbytes, tuple(tensor.shape))
+                if dtype is not None and (math.prod(placement.shape) * dtype.itemsize
+                                          != placement.nbytes):
+                    raise ValueError(f"shape {list(placement.shape)} of {datatype} is not "
+                                     f"{placement.nbytes} bytes")
+                arrays.append(self.shared_memory.input_array(placement, tspec.name, datatype))
+                placed.append((tspec.name, placement))
+                continue
             offset, nbytes, shape = tensor.offset, tensor.nbytes, tuple(tensor.shape)
             if offset < start or offset + nbytes > end:
                 raise ValueError(f"{nbytes} bytes at {offset} lie outside the front end's "
@@ -353,7 +393,12 @@ class ExecutorServer:
         if not live:
             return
         spec = live[0][1].model.spec
-        wanted = {k for _, remote in live for k in remote.outputs}
+        wanted = set()  # what goes into the arena: the outputs not in a client's region
+        for _, remote in live:
+            if remote.placements is None:
+                wanted.update(remote.outputs)
+            else:
+                wanted.update(k for k, p in zip(remote.outputs, remote.placements) if p is None)
         # A request's rows of an output: requests lie in the batch in order, each its rows.
         split = spec.batching.max_batch_size > 0 and len(requests) > 1
         blocks: dict[int, tuple[int, int]] = {}  # output index -> (block, bytes) of the batch's
@@ -377,9 +422,22 @@ class ExecutorServer:
             out = remote.front.out()
             if out is None:
                 continue
+            placed = None
+            if remote.placements is not None:
+                try:
+                    placed = self._place(remote, index, spec, outputs, starts if split else None)
+                except BatchgateError as exc:  # an output that does not fit the client's region
+                    remote.answered = True
+                    remote.front.fail(remote.rid, not remote.request.holds_inputs,
+                                      *status_of(exc))
+                    continue
             add = out.results.add(rid=remote.rid,
                                   released=not remote.request.holds_inputs).outputs.add
             for k in remote.outputs:
+                if placed is not None and k in placed:
+                    nbytes, shape = placed[k]
+                    add(placed=True, nbytes=nbytes, shape=shape)  # no block to free
+                    continue
                 block, nbytes = blocks[k]
                 if split:
                     offset, nbytes = _rows_of(row_offsets[k], starts[index],
@@ -399,6 +457,23 @@ class ExecutorServer:
             if block not in referenced:
                 self._outputs.free(block)
         self._in_use.set(self._outputs.bytes_in_use)
+
+    def _place(self, remote: _Remote, index: int, spec: ModelSpec, outputs: list[np.ndarray],
+               starts: list[int] | None) -> dict[int, tuple[int, tuple]]:
+        """Write the request's placed outputs (its rows of the batch's) into the client's
+        regions: output index -> (bytes written, shape)."""
+        placed = {}
+        for k, placement in zip(remote.outputs, remote.placements):
+            if placement is None:
+                continue
+            array = outputs[k]
+            if starts is not None:
+                array = array[starts[index]:starts[index] + remote.request.batch_size]
+            tspec = spec.outputs[k]
+            written = self.shared_memory.write_output(placement, tspec.name, tspec.datatype,
+                                                      array)
+            placed[k] = (written.nbytes, written.shape)
+        return placed
 
     def _write(self, array: np.ndarray) -> int:
         block = self._outputs.alloc(array.nbytes)
@@ -451,8 +526,11 @@ class ExecutorServer:
 
     async def _call(self, front: _FrontEnd, call: wire_pb2.Call) -> None:
         method = call.WhichOneof("method")
+        # The shared-memory registrations are this process's, answered by its registry.
+        handler = (self.shared_memory if method.startswith(("system_", "cuda_"))
+                   else self.control)
         try:
-            response = await getattr(self.control, method)(getattr(call, method))
+            response = await getattr(handler, method)(getattr(call, method))
         except Exception as exc:
             code, text = status_of(exc)
             out = front.out()
@@ -541,7 +619,7 @@ async def run(handover: dict) -> int:
     metrics = BatcherMetrics()
     pin_arena(arena, metrics)
     gpu.on_device_lost = _exit_on_device_lost
-    server = ExecutorServer(arena, layout, metrics)
+    server = ExecutorServer(arena, layout, metrics, SharedMemoryRegistry(settings.shared_memory))
     pools = DevicePools(PoolSettings(settings.device_pool_bytes, settings.device_pool_fraction,
                                      settings.device_pool_strict), metrics)
     repository = ModelRepository(settings.model_repository, metrics=metrics,
@@ -567,6 +645,7 @@ async def run(handover: dict) -> int:
     log.info("executor_draining", drain_timeout_s=settings.drain_timeout_s)
     await repository.close(settings.drain_timeout_s)
     listener.close()
+    server.shared_memory.close()
     log.info("executor_stopped")
     return 0
 

@@ -30,6 +30,7 @@ from protos import inference_pb2 as pb
 from protos import model_config_pb2, wire_pb2
 from server import wire
 from server.codec import EncodedBytes, bytes_encoding
+from server.shared_memory import Placed
 from server.status import StatusError
 
 log = structlog.get_logger(__name__)
@@ -242,6 +243,26 @@ class RemoteRepository:
                      ) -> pb.RepositoryModelUnloadResponse:
         return await self._call("unload", request)
 
+    # Shared-memory registrations live in the executor, with the models that read them.
+
+    async def system_status(self, request):
+        return await self._call("system_status", request)
+
+    async def system_register(self, request):
+        return await self._call("system_register", request)
+
+    async def system_unregister(self, request):
+        return await self._call("system_unregister", request)
+
+    async def cuda_status(self, request):
+        return await self._call("cuda_status", request)
+
+    async def cuda_register(self, request):
+        return await self._call("cuda_register", request)
+
+    async def cuda_unregister(self, request):
+        return await self._call("cuda_unregister", request)
+
     async def _call(self, method: str, request):
         link = self._link
         if link is None:
@@ -287,8 +308,15 @@ class RemoteRepository:
             model=model.handle, batch_size=request.batch_size, priority=request.priority,
             deadline_ns=int(request.deadline * 1e9) if request.deadline is not None else 0,
             timeout_us=request.timeout_us, id=request.id)
+        placements = getattr(request, "input_placements", None)
         try:
-            for array, tensor in zip(request.inputs, spec.inputs):
+            for index, (array, tensor) in enumerate(zip(request.inputs, spec.inputs)):
+                placement = placements[index] if placements else None
+                if placement is not None:  # the executor reads it from the client's region
+                    message.inputs.add(shape=placement.shape, placement=wire_pb2.Placement(
+                        region=placement.region, offset=placement.offset,
+                        nbytes=placement.nbytes))
+                    continue
                 data = bytes_encoding(array) if tensor.datatype == "BYTES" else array
                 nbytes = len(data) if tensor.datatype == "BYTES" else array.nbytes
                 offset = self._inputs.alloc(nbytes)
@@ -308,6 +336,15 @@ class RemoteRepository:
         names = list(request.requested_outputs or [t.name for t in spec.outputs])
         if request.requested_outputs:
             message.outputs.extend(model.output_index[name] for name in names)
+            placed = getattr(request, "output_placements", None)
+            if placed and any(placed):
+                for placement in placed:
+                    if placement is None:
+                        message.placements.add()
+                    else:
+                        message.placements.add(region=placement.region,
+                                               offset=placement.offset,
+                                               nbytes=placement.nbytes)
         rid = message.rid = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._pending[rid] = _Pending(future, blocks, names,
@@ -326,14 +363,17 @@ class RemoteRepository:
         frees = []
         for output, name, datatype in zip(result.outputs, pending.names if pending else (),
                                           pending.datatypes if pending else ()):
+            shape = tuple(output.shape)
+            if output.placed:  # in the client's region already
+                arrays[name] = Placed(shape)
+                continue
             # One copy, into bytes the reply will carry as they are (codec.encode_outputs).
             data = bytes(self._arena.read(output.offset, output.nbytes))
-            shape = tuple(output.shape)
             if datatype == "BYTES":  # already the reply's encoding: not decoded to re-encode
                 arrays[name] = EncodedBytes(data, shape)
             else:
                 arrays[name] = np.frombuffer(data, dtype=NUMPY_DTYPES[datatype]).reshape(shape)
-        frees = [output.block for output in result.outputs]
+        frees = [output.block for output in result.outputs if not output.placed]
         if frees and self._link is not None and not self._link.closed:
             self._link.out.free.extend(frees)
         if pending is not None and not pending.future.done():

@@ -18,14 +18,23 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
-from batcher.errors import BatchgateError, ModelUnavailable
+from batcher.errors import BatchgateError, ModelUnavailable, NotSupported
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
-from server import SERVER_EXTENSIONS, __version__
-from server.codec import DEFAULT_LIMITS, RequestLimits, decode_request, deadline_from, encode_outputs
+from server import __version__, server_extensions
+from server.codec import (
+    DEFAULT_LIMITS,
+    PlacedRequest,
+    RequestLimits,
+    decode_request,
+    deadline_from,
+    encode_outputs,
+)
 from server.control import ControlPlane
+from server.drain import DrainGate
 from server.errors import status_of
 from server.metrics import ServerMetrics
+from server.shared_memory import OFF_MESSAGE
 
 log = structlog.get_logger(__name__)
 
@@ -33,23 +42,28 @@ log = structlog.get_logger(__name__)
 MAX_LABELLED_COUNTERS = 4096
 
 _END_OF_STREAM = object()
-SHARED_MEMORY_MESSAGE = (
-    "shared-memory tensors are not supported by this server yet; send tensors in "
-    "raw_input_contents"
-)
+SHUTTING_DOWN_MESSAGE = "the server is shutting down; retry on another replica"
 
 
 class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, repository, metrics: ServerMetrics,
-                 limits: RequestLimits = DEFAULT_LIMITS, control=None) -> None:
+                 limits: RequestLimits = DEFAULT_LIMITS, control=None, *,
+                 shared_memory: bool = False, registry=None) -> None:
         """``control``: what answers the control RPCs (default: ``ControlPlane(repository)``;
-        a front end's ``RemoteRepository`` forwards them)."""
+        a front end's ``RemoteRepository`` forwards them). ``shared_memory``: whether
+        shared-memory tensors are served (``--shared-memory``); ``registry``: the
+        ``SharedMemoryRegistry`` of a single-process server, which maps regions here (None: the
+        ``control`` forwards the registration RPCs, and requests carry their placements)."""
         self._repository = repository
         self._control = control if control is not None else ControlPlane(repository)
+        self._shared_memory = shared_memory
+        self._registry = registry
+        self._regions = registry if registry is not None else self._control
+        self._extensions = server_extensions(shared_memory)
         self._metrics = metrics
         self._limits = limits
         self._ready = False
-        self._draining = False
+        self.drain = DrainGate()
         self._status_counters: dict[tuple[str, grpc.StatusCode], object] = {}
         self._latency: dict[str, object] = {}
 
@@ -57,11 +71,11 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         self._ready = ready
 
     def start_draining(self) -> None:
-        self._draining = True
+        self.drain.start()
 
     @property
     def draining(self) -> bool:
-        return self._draining
+        return self.drain.draining
 
     # -- health and metadata ---------------------------------------------------------------
 
@@ -69,7 +83,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         return pb.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request, context):
-        return pb.ServerReadyResponse(ready=self._ready and not self._draining)
+        return pb.ServerReadyResponse(ready=self._ready and not self.drain.draining)
 
     async def ModelReady(self, request, context):
         try:
@@ -78,11 +92,11 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
             return pb.ModelReadyResponse(ready=False)
         except Exception as exc:
             return await _fail(context, exc)
-        return pb.ModelReadyResponse(ready=model.ready and not self._draining)
+        return pb.ModelReadyResponse(ready=model.ready and not self.drain.draining)
 
     async def ServerMetadata(self, request, context):
         return pb.ServerMetadataResponse(
-            name="batchgate", version=__version__, extensions=SERVER_EXTENSIONS
+            name="batchgate", version=__version__, extensions=self._extensions
         )
 
     async def ModelMetadata(self, request, context):
@@ -140,22 +154,34 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         return response
 
     async def _infer(self, request: pb.ModelInferRequest, deadline: float | None):
-        if self._draining:
-            raise ModelUnavailable("the server is shutting down; retry on another replica")
+        if self.drain.draining:
+            await self.drain.refuse()  # parked while the drain parks calls (server/drain.py)
+            raise ModelUnavailable(SHUTTING_DOWN_MESSAGE)
         model = self._repository.get(request.model_name, request.model_version)
         spec = model.spec
-        decoded = decode_request(request, spec, deadline=deadline, limits=self._limits)
-        outputs = await model.infer(decoded)
+        decoded = decode_request(request, spec, deadline=deadline, limits=self._limits,
+                                 shared_memory=self._shared_memory)
+        if type(decoded) is PlacedRequest and self._registry is not None:
+            self._registry.attach(decoded, spec)
+            outputs = self._registry.place_outputs(decoded, spec, await model.infer(decoded))
+        else:
+            outputs = await model.infer(decoded)
         response = pb.ModelInferResponse(
             model_name=spec.name, model_version=spec.version, id=request.id
         )
         return encode_outputs(response, spec, outputs, decoded.requested_outputs)
 
     async def ModelStreamInfer(self, request_iterator, context) -> AsyncIterator:
-        """Answers in completion order; an error answers its own request and keeps the stream."""
+        """Answers in completion order; an error answers its own request and keeps the stream.
+        The drain ends the stream, once its answers are written, with UNAVAILABLE."""
+        drain = self.drain
+        if drain.streams_ended:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN_MESSAGE)
         answers: asyncio.Queue = asyncio.Queue()
         pending: set[asyncio.Task] = set()
         deadline = deadline_from(context.time_remaining())
+        reading = True
+        ended_by_drain = False
 
         async def answer(request: pb.ModelInferRequest) -> None:
             started = time.monotonic()
@@ -172,21 +198,40 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
             answers.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
 
         async def read() -> None:
+            nonlocal reading
             try:
-                async for request in request_iterator:
-                    task = asyncio.create_task(answer(request))
-                    pending.add(task)
-                    task.add_done_callback(pending.discard)
+                try:
+                    async for request in request_iterator:
+                        task = asyncio.create_task(answer(request))
+                        pending.add(task)
+                        task.add_done_callback(pending.discard)
+                except asyncio.CancelledError:
+                    if not ended_by_drain:
+                        raise
+                reading = False
                 if pending:
                     await asyncio.gather(*pending, return_exceptions=True)
             finally:
                 answers.put_nowait(_END_OF_STREAM)
 
+        def end_for_drain() -> None:
+            nonlocal ended_by_drain
+            if reading:  # a client that half-closed gets its answers and OK
+                ended_by_drain = True
+                reader.cancel()
+
         reader = asyncio.create_task(read())
+        drain.watch_stream(end_for_drain)
         try:
             while (item := await answers.get()) is not _END_OF_STREAM:
                 yield item
+            if ended_by_drain:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN_MESSAGE)
+            # While the drain parks calls, a client waits for its stream's end instead of
+            # opening the next stream into the shutdown.
+            await drain.hold()
         finally:
+            drain.forget_stream(end_for_drain)
             # The client went away (or the stream broke): queued requests leave their queues.
             reader.cancel()
             for task in list(pending):
@@ -212,17 +257,35 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         except Exception as exc:
             return await _fail(context, exc)
 
+    # -- shared memory: the registrations live where the models run ---------------------------
+
+    async def _regions_call(self, method: str, request, context):
+        try:
+            if not self._shared_memory:
+                raise NotSupported(OFF_MESSAGE)
+            return await getattr(self._regions, method)(request)
+        except Exception as exc:
+            return await _fail(context, exc)
+
+    async def SystemSharedMemoryStatus(self, request, context):
+        return await self._regions_call("system_status", request, context)
+
+    async def SystemSharedMemoryRegister(self, request, context):
+        return await self._regions_call("system_register", request, context)
+
+    async def SystemSharedMemoryUnregister(self, request, context):
+        return await self._regions_call("system_unregister", request, context)
+
+    async def CudaSharedMemoryStatus(self, request, context):
+        return await self._regions_call("cuda_status", request, context)
+
+    async def CudaSharedMemoryRegister(self, request, context):
+        return await self._regions_call("cuda_register", request, context)
+
+    async def CudaSharedMemoryUnregister(self, request, context):
+        return await self._regions_call("cuda_unregister", request, context)
+
     # -- not provided ------------------------------------------------------------------------
-
-    async def _unsupported(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, SHARED_MEMORY_MESSAGE)
-
-    SystemSharedMemoryStatus = _unsupported
-    SystemSharedMemoryRegister = _unsupported
-    SystemSharedMemoryUnregister = _unsupported
-    CudaSharedMemoryStatus = _unsupported
-    CudaSharedMemoryRegister = _unsupported
-    CudaSharedMemoryUnregister = _unsupported
 
     async def TraceSetting(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "tracing is not supported by this server")

@@ -137,6 +137,12 @@ class Settings:
         help="bearer token every other inference RPC requires except ServerLive/ServerReady "
              "and grpc.health.v1; None: open (--infer-token-file or $BATCHGATE_INFER_TOKEN)")
 
+    shared_memory: bool = setting(
+        False, action="store_true", roles=SERVING,
+        help="serve Triton's system and CUDA shared-memory extensions: local clients register "
+             "regions (files in /dev/shm, CUDA IPC handles) and pass tensors through them; for "
+             "trusted local clients only (README, Shared memory)")
+
     # -- the models ----------------------------------------------------------------------------
     model_repository: Path = setting(
         DEFAULT_REPOSITORY, env="BATCHGATE_MODEL_REPOSITORY", parse=Path, roles=(EXECUTOR,),

@@ -50,7 +50,8 @@ import structlog
 
 from batcher.arena import ArenaLayout, SharedArena
 from batcher.metrics import SECONDS_BUCKETS
-from server import SERVER_EXTENSIONS, __version__, native
+from server import __version__, native, server_extensions
+from server.drain import GOAWAY_PROPAGATION_S, LAST_ANSWERS_S
 from server.multiproc_metrics import MultiProcessMetrics
 from server.settings import EXECUTOR, FRONTEND, TOKEN_ENV
 
@@ -66,6 +67,9 @@ FRONTEND_COMMAND = (sys.executable, "-m", "server.frontend")
 LAST_LINES_S = 2.0
 # The executor's share of a drain whose front ends used up the whole timeout: enough to close.
 EXECUTOR_MIN_GRACE_S = 5.0
+# A front end's drain ends with gRPC's shutdown, after the timeout for requests in flight: the
+# GOAWAY's way to the clients, then the last answers (server/drain.py; the native one alike).
+FRONTEND_SHUTDOWN_S = GOAWAY_PROPAGATION_S + LAST_ANSWERS_S
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -449,7 +453,8 @@ class Supervisor:
         for child in self._children:
             child.restart_at = None
         deadline = time.monotonic() + timeout_s
-        self._terminate([c for c in self._children[1:] if c.proc is not None], deadline)
+        self._terminate([c for c in self._children[1:] if c.proc is not None],
+                        deadline + FRONTEND_SHUTDOWN_S)
         executor = self._children[0] if self._children else None
         if executor is not None and executor.proc is not None:
             grace_s = max(deadline - time.monotonic(), min(timeout_s, EXECUTOR_MIN_GRACE_S))
@@ -510,7 +515,8 @@ class Supervisor:
             "role": FRONTEND, "slot": slot, **self._arena_fields(),
             "input_region": [offset, size], "executor_socket": self.socket_name,
             "metrics_socket": self._metrics_socket(slot), "grpc_port": self.grpc_port,
-            "version": __version__, "extensions": list(SERVER_EXTENSIONS),
+            "version": __version__,
+            "extensions": list(server_extensions(self.settings.shared_memory)),
             "seconds_buckets": list(SECONDS_BUCKETS),
             "settings": self._settings_for(FRONTEND),
         })

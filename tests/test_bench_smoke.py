@@ -80,3 +80,28 @@ batchgate_batches_total{model="mlp",reason="delay"} 12.0
         "batchgate_batch_size_sum": 1588.0,
         "batchgate_batches_total{reason=delay}": 12.0,
     }
+
+
+def test_the_shared_memory_benchmark_model_and_table(tmp_path):
+    import torch
+
+    from batcher.loading import latest_version, load_module
+    from bench import shared_memory
+
+    root = shared_memory.write_repository(tmp_path)
+    module = load_module(latest_version(root / "image"), filename=None, parameters={},
+                         device="cpu")
+    assert tuple(module(torch.zeros(2, 3, 224, 224)).shape) == (2, 10)
+
+    def row(per_s, p99, cpu):
+        return {"throughput_per_s": per_s, "p99_ms": p99, "server_cpu_us_per_request": cpu,
+                "outside_model_us_per_request": cpu / 2, "mean_batch_size": 2.0}
+
+    report = {"input_bytes": 602112, "concurrency": 4, "seconds": 3.0, "modes": {
+        "single": {"rows": {"grpc": row(100, 10.0, 4000),
+                            "system shared memory": row(150, 5.0, 1000)}},
+        "native": {"skipped": "not built"}}}
+    table = shared_memory.render(report)
+    assert "| single | system shared memory | 150 | 5.0 ms | 1,000 µs | 500 µs | 2.0 | " \
+           "**1.50** | **0.50** | **0.25** |" in table
+    assert "| native | skipped: not built |" in table

@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from clients import BatchgateError, Client, RetryPolicy
 from protos import inference_pb2 as pb
+from protos import inference_pb2_grpc
 from server import cli
 from tests.conftest import SERVER_MODES, ServeProcess, native_or_skip
 
@@ -107,6 +108,8 @@ CHECKED = {
     "--no-gc-freeze": "the Python processes' garbage collector is not frozen",
     "--log-level": "debug lines are written",
     "--log-format": "every line is JSON",
+    "--shared-memory": "ServerMetadata lists system_shared_memory; registering needs the admin "
+                       "token",
 }
 
 
@@ -193,7 +196,7 @@ def running(request, tmp_path_factory, pki):
         "--infer-token-file", str(root / "infer"), "--device-pool-bytes", str(POOL_BYTES),
         "--device-pool-permissive", "--drain-timeout-s", str(DRAIN_S),
         "--switch-interval-s", str(SWITCH_S), "--no-gc-freeze", "--log-level", "debug",
-        "--log-format", "json", env=env)
+        "--log-format", "json", "--shared-memory", env=env)
     try:
         process.wait_for("serving")
     except BaseException:
@@ -277,6 +280,26 @@ def test_the_security_flags(running):
         assert code_of(lambda: inferer.repository_index()) is grpc.StatusCode.PERMISSION_DENIED
     with running.client(token=ADMIN_TOKEN) as admin:
         assert {m.name for m in admin.repository_index()} == {"vec", "fixed"}  # the repository
+
+
+def test_the_shared_memory_flag(running):
+    # The extension is listed, and its registrations (files opened on the server's host by
+    # name) need the admin token, not the infer token.
+    with running.channel() as channel:
+        stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+        def token(value):
+            return (("authorization", f"Bearer {value}"),)
+
+        metadata = stub.ServerMetadata(pb.ServerMetadataRequest(), timeout=30,
+                                       metadata=token(INFER_TOKEN))
+        assert "system_shared_memory" in metadata.extensions
+        status = pb.SystemSharedMemoryStatusRequest()
+        with pytest.raises(grpc.RpcError) as info:
+            stub.SystemSharedMemoryStatus(status, timeout=30, metadata=token(INFER_TOKEN))
+        assert info.value.code() is grpc.StatusCode.PERMISSION_DENIED
+        assert not stub.SystemSharedMemoryStatus(status, timeout=30,
+                                                 metadata=token(ADMIN_TOKEN)).regions
 
 
 def test_the_device_pool_flags(running):

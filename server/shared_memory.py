@@ -1,0 +1,402 @@
+"""Shared-memory regions clients register (Triton's system and CUDA shared-memory extensions).
+
+A client on the same host puts a tensor in a region it created (``shm_open``, or a CUDA IPC
+handle), registers the region under a name, and then names (region, offset, byte size) in a
+request's ``shared_memory_*`` parameters instead of sending the bytes. ``SharedMemoryRegistry``
+lives in the process that holds the models (the executor process, or the single-process
+server): front ends only check the parameters and forward them (``protos/wire.proto``,
+``Placement``).
+
+Inputs are numpy views of the mapped region (read-only, like the arena's views): the batch
+copies them into its batch buffer, which is the only copy. Outputs are written with
+``os.pwrite`` once the batch is done. Registrations belong to the server, not to a
+connection; unregister-all and ``close`` (at exit) release every one. A region still read by
+requests in flight is unmapped when the last of them ends.
+
+A client that truncates its file while the server reads it would make the read fault (SIGBUS)
+and kill the process, so the file's size is checked (``fstat`` on the descriptor kept open)
+when the request arrives and again right before its batch reads it (the request's
+``check_inputs``); a request whose region shrank fails alone with INVALID_ARGUMENT. What
+remains is the instant between that last check and the copy: this extension is for trusted
+local clients (the same user, or a container sharing ``/dev/shm`` on purpose), as a client
+that can write into the server's memory must be anyway. A region whose key was unlinked while
+registered is refused as well (its pages would otherwise keep being served while nobody else
+can see them). Bytes the client changes while its request is in flight are the client's
+business: the request reads whatever is there when its batch copies it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import gc
+import mmap
+import os
+import stat
+import weakref
+
+import numpy as np
+import structlog
+
+from batcher.errors import InvalidRequest, NotSupported, quoted
+from batcher.spec import NUMPY_DTYPES
+from protos import inference_pb2 as pb
+from server.status import Code, StatusError
+
+log = structlog.get_logger(__name__)
+
+SHM_ROOT = "/dev/shm"
+OFF_MESSAGE = (
+    "shared-memory tensors are off on this server (start it with --shared-memory to turn "
+    "them on); send tensor data in raw_input_contents"
+)
+NO_CUDA_MESSAGE = "this server has no CUDA device; CUDA shared memory needs one"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Placement:
+    """Bytes of a registered region named by a request: ``offset`` from the registration's
+    start. ``shape`` is the tensor's (inputs), or () for an output (the model decides it)."""
+
+    region: str
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Placed:
+    """An output written into the client's region: the reply carries its shape, no bytes."""
+
+    shape: tuple[int, ...]
+    nbytes: int = 0
+
+
+class _SystemRegion:
+    """One registration of a ``/dev/shm`` file: its descriptor, kept open to check the file's
+    size and identity at use, and its mapping."""
+
+    __slots__ = ("name", "key", "offset", "byte_size", "fd", "inode", "mapping", "base",
+                 "__weakref__")
+
+    def __init__(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        self.name, self.key, self.offset, self.byte_size = name, key, offset, byte_size
+        path = _key_path(key)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            code = Code.NOT_FOUND if exc.errno == errno.ENOENT else Code.INVALID_ARGUMENT
+            raise StatusError(code, f"cannot open shared-memory key {quoted(key)} for region "
+                                    f"{quoted(name)}: {exc.strerror}") from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise StatusError(Code.INVALID_ARGUMENT,
+                                  f"shared-memory key {quoted(key)} is not a regular file")
+            if offset + byte_size > info.st_size:
+                raise StatusError(Code.INVALID_ARGUMENT, (
+                    f"shared-memory region {quoted(name)}: offset {offset} + byte_size "
+                    f"{byte_size} is past the end of key {quoted(key)} ({info.st_size} bytes)"))
+            start = offset - offset % mmap.ALLOCATIONGRANULARITY
+            self.mapping = mmap.mmap(fd, offset + byte_size - start, mmap.MAP_SHARED,
+                                     mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        self.inode = (info.st_dev, info.st_ino)
+        self.base = offset - start  # the registration's first byte in the mapping
+        # The descriptor outlives an unregister while requests in flight still check it.
+        weakref.finalize(self, os.close, fd)
+
+    def check(self, what: str) -> None:
+        """InvalidRequest when the file shrank below the registration. Requests in flight
+        when their region is unregistered still read it: the descriptor stays open while
+        anything refers to this registration."""
+        size = os.fstat(self.fd).st_size
+        if size < self.offset + self.byte_size:
+            raise InvalidRequest(
+                f"{what}: shared-memory region {quoted(self.name)} shrank: key "
+                f"{quoted(self.key)} has {size} bytes, its registration needs "
+                f"{self.offset + self.byte_size}; register it again")
+
+    def check_key(self, what: str) -> None:
+        """InvalidRequest when the key was unlinked (or replaced) since registration."""
+        try:
+            info = os.stat(_key_path(self.key), follow_symlinks=False)
+            same = (info.st_dev, info.st_ino) == self.inode
+        except OSError:
+            same = False
+        if not same:
+            raise InvalidRequest(
+                f"{what}: shared-memory key {quoted(self.key)} of region {quoted(self.name)} "
+                "was removed (unlinked) by its owner while registered; unregister the region "
+                "and register it again")
+
+    def release(self) -> bool:
+        """Unmap now (True), or once the views of requests in flight have gone (False)."""
+        try:
+            self.mapping.close()
+        except BufferError:
+            return False
+        return True
+
+
+class SharedMemoryRegistry:
+    """Every registration of one server, answering the registration RPCs' messages."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._system: dict[str, _SystemRegion] = {}
+        self._cuda: dict[str, object] = {}  # name -> server.cuda_ipc.CudaRegion
+        self._cuda_ipc = None  # server.cuda_ipc, imported on the first CUDA registration
+
+    # -- the registration RPCs -----------------------------------------------------------------
+
+    async def system_status(self, request: pb.SystemSharedMemoryStatusRequest
+                            ) -> pb.SystemSharedMemoryStatusResponse:
+        self._check_enabled()
+        response = pb.SystemSharedMemoryStatusResponse()
+        if request.name:
+            if request.name not in self._system:
+                raise StatusError(Code.NOT_FOUND, (
+                    f"no system shared-memory region {quoted(request.name)} is registered"))
+            chosen = [self._system[request.name]]
+        else:
+            chosen = list(self._system.values())
+        for region in chosen:
+            response.regions[region.name].CopyFrom(
+                pb.SystemSharedMemoryStatusResponse.RegionStatus(
+                    name=region.name, key=region.key, offset=region.offset,
+                    byte_size=region.byte_size))
+        return response
+
+    async def system_register(self, request: pb.SystemSharedMemoryRegisterRequest
+                              ) -> pb.SystemSharedMemoryRegisterResponse:
+        self._check_enabled()
+        self._check_new_name(request.name)
+        if request.byte_size == 0:
+            raise StatusError(Code.INVALID_ARGUMENT, (
+                f"shared-memory region {quoted(request.name)}: byte_size must be > 0"))
+        _key_path(request.key)
+        region = _SystemRegion(request.name, request.key, request.offset, request.byte_size)
+        self._system[request.name] = region
+        log.info("shared_memory_registered", kind="system", region=request.name,
+                 key=request.key, offset=request.offset, byte_size=request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    async def system_unregister(self, request: pb.SystemSharedMemoryUnregisterRequest
+                                ) -> pb.SystemSharedMemoryUnregisterResponse:
+        """An unknown name is not an error (Triton's behaviour): the region is not there."""
+        self._check_enabled()
+        names = [request.name] if request.name else list(self._system)
+        deferred = []
+        for name in names:
+            region = self._system.pop(name, None)
+            if region is not None and not region.release():
+                deferred.append(region)
+            elif region is not None:
+                log.info("shared_memory_unregistered", kind="system", region=name, unmapped=True)
+        if deferred:
+            # Finished requests caught in reference cycles may still hold views: collect them
+            # now (a rare control-plane call) rather than keep the client's file mapped until
+            # the collector happens to run. Requests still in flight keep theirs.
+            gc.collect()
+            for region in deferred:
+                log.info("shared_memory_unregistered", kind="system", region=region.name,
+                         unmapped=region.release())
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    async def cuda_status(self, request: pb.CudaSharedMemoryStatusRequest
+                          ) -> pb.CudaSharedMemoryStatusResponse:
+        self._check_cuda()
+        response = pb.CudaSharedMemoryStatusResponse()
+        if request.name:
+            if request.name not in self._cuda:
+                raise StatusError(Code.NOT_FOUND, (
+                    f"no CUDA shared-memory region {quoted(request.name)} is registered"))
+            chosen = [self._cuda[request.name]]
+        else:
+            chosen = list(self._cuda.values())
+        for region in chosen:
+            response.regions[region.name].CopyFrom(
+                pb.CudaSharedMemoryStatusResponse.RegionStatus(
+                    name=region.name, device_id=region.device_id, byte_size=region.byte_size))
+        return response
+
+    async def cuda_register(self, request: pb.CudaSharedMemoryRegisterRequest
+                            ) -> pb.CudaSharedMemoryRegisterResponse:
+        cuda_ipc = self._check_cuda()
+        self._check_new_name(request.name)
+        if request.byte_size == 0:
+            raise StatusError(Code.INVALID_ARGUMENT, (
+                f"shared-memory region {quoted(request.name)}: byte_size must be > 0"))
+        self._cuda[request.name] = cuda_ipc.CudaRegion(
+            request.name, request.raw_handle, request.device_id, request.byte_size)
+        log.info("shared_memory_registered", kind="cuda", region=request.name,
+                 device_id=request.device_id, byte_size=request.byte_size)
+        return pb.CudaSharedMemoryRegisterResponse()
+
+    async def cuda_unregister(self, request: pb.CudaSharedMemoryUnregisterRequest
+                              ) -> pb.CudaSharedMemoryUnregisterResponse:
+        self._check_cuda()
+        names = [request.name] if request.name else list(self._cuda)
+        for name in names:
+            region = self._cuda.pop(name, None)
+            if region is not None:
+                region.release()
+                log.info("shared_memory_unregistered", kind="cuda", region=name)
+        return pb.CudaSharedMemoryUnregisterResponse()
+
+    def close(self) -> None:
+        """Release every registration (the server is stopping)."""
+        for region in (*self._system.values(), *self._cuda.values()):
+            region.release()
+        self._system.clear()
+        self._cuda.clear()
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def attach(self, request, spec) -> None:
+        """Put each placed input's array into a ``PlacedRequest`` (single-process server)."""
+        named = []
+        for index, (placement, tspec) in enumerate(zip(request.input_placements, spec.inputs)):
+            if placement is not None:
+                request.inputs[index] = self.input_array(placement, tspec.name, tspec.datatype)
+                named.append((tspec.name, placement))
+        request.check_inputs = self.checker(named)
+
+    def place_outputs(self, request, spec, outputs: dict) -> dict:
+        """Write a ``PlacedRequest``'s placed outputs into their regions: ``outputs`` with
+        those entries ``Placed`` (single-process server)."""
+        placed = dict(outputs)
+        for name, placement in zip(request.requested_outputs or (), request.output_placements):
+            if placement is not None:
+                placed[name] = self.write_output(placement, name, spec.output(name).datatype,
+                                                 outputs[name])
+        return placed
+
+    def input_array(self, placement: Placement, name: str, datatype: str):
+        """The input's array: a read-only numpy view of a system region (BYTES decoded), or a
+        tensor on the device of a CUDA region. InvalidRequest / NOT_FOUND saying why not."""
+        what = f"input {quoted(name)}"
+        region = self._region(placement, what)
+        if not isinstance(region, _SystemRegion):
+            return region.tensor(placement.offset, placement.nbytes, placement.shape,
+                                 datatype)
+        region.check(what)
+        region.check_key(what)
+        start = region.base + placement.offset
+        if datatype == "BYTES":
+            from server.codec import bytes_array
+
+            try:
+                return bytes_array(region.mapping[start:start + placement.nbytes],
+                                   placement.shape)
+            except ValueError:
+                raise InvalidRequest(
+                    f"{what}: the {placement.nbytes} bytes in shared-memory region "
+                    f"{quoted(region.name)} are not a BYTES tensor of shape "
+                    f"{list(placement.shape)} (per element, a 4-byte little-endian length, "
+                    "then that many bytes)") from None
+        dtype = NUMPY_DTYPES[datatype]
+        count = placement.nbytes // dtype.itemsize
+        array = np.frombuffer(region.mapping, dtype, count, start).reshape(placement.shape)
+        # Read-only: a model that writes to its inputs gets a copy, not the client's memory.
+        array.flags.writeable = False
+        if datatype == "BOOL" and array.size and array.view(np.uint8).max() > 1:
+            raise InvalidRequest(f"{what}: a BOOL tensor must hold bytes 0 and 1 only")
+        return array
+
+    def checker(self, placements) -> object:
+        """A request's ``check_inputs``: the size check of its system regions, right before
+        its batch reads them (None when none of its inputs is in one)."""
+        regions = []
+        for name, placement in placements:
+            region = self._system.get(placement.region)
+            if region is not None:
+                regions.append((f"input {quoted(name)}", region))
+        if not regions:
+            return None
+
+        def check_inputs() -> None:
+            for what, region in regions:
+                region.check(what)
+        return check_inputs
+
+    def write_output(self, placement: Placement, name: str, datatype: str,
+                     array: np.ndarray) -> Placed:
+        """Write an output into its region (BYTES in the KServe encoding); InvalidRequest
+        when it does not fit the bytes the request gave it."""
+        what = f"output {quoted(name)}"
+        region = self._region(placement, what)
+        if datatype == "BYTES":
+            from server.codec import bytes_encoding
+
+            data = memoryview(bytes_encoding(array))
+        else:
+            if datatype == "BF16" or array.dtype != NUMPY_DTYPES[datatype]:
+                array = array.astype(NUMPY_DTYPES[datatype], copy=False)
+            data = memoryview(np.ascontiguousarray(array)).cast("B")
+        if data.nbytes > placement.nbytes:
+            raise InvalidRequest(
+                f"{what} needs {data.nbytes} bytes; shared_memory_byte_size gives it "
+                f"{placement.nbytes} in region {quoted(region.name)}")
+        placed = Placed(tuple(array.shape), data.nbytes)
+        if not isinstance(region, _SystemRegion):
+            region.write(placement.offset, data)
+            return placed
+        region.check(what)
+        region.check_key(what)
+        # pwrite, not the mapping: a file that shrank meanwhile cannot fault the process.
+        at = region.offset + placement.offset
+        while data:
+            written = os.pwrite(region.fd, data, at)
+            data, at = data[written:], at + written
+        return placed
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _region(self, placement: Placement, what: str):
+        region = self._system.get(placement.region) or self._cuda.get(placement.region)
+        if region is None:
+            raise StatusError(Code.NOT_FOUND, (
+                f"{what}: no shared-memory region {quoted(placement.region)} is registered"))
+        end = placement.offset + placement.nbytes
+        if end > region.byte_size:
+            raise InvalidRequest(
+                f"{what}: {placement.nbytes} bytes at offset {placement.offset} lie past the "
+                f"end of shared-memory region {quoted(region.name)} ({region.byte_size} "
+                "bytes registered)")
+        return region
+
+    def _check_enabled(self) -> None:
+        if not self.enabled:
+            raise NotSupported(OFF_MESSAGE)
+
+    def _check_cuda(self):
+        self._check_enabled()
+        if self._cuda_ipc is None:
+            from server import cuda_ipc
+
+            if not cuda_ipc.available():
+                raise StatusError(Code.FAILED_PRECONDITION, NO_CUDA_MESSAGE)
+            self._cuda_ipc = cuda_ipc
+        return self._cuda_ipc
+
+    def _check_new_name(self, name: str) -> None:
+        if not name:
+            raise StatusError(Code.INVALID_ARGUMENT, "a shared-memory region needs a name")
+        if name in self._system or name in self._cuda:
+            raise StatusError(Code.ALREADY_EXISTS, (
+                f"a shared-memory region named {quoted(name)} is already registered"))
+
+
+def _key_path(key: str) -> str:
+    """The file of a ``shm_open`` key: one name in /dev/shm, never a path out of it."""
+    name = key[1:] if key.startswith("/") else key
+    if not name or "/" in name or name in (".", "..") or "\0" in name:
+        raise StatusError(Code.INVALID_ARGUMENT, (
+            f"shared-memory key {quoted(key)} must be one name in {SHM_ROOT} (as shm_open "
+            "takes it: an optional leading '/', no other '/')"))
+    return f"{SHM_ROOT}/{name}"
