@@ -170,16 +170,3 @@ class DeviceTurns:
         started = self._started.pop(batch_id, None)
         if started is not None:
             self._share.release(self._member, self._share.now() - started)
-
-
-_shares: dict[str, DeviceShare] = {}
-_shares_lock = threading.Lock()
-
-
-def share_for(device: str) -> DeviceShare:
-    """The process's one DeviceShare for ``device`` ("cpu", "cuda:0", ...)."""
-    with _shares_lock:
-        share = _shares.get(device)
-        if share is None:
-            share = _shares[device] = DeviceShare(device)
-        return share

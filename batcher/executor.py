@@ -11,7 +11,8 @@ largest batch). Threads:
 - the *compute* thread makes its stream wait for that event, runs the model (a captured CUDA
   graph for the bucket, or eager under the model's precision), checks that every output kept
   the batch dimension, and on a GPU starts the copies of the outputs (padding rows dropped) into
-  pinned host memory and records an event;
+  pinned host memory on an output stream of their own (the next batch's compute does not queue
+  behind them) and records a blocking event;
 - on a GPU a *finisher* thread waits for that event, splits the outputs per request and hands
   them back. So one batch is assembled and one computes while the last one's outputs come home.
   On the CPU the compute thread finishes its batch itself (nothing is asynchronous there).
@@ -25,13 +26,19 @@ With ``execution_timeout_ms`` each batch's run goes through a ``TimedRunner``
 (``batcher/watchdog.py``): a batch that overruns fails, and since the abandoned call may still
 read its slot's buffers, that slot is retired and the instance goes on with fresh buffers
 (allocated outside the pool; at most ``watchdog.MAX_ABANDONED`` times before the instance is
-declared dead). A model that raises a ``BaseException`` (SystemExit...) or an executor thread
-that fails kills the instance (``on_dead``): its queued batches fail with UNAVAILABLE.
+declared dead). On a GPU the limit covers the device's work too: the wait for a batch's event
+polls it against the same deadline, and a batch whose kernels are still running then fails the
+same way (its slot and staged blocks are kept until its event completes). A model that raises a
+``BaseException`` (SystemExit...), a sticky CUDA error (``batcher/gpu.py``: the context is
+broken; the process is told through ``gpu.on_device_lost``) or an executor thread that fails
+kills the instance (``on_dead``): its queued batches fail with UNAVAILABLE.
 
-Out of memory: a batch whose forward raises ``torch.OutOfMemoryError`` is split in halves, each
-run again (recursively); the model's largest bucket is lowered below the size that failed, so
-later batches run in pieces no larger than that; every request is still answered. Only a
-single sample that does not fit fails, with RESOURCE_EXHAUSTED.
+The model call itself (precision, the outputs' check, graph replay, the out-of-memory split)
+is ``batcher/forward.py``; the batch and slot types and the accounting interface are
+``batcher/batch.py``.
+
+Memory: on a GPU every allocation of the instance's threads (assembly, forward, graph warm-up)
+is made under the model's own pool (``ExecutorPlan.memory``, ``batcher/gpu.py``).
 
 Models whose inputs have variable dims or are BYTES cannot have fixed buffers: their batches
 are concatenated on the host and copied to the device as they are (no padding, no graphs).
@@ -40,124 +47,40 @@ are concatenated on the host and copied to the device as they are (no padding, n
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import queue as queue_module
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 import structlog
 import torch
 
+from batcher import gpu
 from batcher import graphs as cuda_graphs
 from batcher import precision as precisions
-from batcher.buckets import BatchBuckets
-from batcher.device_share import DeviceTurns
-from batcher.errors import (
-    BatchgateError,
-    ModelExecutionError,
-    ModelUnavailable,
-    ResourceExhausted,
+from batcher.batch import (
+    Batch,
+    BatchAccounting,
+    ExecutorPlan,
+    InstanceDead,
+    Outcome,
+    Slot,
+    default_plan,
 )
+from batcher.device_share import DeviceTurns
+from batcher.errors import BatchgateError, ModelExecutionError, ModelUnavailable
+from batcher.forward import ModelForward
 from batcher.request import InferenceRequest
 from batcher.spec import ModelSpec, TensorSpec
-from batcher.staging import InputStager, Staged
-from batcher.tensors import TORCH_DTYPES, bytes_tensor, host_array, host_input, to_numpy, to_torch
-from batcher.watchdog import ExecutionTimeout, TimedRunner, TooManyHungCalls
+from batcher.tensors import TORCH_DTYPES, host_input, to_numpy, to_torch
+from batcher.watchdog import MAX_ABANDONED, ExecutionTimeout, TimedRunner, TooManyHungCalls
 
 log = structlog.get_logger(__name__)
 
 _interop_lock = threading.Lock()
 _interop_set = False
-
-
-class Slot:
-    """One batch in flight: the input buffers a batch's requests are gathered into."""
-
-    __slots__ = ("index", "inputs", "host")
-
-    def __init__(self, index: int, inputs: Sequence[torch.Tensor]) -> None:
-        self.index = index
-        self.inputs = tuple(inputs)  # () when the model's inputs cannot have fixed buffers
-        # On the CPU, numpy views of the buffers: np.copyto takes read-only sources as they are.
-        cpu = all(t.device.type == "cpu" for t in self.inputs)
-        self.host = [host_array(t) for t in self.inputs] if cpu else None
-
-
-@dataclasses.dataclass
-class ExecutorPlan:
-    """What one instance runs with, set up by its ``ServedModel`` at load."""
-
-    slots: list[Slot]
-    buckets: BatchBuckets
-    stager: InputStager | None = None
-    # Per bucket: a CUDA graph's fixed input and output buffers (None: no graphs).
-    graph_buffers: tuple[dict[int, tuple[torch.Tensor, ...]],
-                         dict[int, tuple[torch.Tensor, ...]]] | None = None
-    # Storages of the buffers above: an output that aliases one is copied before it leaves.
-    owned_storage: frozenset[int] = frozenset()
-    on_oom: Callable[[int, int], None] | None = None  # (rows that failed, new largest)
-    on_copies: Callable[[int, int], None] | None = None  # (staged when queued, copied at batch)
-    after_batch: Callable[[], None] | None = None
-
-
-def default_plan(spec: ModelSpec) -> ExecutorPlan:
-    """Slots without buffers and no padding: the host-concatenation path."""
-    slots = [Slot(i, ()) for i in range(spec.inflight_batches)]
-    return ExecutorPlan(slots, BatchBuckets((), spec.batching.max_batch_size))
-
-
-class Batch:
-    __slots__ = ("id", "requests", "reason", "samples", "bucket", "slot", "tensors", "ready",
-                 "done", "staged", "graph", "taken_at", "started_at", "finished_at", "input_ns",
-                 "model_cpu_ns")
-
-    def __init__(self, batch_id: int, requests: list[InferenceRequest], reason: str) -> None:
-        self.id = batch_id
-        self.requests = requests
-        self.reason = reason
-        self.samples = sum(r.batch_size for r in requests)
-        self.bucket = self.samples  # rows the model runs at (padding included)
-        self.slot: Slot | None = None
-        self.tensors: list[Any] = []
-        self.ready: Any = None  # CUDA event: inputs are on the device
-        self.done: Any = None  # CUDA event: outputs are in host memory
-        self.staged: list[Staged] = []
-        self.graph = False  # runs as a captured CUDA graph
-        self.taken_at = time.monotonic()
-        self.started_at: float | None = None  # when its compute began (monotonic)
-        self.finished_at: float | None = None  # when its answers were handed on (monotonic)
-        self.input_ns = 0
-        self.model_cpu_ns = 0  # CPU time of the thread that ran the forward, inside it
-
-
-class Outcome:
-    """What the compute thread hands back to the event loop for one batch.
-
-    ``outputs``: the batch's host arrays, one per output in the model's order, padding rows
-    dropped; ``results`` holds each request's views of them. ``inputs_in_use``: a call that
-    timed out may still read the batch's inputs, so they are not released with the answers; a
-    second, ``release_only`` outcome follows if the call returns.
-    """
-
-    __slots__ = ("batch", "results", "outputs", "error", "inputs_in_use", "release_only")
-
-    def __init__(self, batch: Batch, results: list[dict[str, np.ndarray]] | None,
-                 error: Exception | None, *, outputs: list[np.ndarray] | None = None,
-                 inputs_in_use: bool = False, release_only: bool = False) -> None:
-        self.batch = batch
-        self.results = results
-        self.outputs = outputs
-        self.error = error
-        self.inputs_in_use = inputs_in_use
-        self.release_only = release_only
-
-
-class InstanceDead(Exception):
-    """The instance cannot run batches any more (the model raised a BaseException such as
-    SystemExit, too many calls hung, or the executor's own code failed)."""
 
 
 class Executor:
@@ -172,24 +95,21 @@ class Executor:
         next_batch: Callable[..., tuple[list[InferenceRequest], str] | None],
         wake: Callable[[], None],
         deliver: Callable[[Outcome], None],
-        on_batch: Callable[[Batch, int, int], None],
         batch_ids: Callable[[], int],
-        on_inflight: Callable[[Batch, int], None] | None = None,
+        accounting: BatchAccounting | None = None,
         on_dead: Callable[[str], None] | None = None,
         plan: ExecutorPlan | None = None,
         turns: DeviceTurns | None = None,
     ) -> None:
         self._spec = spec
-        self._module = module
         self._index = index
         self._next_batch = next_batch
         self._wake = wake
         # Batches handed to the compute thread and not finished yet.
         self._running = 0
         self._deliver = deliver
-        self._on_batch = on_batch
         self._batch_ids = batch_ids
-        self._on_inflight = on_inflight
+        self._accounting = accounting if accounting is not None else BatchAccounting()
         # The device's weighted turns (batcher/device_share.py), when the model takes part.
         self._turns = turns
         self._plan = plan if plan is not None else default_plan(spec)
@@ -208,11 +128,15 @@ class Executor:
         self._finishing: queue_module.SimpleQueue[tuple | None] = queue_module.SimpleQueue()
         self._copy_stream = torch.cuda.Stream(self._device) if self._cuda else None
         self._compute_stream = torch.cuda.Stream(self._device) if self._cuda else None
+        self._output_stream = torch.cuda.Stream(self._device) if self._cuda else None
+        self._outputs_read: Any = None  # the last batch's output copies (an event)
+        self._memory = (self._plan.memory if self._plan.memory is not None
+                        else gpu.ModelMemory("cpu"))
+        self._overdue: list[Batch] = []  # failed past the timeout, device work still running
         self._input_types = [t.datatype for t in spec.inputs]
         self._output_specs: Sequence[TensorSpec] = spec.outputs
-        self._bytes_outputs = tuple(i for i, o in enumerate(spec.outputs) if o.datatype == "BYTES")
-        self._graphs: cuda_graphs.BucketGraphs | None = None
-        self._warming = False
+        self._model = ModelForward(spec, module, buckets=self._buckets, pooled=self._pooled,
+                                   accounting=self._accounting)
         # Storages of our buffers, for the alias check; grows when a slot is replaced.
         self._owned_storage = set(self._plan.owned_storage)
         self._threads: list[threading.Thread] = []
@@ -227,7 +151,7 @@ class Executor:
 
     @property
     def graph_buckets(self) -> tuple[int, ...]:
-        return self._graphs.buckets if self._graphs is not None else ()
+        return self._model.graphs.buckets if self._model.graphs is not None else ()
 
     @property
     def hung_calls(self) -> int:
@@ -241,7 +165,8 @@ class Executor:
         thread configured like the compute thread; then capture the CUDA graphs, if planned.
 
         Returns ``batch_sizes`` (rows each run had, padding included), ``activation_bytes``
-        (CUDA: the most the largest run allocated beyond what was live before, else None),
+        (where the model's memory is measured, on CUDA: the most the largest run allocated
+        beyond what was live before, else None),
         ``graphs`` (what became of the CUDA graphs, "" when none were planned) and ``timed``
         ((rows, seconds) of a second run per batch size). Raises what a run raised; out of
         memory is not split here: a model that does not fit must not load.
@@ -252,7 +177,7 @@ class Executor:
 
         def run() -> None:
             self._configure_thread()
-            self._warming = True
+            self._model.warming = True
             try:
                 for arrays in samples:
                     report["batch_sizes"].append(self._warm_one(arrays, report))
@@ -264,7 +189,7 @@ class Executor:
             except BaseException as exc:  # reported to the loader below
                 failure.append(exc)
             finally:
-                self._warming = False
+                self._model.warming = False
 
         thread = threading.Thread(target=run, name=f"{self._spec.name}-warmup", daemon=True)
         thread.start()
@@ -278,17 +203,15 @@ class Executor:
         request = InferenceRequest([np.array(a) for a in arrays], batch_size=rows)
         batch = Batch(0, [request], "warmup")
         batch.slot = self._plan.slots[0]
-        measure = self._cuda and rows == self._spec.batching.max_batch_size
+        measure = self._memory.measures and rows == max(self._spec.batching.max_batch_size, 1)
         if measure:
-            torch.cuda.synchronize(self._device)
-            before = torch.cuda.memory_allocated(self._device)
-            torch.cuda.reset_peak_memory_stats(self._device)
+            before = self._memory.start_peak()
         self._assemble(batch)
         self._launch(batch)
         if batch.done is not None:
             batch.done.synchronize()
         if measure:
-            peak = torch.cuda.max_memory_allocated(self._device) - before
+            peak = self._memory.peak_since(before)
             report["activation_bytes"] = max(peak, report["activation_bytes"] or 0)
         return batch.bucket
 
@@ -310,9 +233,11 @@ class Executor:
     def _capture_graphs(self) -> str:
         static_inputs, static_outputs = self._plan.graph_buffers
         graphs = cuda_graphs.BucketGraphs(
-            self._device, lambda inputs, capturing: self._forward(inputs, len(inputs[0]),
+            self._device, lambda inputs, capturing: self._model.forward(inputs, len(inputs[0]),
                                                                   capturing=capturing),
-            static_inputs, static_outputs)
+            static_inputs, static_outputs,
+            pool=self._memory.graph_pool_id() if self._memory.measures else None,
+            use_pool=self._memory.use)
         try:
             graphs.capture()
         except Exception as exc:
@@ -322,7 +247,7 @@ class Executor:
             log.warning("cuda_graphs_failed", model=self._spec.name, instance=self._index,
                         reason=reason, running="eager")
             return f"eager: capture failed ({reason})"
-        self._graphs = graphs
+        self._model.graphs = graphs
         log.info("cuda_graphs_captured", model=self._spec.name, instance=self._index,
                  buckets=list(graphs.buckets))
         return f"captured for buckets {','.join(map(str, graphs.buckets))}"
@@ -353,6 +278,12 @@ class Executor:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             thread.join(left)
         return not any(t.is_alive() for t in self._threads)
+
+    def release_module(self) -> None:
+        """The instance has stopped: drop what keeps the model's memory alive (its module,
+        its graphs), so that its pools can go back to the device."""
+        self._model.module = None
+        self._model.graphs = None
 
     # -- the threads ---------------------------------------------------------------------------
 
@@ -426,8 +357,7 @@ class Executor:
         """The batch with its inputs assembled (on the device), or None if that failed."""
         batch = Batch(self._batch_ids(), requests, reason)
         batch.slot = slot
-        if self._on_inflight is not None:
-            self._on_inflight(batch, 1)
+        self._accounting.taken(batch)
         try:
             started = time.perf_counter_ns()
             self._assemble(batch)
@@ -463,10 +393,24 @@ class Executor:
 
     def _finish_loop(self) -> None:
         torch.cuda.set_device(self._device)
+        try:
+            while (item := self._finishing.get()) is not None:
+                self._complete(*item)
+                self._retire()
+                item = None  # as in _assemble_loop
+        except InstanceDead as exc:
+            self._die(str(exc), None)
+            self._fail_finishing()
+        except BaseException as exc:
+            self._die(f"its finishing thread failed ({type(exc).__name__})", exc)
+            self._fail_finishing()
+
+    def _fail_finishing(self) -> None:
+        """The finisher stopped: the batches still handed to it fail (compute goes on until
+        its end mark)."""
         while (item := self._finishing.get()) is not None:
-            self._complete(*item)
+            self._finish(item[0], None, self._dead_error())
             self._retire()
-            item = None  # as in _assemble_loop
 
     def _retire(self) -> None:
         with self._running_lock:
@@ -514,7 +458,7 @@ class Executor:
         rows = batch.samples
         batch.bucket = self._buckets.pad(rows) if self._batching else 1
         stream = torch.cuda.stream(self._copy_stream) if self._cuda else contextlib.nullcontext()
-        with stream:
+        with self._memory.use(), stream:
             self._gather(batch)
             if batch.bucket > rows:
                 for buffer in batch.slot.inputs:
@@ -524,35 +468,86 @@ class Executor:
                 batch.ready.record(self._copy_stream)
         inputs = batch.slot.inputs
         batch.tensors = [b[:batch.bucket] for b in inputs] if self._batching else list(inputs)
-        batch.graph = (self._graphs is not None and batch.bucket in self._graphs.buckets
+        batch.graph = (self._model.graphs is not None and batch.bucket in self._model.graphs.buckets
                        and rows <= self._buckets.largest)
 
     def _gather(self, batch: Batch) -> None:
-        """Each request's rows into the slot's buffers, from its staged blocks if it has them."""
-        slot, offset, staged_count = batch.slot, 0, 0
-        for request in batch.requests:
+        """The requests' rows into the slot's buffers: one operation per input (a ``torch.cat``
+        of their staged blocks, or a host concatenation and, on a GPU, one copy from pinned
+        memory), per request only when a batch mixes staged and unstaged requests."""
+        slot, requests = batch.slot, batch.requests
+        for request in requests:
             if request.check_inputs is not None:
                 _check_inputs(request)
-            rows = request.batch_size
-            where = slice(offset, offset + rows) if self._batching else slice(None)
-            staged = self._stager.claim(request) if self._stager is not None else None
-            if staged is not None:
-                batch.staged.append(staged)
-                staged_count += 1
-                if staged.ready is not None:
-                    self._copy_stream.wait_event(staged.ready)
-                for buffer, block in zip(slot.inputs, staged.blocks):
-                    buffer[where].copy_(block.tensor, non_blocking=self._cuda)
-            elif slot.host is not None:
-                for target, array in zip(slot.host, request.inputs):
-                    np.copyto(target[where], host_input(array))
+        # Inputs in a client's CUDA shared memory are device tensors: copied as they are.
+        direct = any(isinstance(a, torch.Tensor) for r in requests for a in r.inputs)
+        claimed = ([self._stager.claim(r) for r in requests] if self._stager is not None
+                   else [None] * len(requests))
+        staged = [c for c in claimed if c is not None]
+        batch.staged.extend(staged)
+        for item in staged:
+            if item.ready is not None:
+                self._copy_stream.wait_event(item.ready)
+        rows = batch.samples
+        if not self._batching:  # one request; the buffers are one sample
+            if staged:
+                for buffer, block in zip(slot.inputs, staged[0].blocks):
+                    buffer.copy_(block.tensor, non_blocking=self._cuda)
             else:
-                for buffer, array, datatype in zip(slot.inputs, request.inputs,
-                                                   self._input_types):
-                    buffer[where].copy_(to_torch(array, datatype), non_blocking=True)
-            offset += rows
-        if self._plan.on_copies is not None and batch.id:  # id 0: a warm-up run
-            self._plan.on_copies(staged_count, len(batch.requests) - staged_count)
+                self._request_into(slot, requests[0], slice(None))
+        elif len(staged) == len(requests):
+            for i, buffer in enumerate(slot.inputs):
+                blocks = [item.blocks[i].tensor for item in staged]
+                if len(blocks) == 1:
+                    buffer[:rows].copy_(blocks[0], non_blocking=self._cuda)
+                else:
+                    torch.cat(blocks, out=buffer[:rows])
+        elif not staged and not direct:
+            self._from_host(slot, [request.inputs for request in requests], rows)
+        else:
+            offset = 0
+            for request, item in zip(requests, claimed):
+                where = slice(offset, offset + request.batch_size)
+                if item is not None:
+                    for buffer, block in zip(slot.inputs, item.blocks):
+                        buffer[where].copy_(block.tensor, non_blocking=self._cuda)
+                else:
+                    self._request_into(slot, request, where)
+                offset += request.batch_size
+        if batch.id:  # id 0: a warm-up run
+            self._accounting.copies(len(staged), len(requests) - len(staged))
+
+    def _request_into(self, slot: Slot, request: InferenceRequest, where: slice) -> None:
+        """One request's inputs into ``slot``'s buffers at ``where``."""
+        if not any(isinstance(a, torch.Tensor) for a in request.inputs):
+            self._from_host(slot, [request.inputs], None, where)
+            return
+        for i, (buffer, array) in enumerate(zip(slot.inputs, request.inputs)):
+            if slot.host is not None:
+                np.copyto(slot.host[i][where], host_input(array))
+            elif isinstance(array, torch.Tensor):
+                buffer[where].copy_(array, non_blocking=True)
+            else:
+                buffer[where].copy_(to_torch(array, self._input_types[i]), non_blocking=True)
+
+    def _from_host(self, slot: Slot, inputs: list[Sequence[np.ndarray]], rows: int | None,
+                   where: slice | None = None) -> None:
+        """Host arrays (per request, per input) into ``slot``'s buffers at ``where`` (default:
+        from row 0): on the CPU one concatenation per input straight into the buffer; on a GPU
+        into the slot's pinned host mirror, then one asynchronous copy per input (from pinned
+        memory the copy is a real DMA; from the request's pageable bytes it would not be)."""
+        if where is None:
+            where = slice(0, rows) if rows is not None else slice(None)
+        targets = slot.host if slot.host is not None else slot.pinned_views()
+        for i, target in enumerate(targets):
+            arrays = [request_inputs[i] for request_inputs in inputs]
+            if len(arrays) == 1:
+                np.copyto(target[where], arrays[0])
+            else:
+                np.concatenate(arrays, out=target[where])
+        if slot.host is None:
+            for buffer, pinned in zip(slot.inputs, slot.pinned):
+                buffer[where].copy_(pinned[where], non_blocking=True)
 
     def _concatenate(self, batch: Batch) -> None:
         requests = batch.requests
@@ -573,13 +568,13 @@ class Executor:
         if not self._cuda:
             batch.tensors = tensors
             return
-        with torch.cuda.stream(self._copy_stream):
+        with self._memory.use(), torch.cuda.stream(self._copy_stream):
             batch.tensors = [
                 t.to(self._device, non_blocking=True) if isinstance(t, torch.Tensor) else t
                 for t in tensors
             ]
             batch.ready = torch.cuda.Event()
-            batch.ready.record()
+            batch.ready.record(self._copy_stream)
 
     # -- computing one batch ------------------------------------------------------------------
 
@@ -619,6 +614,8 @@ class Executor:
         except Exception as exc:
             log.exception("model_raised", model=spec.name, batch=batch.id, size=batch.samples,
                           requests=[r.id for r in batch.requests])
+            if gpu.classify(exc) == "sticky":
+                self._device_broken(batch, exc)
             error = ModelExecutionError(
                 f"model '{spec.name}' raised {type(exc).__name__} while running a batch of "
                 f"{batch.samples}; the server log has the details")
@@ -642,15 +639,26 @@ class Executor:
         copies are still under way: they are valid once ``batch.done`` has completed."""
         if not self._cuda:
             return [self._owned(t) for t in self._run(batch)]
-        stream = self._graphs.shared.replay_stream if batch.graph else self._compute_stream
-        with torch.cuda.stream(stream):
+        stream = self._model.graphs.replay_stream if batch.graph else self._compute_stream
+        with self._memory.use(), torch.cuda.stream(stream):
             if batch.ready is not None:
                 stream.wait_event(batch.ready)
+            if batch.graph and self._outputs_read is not None:
+                # The replay rewrites the graph's fixed output buffers: the last batch's
+                # copies out of them (on the output stream) must have been made.
+                stream.wait_event(self._outputs_read)
             if not self._pooled:
                 for t in batch.tensors:  # allocated on the copy stream, used on this one
                     if isinstance(t, torch.Tensor):
                         t.record_stream(stream)
             outputs = self._run(batch)
+            computed = torch.cuda.Event()
+            computed.record(stream)
+        # The device-to-host copies run on a stream of their own, so the next batch's compute
+        # does not queue behind them on this one.
+        out = self._output_stream
+        with torch.cuda.stream(out):
+            out.wait_event(computed)
             host = []
             for tensor, spec in zip(outputs, self._output_specs):
                 if not isinstance(tensor, torch.Tensor):  # BYTES: already on the host
@@ -659,66 +667,19 @@ class Executor:
                 pinned = torch.empty(tensor.shape, dtype=TORCH_DTYPES[spec.datatype],
                                      pin_memory=True)
                 pinned.copy_(tensor, non_blocking=True)
+                tensor.record_stream(out)  # not reused before the copy has read it
                 host.append(pinned)
-            batch.done = torch.cuda.Event()
-            batch.done.record(stream)
+            batch.done = gpu.host_event()
+            batch.done.record(out)
+        self._outputs_read = batch.done
         return host
 
     def _run(self, batch: Batch) -> list[torch.Tensor]:
         started = time.thread_time_ns()
         try:
-            return self._run_model(batch)
+            return self._model.run(batch)
         finally:
             batch.model_cpu_ns += time.thread_time_ns() - started
-
-    def _run_model(self, batch: Batch) -> list[torch.Tensor]:
-        rows = batch.samples
-        if batch.graph:
-            outputs = self._graphs.replay(batch.bucket, batch.tensors)
-            return [t[:rows] for t in outputs]
-        if not self._batching:
-            return self._forward(batch.tensors, rows)
-        return self._eager(batch.tensors, rows)
-
-    def _eager(self, tensors: Sequence[Any], rows: int) -> list[torch.Tensor]:
-        """Outputs of the first ``rows`` rows of ``tensors`` (which may hold padding after
-        them), split into pieces when ``rows`` is over the largest bucket or runs out of memory."""
-        largest = self._buckets.largest
-        if rows > largest:
-            return self._in_pieces(tensors, rows, largest)
-        running = tensors[0].shape[0] if self._pooled else rows
-        try:
-            outputs = self._forward(tensors, running)
-        except torch.OutOfMemoryError:
-            if self._warming:
-                raise
-            if rows == 1:
-                raise ResourceExhausted(
-                    f"model '{self._spec.name}' ran out of device memory on a single sample"
-                ) from None
-            largest = self._buckets.lower(running)
-            log.warning("batch_out_of_memory", model=self._spec.name, rows=running,
-                        largest_bucket=largest, retrying_in=2)
-            if self._plan.on_oom is not None:
-                self._plan.on_oom(running, largest)
-            return self._in_pieces(tensors, rows, min(largest, -(-rows // 2)))
-        return [t[:rows] for t in outputs] if running != rows else outputs
-
-    def _in_pieces(self, tensors: Sequence[Any], rows: int, size: int) -> list[torch.Tensor]:
-        parts = [self._eager([t[start:min(start + size, rows)] for t in tensors],
-                             min(size, rows - start))
-                 for start in range(0, rows, size)]
-        return [np.concatenate(column) if isinstance(column[0], np.ndarray) else torch.cat(column)
-                for column in zip(*parts)]
-
-    def _forward(self, tensors: Sequence[Any], rows: int, *, capturing: bool = False
-                 ) -> list[torch.Tensor]:
-        precision = self._spec.precision
-        inputs = precisions.cast_inputs(tensors, precision)
-        with torch.inference_mode(), precisions.autocast(precision, self._device.type,
-                                                         capturing=capturing):
-            returned = self._module(*inputs)
-        return self._outputs_of(returned, rows)
 
     def _owned(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``, copied if it is a view of our buffers (a model that returns its input,
@@ -730,10 +691,19 @@ class Executor:
 
     def _complete(self, batch: Batch, outputs: list[torch.Tensor], started: int,
                   infer_done: int) -> None:
+        self._reap_overdue()
+        if batch.done is not None:
+            # Outside the try below: an instance declared dead here must stop its thread.
+            try:
+                finished = gpu.wait_event(batch.done, self._device_time_left(batch))
+            except Exception as exc:  # the device's errors surface here, asynchronously
+                self._device_failed(batch, exc)
+                return
+            if not finished:
+                self._device_overran(batch)
+                return
+            infer_done = time.perf_counter_ns()
         try:
-            if batch.done is not None:
-                batch.done.synchronize()
-                infer_done = time.perf_counter_ns()
             host = [to_numpy(t, o.datatype) for t, o in zip(outputs, self._output_specs)]
             results = self._split(batch.requests, host)
         except Exception as exc:
@@ -746,8 +716,70 @@ class Executor:
         log.debug("batch_done", model=self._spec.name, batch=batch.id, size=batch.samples,
                   bucket=batch.bucket, graph=batch.graph, reason=batch.reason,
                   infer_ms=(infer_done - started) / 1e6)
-        self._on_batch(batch, infer_done - started, done - infer_done)
+        self._accounting.ran(batch, infer_done - started, done - infer_done)
         self._finish(batch, results, None, outputs=host)
+
+    def _device_broken(self, batch: Batch, exc: BaseException) -> None:
+        """A sticky CUDA error: the context is broken and every later call would fail too.
+        The instance (and the process's hook) hear of it before the batch's callers."""
+        reason = f"a CUDA error broke the device ({precisions._first_line(exc)})"
+        gpu.device_lost(reason)
+        self._die(reason, None)
+        self._finish(batch, None, ModelExecutionError(
+            f"model '{self._spec.name}' hit a CUDA error that leaves {self._spec.device} "
+            "unusable while running a batch; it stopped serving and the server log has the "
+            "details"))
+        raise InstanceDead(reason) from None
+
+    def _device_failed(self, batch: Batch, exc: Exception) -> None:
+        """Waiting for the batch's device work raised (a kernel's error, reported late)."""
+        log.error("batch_device_failed", model=self._spec.name, batch=batch.id,
+                  error=precisions._first_line(exc), requests=[r.id for r in batch.requests])
+        if gpu.classify(exc) == "sticky":
+            self._device_broken(batch, exc)
+        self._finish(batch, None, ModelExecutionError(
+            f"model '{self._spec.name}' failed on {self._spec.device} while running a batch of "
+            f"{batch.samples} ({type(exc).__name__}); the server log has the details"))
+
+    def _device_time_left(self, batch: Batch) -> float | None:
+        """Seconds left of the batch's ``execution_timeout_ms`` (None: no limit). The limit
+        covers the device's work, not only the launches: it counts from the compute's start."""
+        timeout_ms = self._spec.execution_timeout_ms
+        if not timeout_ms or batch.started_at is None:
+            return None
+        return batch.started_at + timeout_ms / 1e3 - time.monotonic()
+
+    def _device_overran(self, batch: Batch) -> None:
+        """The batch's device work outlived ``execution_timeout_ms`` (a hung or far too slow
+        kernel): it fails; its slot and staged blocks stay with it until its event completes
+        (``_reap_overdue``). Too many such batches still running and the instance is dead."""
+        spec = self._spec
+        log.error("batch_timed_out", model=spec.name, batch=batch.id, size=batch.samples,
+                  execution_timeout_ms=spec.execution_timeout_ms, on="device",
+                  requests=[r.id for r in batch.requests])
+        with self._running_lock:
+            self._overdue.append(batch)
+            overdue = len(self._overdue)
+        self._finish(batch, None, ModelExecutionError(
+            f"model '{spec.name}' did not finish a batch of {batch.samples} within "
+            f"execution_timeout_ms={spec.execution_timeout_ms} (its work on {spec.device} was "
+            "still running); the batch failed"), inputs_in_use=True)
+        if overdue > MAX_ABANDONED:
+            raise InstanceDead(f"{overdue} batches overran execution_timeout_ms="
+                               f"{spec.execution_timeout_ms} on the device and are still running")
+
+    def _reap_overdue(self) -> None:
+        """Overdue batches whose device work has ended give back their inputs."""
+        with self._running_lock:
+            if not self._overdue:
+                return
+            ended = [b for b in self._overdue if b.done.query()]
+            self._overdue = [b for b in self._overdue if b not in ended]
+        for batch in ended:
+            if batch.staged:
+                self._stager.release(batch.staged)
+                batch.staged = []
+            self._deliver(Outcome(batch, None, None, release_only=True))
 
     def _fail(self, batch: Batch, error: Exception) -> None:
         if self._cuda:
@@ -762,15 +794,13 @@ class Executor:
                 inputs_in_use: bool = False) -> None:
         batch.tensors = []
         if inputs_in_use:
-            self._replace_slot(batch.slot)
+            self._replace_slot(batch.slot)  # staged blocks too stay with the batch
         else:
             self._recycle(batch)
-        if self._on_inflight is not None:
-            self._on_inflight(batch, -1)
+        self._accounting.ended(batch)
         if self._turns is not None:  # after the count: the share asks whether more work waits
             self._turns.end(batch.id)
-        if self._plan.after_batch is not None:
-            self._plan.after_batch()
+        self._accounting.after_batch()
         batch.finished_at = time.monotonic()
         self._deliver(Outcome(batch, results, error, outputs=outputs,
                               inputs_in_use=inputs_in_use))
@@ -801,73 +831,6 @@ class Executor:
             self._stager.release(batch.staged)
             batch.staged = []
         self._deliver(Outcome(batch, None, None, release_only=True))
-
-    def _outputs_of(self, returned: Any, rows: int) -> list[torch.Tensor]:
-        specs = self._output_specs
-        if isinstance(returned, (torch.Tensor, np.ndarray)):
-            returned = (returned,)
-        if isinstance(returned, dict):
-            missing = [o.name for o in specs if o.name not in returned]
-            if missing:
-                raise ModelExecutionError(
-                    f"model '{self._spec.name}' returned a dict without outputs {missing}")
-            tensors = [returned[o.name] for o in specs]
-        elif isinstance(returned, (tuple, list)):
-            if len(returned) < len(specs):
-                raise ModelExecutionError(
-                    f"model '{self._spec.name}' returned {len(returned)} outputs, "
-                    f"its configuration declares {len(specs)}")
-            tensors = list(returned[: len(specs)])
-        else:
-            raise ModelExecutionError(
-                f"model '{self._spec.name}' returned {type(returned).__name__}, "
-                "expected a tensor, a tuple of tensors or a dict of tensors")
-        for i in self._bytes_outputs:
-            tensors[i] = self._bytes_output(tensors[i], specs[i], rows)
-        for tensor, o in zip(tensors, specs):
-            if isinstance(tensor, torch.Tensor):
-                if self._batching and (tensor.dim() == 0 or tensor.shape[0] != rows):
-                    self._lost_batch(tuple(tensor.shape), o, rows)
-            elif o.datatype != "BYTES":
-                self._not_a_tensor(tensor, o, rows)
-        return tensors
-
-    def _lost_batch(self, got: Any, o: TensorSpec, rows: int) -> NoReturn:
-        raise ModelExecutionError(
-            f"model '{self._spec.name}' returned output '{o.name}' with shape {got} for a "
-            f"batch of {rows}: the batch dimension must be kept")
-
-    def _not_a_tensor(self, returned: Any, o: TensorSpec, rows: int) -> NoReturn:
-        if isinstance(returned, np.ndarray) and returned.dtype.kind in "OSU":
-            raise ModelExecutionError(
-                f"model '{self._spec.name}' returned {o.datatype} output '{o.name}' as a numpy "
-                f"{returned.dtype} array: only a BYTES (TYPE_STRING) output may hold bytes or "
-                "str; return a tensor")
-        if not self._batching:
-            raise ModelExecutionError(
-                f"model '{self._spec.name}' returned output '{o.name}' as "
-                f"{type(returned).__name__}, expected a tensor")
-        self._lost_batch(type(returned).__name__, o, rows)
-
-    def _bytes_output(self, returned: Any, o: TensorSpec, rows: int) -> np.ndarray:
-        """The object array of bytes a BYTES output is sent as (``bytes_tensor``), with the
-        batch dimension kept and the declared dims."""
-        try:
-            array = bytes_tensor(returned, o.dims, self._batching)
-        except TypeError as exc:
-            raise ModelExecutionError(
-                f"model '{self._spec.name}' returned BYTES output '{o.name}' {exc}") from None
-        shape = array.shape
-        if self._batching:
-            if not shape or shape[0] != rows:
-                self._lost_batch(shape, o, rows)
-            shape = shape[1:]
-        if len(shape) != len(o.dims) or any(d >= 0 and n != d for n, d in zip(shape, o.dims)):
-            batch = f" for a batch of {rows}" if self._batching else ""
-            raise ModelExecutionError(
-                f"model '{self._spec.name}' returned BYTES output '{o.name}' with shape "
-                f"{array.shape}{batch}: its configuration declares dims {list(o.dims)}")
-        return array
 
     def _split(self, requests: list[InferenceRequest], host: list[np.ndarray]
                ) -> list[dict[str, np.ndarray]]:

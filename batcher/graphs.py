@@ -1,4 +1,4 @@
-"""CUDA graphs per batch bucket, captured at load into one graph memory pool per device.
+"""CUDA graphs per batch bucket, captured at load into the model's own graph pool.
 
 A captured graph replays a whole forward with one launch, which removes the CPU's kernel-launch
 gaps between small kernels, where the GPU sits idle. Each bucket of a model gets its
@@ -6,16 +6,20 @@ graph, captured on the bucket's fixed input buffers (``static_inputs``, in the d
 pool) and ending with a copy of the outputs into the bucket's fixed output buffers
 (``static_outputs``, in the pool too), so nothing a replay leaves behind lives in the graph pool.
 
-One graph pool per device (``torch.cuda.graph_pool_handle``) holds every graph's activations,
-so models share that memory instead of each keeping its own. Sharing is only safe while no two
-graphs of the pool run at once: every replay therefore runs on the device's one *replay stream*
-(``DeviceGraphs.replay_stream``), which orders them on the GPU, and captures take turns
-(``DeviceGraphs.lock``) on the device's one capture stream, as torch advises for a shared pool.
-Largest bucket first, so smaller graphs reuse its memory.
+Each model has its own graph pool (``ModelMemory.graph_pool_id``, ``batcher/gpu.py``), its own
+capture stream and its own replay stream. Its buckets share the pool, which is safe because they
+replay on that one stream, in order; largest bucket first, so smaller graphs reuse its memory.
+Nothing is shared with another model: one model's capture never touches the streams (and so the
+cuBLAS workspaces, which are kept per handle and stream) another model replays on, and graph
+models on one GPU run concurrently.
 
-Capture uses ``capture_error_mode="thread_local"``: other models keep serving from other threads
-while one captures. Autocast runs with its cast cache off inside a capture (cached casts would be
-freed while the graph still reads them).
+Capture calls ``CUDAGraph.capture_begin``/``capture_end`` on the model's capture stream rather
+than ``torch.cuda.graph``, which synchronizes the whole device and empties the caching
+allocator's device and pinned-host caches: loading one graph model would stall every model
+serving on the device. Only the capture stream is synchronized. ``capture_error_mode=
+"thread_local"``: other models keep serving from other threads while one captures. Autocast runs
+with its cast cache off inside a capture (cached casts would be freed while the graph still reads
+them).
 
 CUDA only. ``unavailable_reason`` says why a model runs eager instead ("no CUDA device", an
 output with variable dims); a failed capture is reported by the caller, which then runs eager.
@@ -23,9 +27,9 @@ output with variable dims); a failed capture is reported by the caller, which th
 
 from __future__ import annotations
 
-import dataclasses
-import threading
+import contextlib
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -34,33 +38,6 @@ from batcher.spec import ModelSpec
 # Eager runs on the capture stream before capturing: lazy initialisation (cuBLAS handles and
 # workspaces, cuDNN plans, a traced module's profiling runs) must not happen inside a capture.
 WARMUP_RUNS = 3
-
-
-@dataclasses.dataclass
-class DeviceGraphs:
-    """What the graphs of one device share."""
-
-    pool: tuple
-    capture_stream: torch.cuda.Stream
-    replay_stream: torch.cuda.Stream
-    lock: threading.Lock
-
-
-_devices: dict[int, DeviceGraphs] = {}
-_devices_lock = threading.Lock()
-
-
-def device_graphs(device: torch.device) -> DeviceGraphs:
-    """The shared graph pool and streams of ``device`` (created on first use)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    with _devices_lock:
-        shared = _devices.get(index)
-        if shared is None:
-            with torch.cuda.device(index):
-                shared = DeviceGraphs(torch.cuda.graph_pool_handle(), torch.cuda.Stream(),
-                                      torch.cuda.Stream(), threading.Lock())
-            _devices[index] = shared
-        return shared
 
 
 def unavailable_reason(spec: ModelSpec) -> str | None:
@@ -83,15 +60,21 @@ class BucketGraphs:
 
     def __init__(self, device: torch.device, forward: Forward,
                  static_inputs: dict[int, tuple[torch.Tensor, ...]],
-                 static_outputs: dict[int, tuple[torch.Tensor, ...]]) -> None:
+                 static_outputs: dict[int, tuple[torch.Tensor, ...]], *,
+                 pool: Any = None, use_pool: Callable[[], Any] | None = None) -> None:
         """``forward(inputs, capturing)`` runs the model (precision applied) and returns its
-        outputs, batch dimension first."""
+        outputs, batch dimension first. ``pool``: the graph pool handle (default: a new private
+        one); ``use_pool()``: the context the eager runs before capture allocate under."""
         self._device = device
         self._forward = forward
         self._inputs = static_inputs
         self._outputs = static_outputs
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.shared = device_graphs(device)
+        with torch.cuda.device(device):
+            self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+            self.capture_stream = torch.cuda.Stream(device)
+            self.replay_stream = torch.cuda.Stream(device)
+        self._use_pool = use_pool if use_pool is not None else contextlib.nullcontext
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -99,33 +82,33 @@ class BucketGraphs:
 
     def capture(self) -> None:
         """Capture every bucket's graph, largest first. Raises what the capture raised."""
-        shared = self.shared
-        with shared.lock:
-            for bucket in sorted(self._inputs, reverse=True):
-                self._graphs[bucket] = self._capture_one(bucket)
+        for bucket in sorted(self._inputs, reverse=True):
+            self._graphs[bucket] = self._capture_one(bucket)
 
     def _capture_one(self, bucket: int) -> torch.cuda.CUDAGraph:
-        shared = self.shared
+        stream = self.capture_stream
         inputs, outputs = self._inputs[bucket], self._outputs[bucket]
         for tensor in inputs:
             tensor.zero_()
-        shared.capture_stream.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(shared.capture_stream):
+        stream.wait_stream(torch.cuda.current_stream(self._device))
+        with self._use_pool(), torch.cuda.stream(stream):
             for _ in range(WARMUP_RUNS):
                 self._forward(inputs, False)
-        torch.cuda.current_stream(self._device).wait_stream(shared.capture_stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=shared.pool, stream=shared.capture_stream,
-                              capture_error_mode="thread_local"):
-            for static, produced in zip(outputs, self._forward(inputs, True)):
-                static.copy_(produced)
-        torch.cuda.synchronize(self._device)
+        with torch.cuda.stream(stream):
+            graph.capture_begin(self.pool, capture_error_mode="thread_local")
+            try:
+                for static, produced in zip(outputs, self._forward(inputs, True)):
+                    static.copy_(produced)
+            finally:
+                graph.capture_end()
+        stream.synchronize()
         return graph
 
     def replay(self, bucket: int, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Copy ``inputs`` (``bucket`` rows each, on the device) into the graph's buffers and
-        replay it on the current stream, which must be ``shared.replay_stream``. Returns the
-        fixed output buffers: read them (enqueue the copies) before the next replay."""
+        replay it on the current stream, which must be ``replay_stream``. Returns the fixed
+        output buffers: read them (enqueue the copies) before the next replay."""
         for static, given in zip(self._inputs[bucket], inputs):
             static.copy_(given, non_blocking=True)
         self._graphs[bucket].replay()

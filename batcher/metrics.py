@@ -151,6 +151,44 @@ class BatcherMetrics:
             "A model's allocations served outside the pool's arena (permissive pool).",
             ["model"], registry=r,
         )
+        # Each model's own allocator pools (batcher/gpu.py), and the device as a whole.
+        self.model_device_bytes_reserved = Gauge(
+            "batchgate_model_device_bytes_reserved",
+            "Bytes a model's own allocator pools (eager and CUDA graphs) reserved on its device.",
+            ["model", "device"], registry=r, multiprocess_mode="livesum",
+        )
+        self.model_device_bytes_allocated = Gauge(
+            "batchgate_model_device_bytes_allocated",
+            "Bytes of a model's own allocator pools that live tensors use.",
+            ["model", "device"], registry=r, multiprocess_mode="livesum",
+        )
+        self.model_footprint_bytes = Gauge(
+            "batchgate_model_footprint_bytes",
+            "A model's footprint measured at warm-up, by part (weights, activations, graphs, "
+            "staging, plan), as admitted against the device's free memory.",
+            ["model", "device", "part"], registry=r, multiprocess_mode="livesum",
+        )
+        self.device_bytes_reserved = Gauge(
+            "batchgate_device_bytes_reserved",
+            "Bytes the serving process's allocator reserved on the device.",
+            ["device"], registry=r, multiprocess_mode="livesum",
+        )
+        self.device_bytes_allocated = Gauge(
+            "batchgate_device_bytes_allocated",
+            "Bytes of the device's reserved memory that live tensors use.",
+            ["device"], registry=r, multiprocess_mode="livesum",
+        )
+        self.device_fragmentation_bytes = Gauge(
+            "batchgate_device_fragmentation_bytes",
+            "Reserved minus allocated device memory: held by the allocator, used by no tensor.",
+            ["device"], registry=r, multiprocess_mode="livesum",
+        )
+        self.arena_pinned = Gauge(
+            "batchgate_arena_pinned",
+            "1 when the shared-memory arena is registered as pinned memory with CUDA, 0 when "
+            "pinning failed and copies run from pageable memory.",
+            registry=r, multiprocess_mode="livesum",
+        )
         self.oom_events = Counter(
             "batchgate_oom_events",
             "Batches that ran out of device memory and were split and run again.",
@@ -191,6 +229,7 @@ class ModelMetrics:
         self._profile_seconds = metrics.profile_seconds
         self._profile_children: dict[int, tuple[Gauge, Gauge]] = {}
         self._device_share_seconds = metrics.device_share_seconds
+        self._metrics = metrics
         self._model = model
         self.pool_bytes_reserved = metrics.model_pool_bytes_reserved.labels(model)
         self.pool_bytes_in_use = metrics.model_pool_bytes_in_use.labels(model)
@@ -212,3 +251,19 @@ class ModelMetrics:
 
     def device_share_seconds(self, device: str):
         return self._device_share_seconds.labels(self._model, device)
+
+    def model_device_bytes_reserved(self, device: str):
+        return self._metrics.model_device_bytes_reserved.labels(self._model, device)
+
+    def model_device_bytes_allocated(self, device: str):
+        return self._metrics.model_device_bytes_allocated.labels(self._model, device)
+
+    def footprint_bytes(self, device: str, part: str):
+        return self._metrics.model_footprint_bytes.labels(self._model, device, part)
+
+    def device(self, device: str, reserved: int, allocated: int) -> None:
+        """The device's figures, every model's pools together."""
+        metrics = self._metrics
+        metrics.device_bytes_reserved.labels(device).set(reserved)
+        metrics.device_bytes_allocated.labels(device).set(allocated)
+        metrics.device_fragmentation_bytes.labels(device).set(reserved - allocated)

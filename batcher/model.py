@@ -15,10 +15,14 @@ a batch.
    nothing, else ``ResourceExhausted`` naming the bytes needed and free;
 3. warm-up through the real batch path at every batch bucket (and the config's
    ``model_warmup`` samples), then the CUDA graphs' capture;
-4. the input stager (``input_staging`` queue) and the executor threads.
+4. on a GPU, the footprint (weights, the largest batch's peak, the graph pool, staging, the
+   plan) measured and admitted against the device's free memory (``batcher/gpu.py``), else
+   ``ResourceExhausted`` naming the bytes needed and free;
+5. the input stager (``input_staging`` queue) and the executor threads.
 
 What it found goes to ``load_report``, which the server shows in the model's config parameters.
-``stop`` gives the plan's memory back to the pool.
+``stop`` gives the plan's memory back to the pool and closes the model's own allocator pools
+(``memory``), so that their segments go back to the device.
 
 Around the queue: a latency profile (seeded by a timed warm run per batch size, fed by every
 batch) that admission control and the deadline policy predict from; the device's weighted turns
@@ -40,11 +44,14 @@ import numpy as np
 import structlog
 import torch
 
+from batcher import gpu
 from batcher import graphs as cuda_graphs
 from batcher import precision as precisions
+from batcher.accounting import ModelAccounting
 from batcher.admission import Admission
 from batcher.buckets import BatchBuckets
-from batcher.device_share import DeviceTurns, share_for
+from batcher.device import Devices
+from batcher.device_share import DeviceTurns
 from batcher.errors import (
     AdmissionRefused,
     DeadlineExceeded,
@@ -56,20 +63,14 @@ from batcher.errors import (
     RequestCancelled,
     ResourceExhausted,
 )
-from batcher.executor import (
-    TORCH_DTYPES,
-    Batch,
-    Executor,
-    ExecutorPlan,
-    Outcome,
-    Slot,
-    to_torch,
-)
+from batcher.batch import ExecutorPlan, Outcome, Slot
+from batcher.executor import Executor
+from batcher.tensors import TORCH_DTYPES, to_torch
 from batcher.memory import DevicePools
 from batcher.metrics import BatcherMetrics, ModelMetrics
 from batcher.pool import DevicePool, ModelReservation, model_plan, unpooled_reservation
 from batcher.profile import LatencyProfile
-from batcher.queue import ModelQueue, scheduling_deadline
+from batcher.queue import ModelQueue
 from batcher.request import DONE, InferenceRequest
 from batcher.spec import ModelSpec
 from batcher.staging import Block, InputStager
@@ -105,19 +106,28 @@ class ServedModel:
         pools: DevicePools | None = None,
         on_failed: Callable[[str], None] | None = None,
         profile: LatencyProfile | None = None,
+        memory: gpu.ModelMemory | None = None,
+        devices: Devices | None = None,
     ) -> None:
         """``pools``: the server's device memory pools; without them (tests, benchmarks) the
         model's buffers are plain tensors. ``on_failed(reason)``: an instance stopped for good
         (called from its thread). ``profile``: batch times to start from (tests), instead of
-        those measured at warm-up."""
+        those measured at warm-up. ``memory``: the model's own allocator pools, which its
+        weights were loaded under (default: new ones, which its weights are not in); this
+        model closes them when it stops. ``devices``: the process's devices, whose pools and
+        weighted turns the models placed on one device share (default: devices of this model's
+        own, over ``pools``)."""
         self._spec = spec
+        self.memory = memory if memory is not None else gpu.ModelMemory(spec.device, spec.name)
+        self.footprint: gpu.Footprint | None = None
+        self._memory_refreshed = 0.0
         self._on_failed = on_failed
         self._failed = False
         self._failed_lock = threading.Lock()
         self._module = module
         self._metrics: ModelMetrics | None = metrics.for_model(spec.name) if metrics else None
         self._warmup_inputs = warmup_inputs
-        self._pools = pools
+        self._device = (devices if devices is not None else Devices(pools)).get(spec.device)
         self.stats = ModelStats()
         # Fixed buffers (and so padding, staging, graphs) need fixed, numeric inputs.
         self._pooled = all(t.fixed() and t.datatype != "BYTES" for t in spec.inputs)
@@ -143,15 +153,16 @@ class ServedModel:
                       instances=spec.instance_count, include_own=batching.policy == "deadline")
             if batching.admission else None
         )
-        self._turns = DeviceTurns(share_for(spec.device)) if batching.device_share_weight else None
+        self._turns = DeviceTurns(self._device.share) if batching.device_share_weight else None
         self._executors: list[Executor] = []
         self._reservations: list[tuple[DevicePool | None, ModelReservation]] = []
         self._stager: InputStager | None = None
         self.load_report: dict[str, str] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._accepting = False
-        self._inflight_batches: dict[int, Batch] = {}  # batch id -> batch, taken and not finished
-        self._inflight_lock = threading.Lock()
+        self._accounting = ModelAccounting(stats=self.stats, profile=self.profile,
+                                           metrics=self._metrics, slo_s=self._slo_s,
+                                           after_batch=self._after_batch)
         # Called on the loop once per finished batch, before the requests' futures are resolved:
         # (the batch's requests, its outputs, each request's views of them). The executor
         # process writes a batch's outputs into shared memory once, here, not once per request.
@@ -185,18 +196,21 @@ class ServedModel:
             check_inputs = self._warmup_inputs[0]
         # warmup false: the model must not run before it is ready, so neither does the check.
         skipped = None if spec.warmup else "the warmup parameter is false"
-        self._module, checked = precisions.check(
-            spec, self._module, None if skipped else check_inputs, self._run_once, skipped)
+        with self.memory.use():  # fp16 weights are converted here
+            self._module, checked = precisions.check(
+                spec, self._module, None if skipped else check_inputs, self._run_once, skipped)
+        weights = self._weight_bytes()
         graph_buckets, graphs_status = self._graph_plan()
         self._reserve(graph_buckets)
         self._executors = [self._executor(i, reservation)
                            for i, (_, reservation) in enumerate(self._reservations)]
         warm = self._warm_up()
+        self._admit_footprint(weights, warm)
         if graph_buckets:
             graphs_status = warm["graphs"]
         if not self._profile_given:
             for rows, seconds in warm["timed"]:
-                self._publish_profile(self.profile.record(rows, seconds))
+                self._accounting.publish_profile(self.profile.record(rows, seconds))
         if self._metrics is not None:
             self._metrics.response_margin_seconds.set(self.profile.margin())
         self.load_report = {
@@ -206,7 +220,13 @@ class ServedModel:
             "activation_bytes": ("not measured on the CPU" if warm["activation_bytes"] is None
                                  else str(warm["activation_bytes"])),
             "warmed_up_batch_sizes": ",".join(map(str, warm["batch_sizes"])) or "none",
+            "weight_bytes": str(weights),
         }
+        if self.footprint is not None:
+            self.load_report.update(self.footprint.parameters())
+        else:
+            self.load_report["footprint_bytes"] = "not measured on the CPU"
+        self._refresh_memory(force=True)
         if self._metrics is not None:
             self._metrics.largest_bucket.set(self._buckets.largest)
         if self._stager is not None:
@@ -238,6 +258,68 @@ class ServedModel:
         # BYTES outputs have no precision: the check compares the numeric ones.
         return [t for t, o in zip(returned, self._spec.outputs) if o.datatype != "BYTES"]
 
+    def _weight_bytes(self) -> int:
+        """What the model holds before any batch: its pool's allocated bytes when its weights
+        were loaded under it, else its parameters' and buffers' bytes on its device."""
+        stats = self.memory.stats()
+        in_pool = stats["eager"].allocated if stats is not None else 0
+        return in_pool or gpu.module_bytes(self._module, torch.device(self._spec.device))
+
+    def _admit_footprint(self, weights: int, warm: dict[str, Any]) -> None:
+        """Measure what the warm model holds and admit it against the device's free memory
+        (where memory is measured: CUDA). Raises ResourceExhausted; ``stop`` then frees it."""
+        memory = self.memory
+        if not memory.measures:
+            return
+        stats = memory.stats() or {}
+        graphs = stats["graphs"].reserved if "graphs" in stats else 0
+        plan = sum(r.nbytes for _, r in self._reservations if r)
+        staging = self._stager.cap_bytes if self._stager is not None else 0
+        self.footprint = footprint = gpu.Footprint(
+            weights=weights, activations=warm["activation_bytes"] or 0, graphs=graphs,
+            staging=staging, plan=plan)
+        # Taken from the device already: the pools' segments (which hold the warm-up's peak)
+        # and the plan and staging, which come out of the device pool reserved before.
+        held = sum(s.reserved for s in stats.values()) + plan + staging
+        free, total = memory.free_and_total()
+        try:
+            gpu.admit(self._spec.name, self._spec.device, footprint, held=held, free=free,
+                      total=total)
+        except ResourceExhausted as exc:
+            log.error("model_does_not_fit", model=self._spec.name, reason=str(exc))
+            raise
+        log.info("model_footprint", model=self._spec.name, device=self._spec.device,
+                 **footprint.parameters(), device_free_bytes=free)
+
+    def _refresh_memory(self, *, force: bool = False, closing: bool = False) -> None:
+        """Set the memory gauges of this model and its device (at most once a second, after
+        batches: reading the pools walks the allocator's segments)."""
+        metrics, memory = self._metrics, self.memory
+        if metrics is None or not memory.measures and not closing:
+            return
+        now = time.monotonic()
+        if not force and now - self._memory_refreshed < 1.0:
+            return
+        self._memory_refreshed = now
+        device = self._spec.device
+        reserved_gauge = metrics.model_device_bytes_reserved(device)
+        allocated_gauge = metrics.model_device_bytes_allocated(device)
+        stats = None if closing else memory.stats()
+        if stats is None:
+            reserved_gauge.set(0)
+            allocated_gauge.set(0)
+            for part in gpu.FOOTPRINT_PARTS:
+                metrics.footprint_bytes(device, part).set(0)
+        else:
+            reserved_gauge.set(sum(s.reserved for s in stats.values()))
+            allocated_gauge.set(sum(s.allocated for s in stats.values()))
+            if self.footprint is not None:
+                for part in gpu.FOOTPRINT_PARTS:
+                    metrics.footprint_bytes(device, part).set(getattr(self.footprint, part))
+        if memory.measures:
+            whole = memory.device_stats()
+            metrics.device(device, whole.reserved, whole.allocated)
+
     def _graph_plan(self) -> tuple[tuple[int, ...], str]:
         """The buckets to capture CUDA graphs for, and what to report when there are none."""
         spec = self._spec
@@ -260,7 +342,7 @@ class ServedModel:
             [(t.dims, TORCH_DTYPES[t.datatype]) for t in spec.inputs],
             [(t.dims, TORCH_DTYPES[t.datatype]) for t in spec.outputs] if graph_buckets else [],
             max_rows=spec.max_batch_size or None, slots=slots, graph_buckets=graph_buckets)
-        pool = self._pools.get(spec.device) if self._pools is not None else None
+        pool = self._device.pool()
         for index in range(spec.instance_count):
             name = f"{spec.name}:{spec.version}#{next(_reservation_ids)}.{index}"
             if pool is None:
@@ -287,7 +369,7 @@ class ServedModel:
             if fallbacks:
                 self._metrics.pool_fallbacks.inc(fallbacks)
         if pool is not None:
-            self._pools.refresh(pool)
+            self._device.refresh(pool)
 
     def _new_stager(self, pool: DevicePool | None) -> InputStager:
         spec = self._spec
@@ -317,7 +399,6 @@ class ServedModel:
 
     def _executor(self, index: int, reservation: ModelReservation | None) -> Executor:
         spec = self._spec
-        metrics = self._metrics
         if reservation is None:
             slots = [Slot(i, ()) for i in range(spec.inflight_batches)]
             graph_buffers, owned = None, frozenset()
@@ -329,18 +410,21 @@ class ServedModel:
                               for group in (reservation.batch, reservation.inputs,
                                             reservation.outputs)
                               for tensors in group.values() for t in tensors)
-        pool = self._reservations[index][0]
         plan = ExecutorPlan(
             slots=slots, buckets=self._buckets, stager=self._stager, graph_buffers=graph_buffers,
-            owned_storage=owned, on_oom=self._record_oom,
-            on_copies=self._record_copies if metrics is not None else None,
-            after_batch=(lambda: self._pools.refresh(pool)) if pool is not None else None)
+            owned_storage=owned, memory=self.memory)
         return Executor(
             spec, self._module, index=index, next_batch=self._queue.next_batch,
-            wake=self._queue.wake, deliver=self._post, on_batch=self._record_batch,
-            batch_ids=_next_batch_id,
-            on_inflight=self._on_inflight, on_dead=self._instance_died, plan=plan,
+            wake=self._queue.wake, deliver=self._post, batch_ids=_next_batch_id,
+            accounting=self._accounting, on_dead=self._instance_died, plan=plan,
             turns=self._turns)
+
+    def _after_batch(self) -> None:
+        """After each batch: the gauges that follow the memory in use."""
+        pools = {pool for pool, _ in self._reservations if pool is not None}
+        for pool in pools:
+            self._device.refresh(pool)
+        self._refresh_memory()
 
     def _warm_up(self) -> dict[str, Any]:
         """Warm every instance; the first one's report (they run the same batches)."""
@@ -379,7 +463,7 @@ class ServedModel:
                 self._metrics.pool_bytes_reserved.dec(reservation.nbytes)
                 self._metrics.pool_bytes_in_use.dec(reservation.nbytes)
             if pool is not None:
-                self._pools.refresh(pool)
+                self._device.refresh(pool)
 
     def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Refuse new requests, let queued and running ones finish, then stop the threads."""
@@ -403,11 +487,22 @@ class ServedModel:
         hung = sum(e.hung_calls for e in self._executors)
         if drained and not hung:
             self._release()
+            self._close_memory()
         elif self._reservations:
             # A batch still running (a drain that timed out, a call that hung) may write the
             # buffers: they stay reserved rather than go to another model.
             log.warning("memory_plan_kept", model=self._spec.name, hung_calls=hung,
                         bytes=sum(r.nbytes for _, r in self._reservations if r))
+
+    def _close_memory(self) -> None:
+        """Give the model's pools back to the device: its executors and plan are gone, and
+        its module goes with them (the pools' segments are freed once nothing uses them)."""
+        if self.memory.measures:
+            for executor in self._executors:
+                executor.release_module()
+            self._module = None
+            self._refresh_memory(force=True, closing=True)
+        self.memory.close()
 
     # -- the event loop's side -----------------------------------------------------------------
 
@@ -479,7 +574,7 @@ class ServedModel:
     def _admit(self, request: InferenceRequest) -> None:
         """Admission control (``batcher/admission.py``): raise, counted, if it cannot be in time."""
         now = time.monotonic()
-        in_flight_s, in_flight_var = self._inflight_work_s(now)
+        in_flight_s, in_flight_var = self._accounting.inflight_work_s(now)
         try:
             self._admission.check(batch_size=request.batch_size, deadline=request.deadline,
                                   now=now,
@@ -550,30 +645,14 @@ class ServedModel:
             self.on_results(requests, outcome.outputs, outcome.results)
         now = time.monotonic()
         if outcome.batch.finished_at is not None:
-            self.profile.record_delivery(now - outcome.batch.finished_at)
-            if self._metrics is not None:
-                self._metrics.response_margin_seconds.set(self.profile.margin())
-        success_ns = answered = 0
-        met = missed = 0
-        slack = self._metrics.deadline_slack_seconds if self._metrics is not None else None
+            self._accounting.delivered(now - outcome.batch.finished_at)
+        answered = []
         for request, result in zip(requests, outcome.results):
             if request.future.done():  # expired or cancelled while its batch ran: counted then
                 continue
             request.future.set_result(result)
-            answered += 1
-            success_ns += int((now - request.arrival) * 1e9)
-            target = scheduling_deadline(request, self._slo_s)
-            if slack is not None and target != math.inf:
-                slack.observe(target - now)
-                if now <= target:
-                    met += 1
-                else:
-                    missed += 1
-        self.stats.record_success(answered, success_ns)
-        if met:
-            self._metrics.slo_met.inc(met)
-        if missed:
-            self._metrics.slo_missed.inc(missed)
+            answered.append(request)
+        self._accounting.answered(answered, now)
 
     def _instance_died(self, reason: str) -> None:
         """An executor stopped for good (executor thread): the model stops serving.
@@ -635,84 +714,13 @@ class ServedModel:
             self._removed(request)
         self._fail(requests, error, "infeasible")
 
-    def _on_inflight(self, batch: Batch, delta: int) -> None:
-        with self._inflight_lock:
-            if delta > 0:
-                self._inflight_batches[batch.id] = batch
-            else:
-                self._inflight_batches.pop(batch.id, None)
-        if self._metrics is not None:
-            self._metrics.inflight_batches.inc(delta)
-
-    def _inflight_work_s(self, now: float) -> tuple[float, float]:
-        """Admission control's view of the batches taken and not finished: the seconds of work
-        they have left (each one's mean time for its own size, less what a running one has
-        run) and the sum of their squared deviations (fifo holds the completion at its p99)."""
-        with self._inflight_lock:
-            batches = list(self._inflight_batches.values())
-        left = variance = 0.0
-        for batch in batches:
-            mean_s = self.profile.mean(batch.samples) or 0.0
-            started = batch.started_at
-            left += mean_s if started is None else max(0.0, mean_s - (now - started))
-            variance += (self.profile.deviation(batch.samples) or 0.0) ** 2
-        return left, variance
-
     def _backlog(self) -> bool:
         """Work this model has right now: queued requests, or batches formed and not finished."""
-        return self._queue.depth > 0 or bool(self._inflight_batches)
-
-    def _record_batch(self, batch: Batch, infer_ns: int, output_ns: int) -> None:
-        queue_ns = 0
-        metrics = self._metrics
-        for request in batch.requests:
-            waited = batch.taken_at - request.enqueued
-            queue_ns += int(waited * 1e9)
-            if metrics is not None:
-                metrics.queue_seconds.observe(waited)
-        self.stats.record_batch(
-            requests=len(batch.requests), samples=batch.samples, queue_ns=queue_ns,
-            input_ns=batch.input_ns, infer_ns=infer_ns, output_ns=output_ns,
-        )
-        compute_s = (batch.input_ns + infer_ns + output_ns) / 1e9
-        self._publish_profile(self.profile.record(batch.samples, compute_s))
-        if metrics is not None:
-            metrics.model_cpu_seconds.inc(batch.model_cpu_ns / 1e9)
-            metrics.batch_size.observe(batch.samples)
-            metrics.batches[batch.reason].inc()
-            metrics.compute_seconds.observe(compute_s)
-
-    def _publish_profile(self, size_class: int | None) -> None:
-        """Show the latency profile's estimate for ``size_class`` (just updated) as metrics."""
-        if self._metrics is None or size_class is None:
-            return
-        estimate = self.profile.measured_class(size_class)
-        if estimate is not None:
-            self._metrics.profile_class(size_class, *estimate)
-
-    def _record_oom(self, rows: int, largest: int) -> None:
-        if self._metrics is not None:
-            self._metrics.oom_events.inc()
-            self._metrics.largest_bucket.set(largest)
-
-    def _record_copies(self, queued: int, at_batch: int) -> None:
-        copies = self._metrics.input_copies
-        if queued:
-            copies["queued"].inc(queued)
-        if at_batch:
-            copies["batch"].inc(at_batch)
+        return self._queue.depth > 0 or self._accounting.has_inflight()
 
     def _count_failure(self, reason: str, requests: list[InferenceRequest]) -> None:
-        now = time.monotonic()
-        missed = 0
-        for request in requests:
-            self.stats.record_failure(int((now - request.arrival) * 1e9))
-            if reason != "cancelled" and scheduling_deadline(request, self._slo_s) != math.inf:
-                missed += 1
-        if self._metrics is not None and requests:
-            self._metrics.failures[reason].inc(len(requests))
-            if missed:
-                self._metrics.slo_missed.inc(missed)
+        self._accounting.failed(reason, requests)
+
 
 
 def warmup_sets(spec: ModelSpec, given: list[list[np.ndarray]] | None,

@@ -28,6 +28,9 @@ a refusal and reports peak bytes in use / bytes reserved, mean and worst over th
   min(r))"``): 8-39 plain best fit 84.7 % / 68.2 %, this scheme **90.5 % / 74.4 %**; 40-231
   84.6 % / 63.1 % and **90.8 % / 73.0 %**.
 
+These figures are of this arena alone on a synthetic trace: they do not say what the server
+holds on a GPU, where weights, activations and graphs live in each model's own allocator pool
+(``batcher/gpu.py``); ``bench/gpu_check.py``'s server trace measures that, device-wide.
 Seeds 0-7 happen to favour the scheme; the held-out figures are the ones to expect. Schemes
 were compared on means over whole seed sets, never tuned per seed. Others tried, in an offset
 simulator, mean on seeds 0-7 / 8-39: address-ordered first fit 79.4 % / 83.5 %; large blocks

@@ -12,8 +12,12 @@ Precisions (``batcher.spec.PRECISIONS``):
 
 Outputs always go back in their configured datatype. ``check`` runs at load: the model in fp32
 and in its precision on the same seeded inputs, the max relative error (max |out - ref| / max
-|ref| over every output) is logged and reported in the model's config parameters; a reduced
-precision that produces non-finite outputs where fp32 does not (an overflow) fails the load.
+|ref| over every output) is logged and reported in the model's config parameters. The load fails
+when a reduced precision produces non-finite outputs where fp32 does not (an overflow), or an
+error above its mode's bound (``TOLERANCES``: fp16 has 10 mantissa bits, bf16 7, so bf16's bound
+is the looser). The fp32 reference runs with TF32 off (``fp32_exact``): on Ampere and later a
+matmul in TF32 carries bf16-like error itself, and the reference would hide part of the error
+it is there to measure.
 """
 
 from __future__ import annotations
@@ -36,6 +40,21 @@ log = structlog.get_logger(__name__)
 AUTOCAST_DTYPES = {"amp-fp16": torch.float16, "amp-bf16": torch.bfloat16}
 CHECK_SEED = 0
 CHECK_ROWS = 4
+# The largest max relative error against fp32 a precision may show at load.
+TOLERANCES = {"amp-fp16": 2e-2, "fp16-weights": 2e-2, "amp-bf16": 5e-2}
+
+
+@contextlib.contextmanager
+def fp32_exact() -> Any:
+    """TF32 off for matmuls and cuDNN convolutions while the fp32 reference runs."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = matmul
+        torch.backends.cudnn.allow_tf32 = cudnn
 
 
 def autocast(precision: str, device_type: str, *, capturing: bool = False
@@ -125,7 +144,8 @@ def check(spec: ModelSpec, module: Any, inputs: list[np.ndarray] | None,
                  reason=report.note)
         return convert(module, precision), report
     try:
-        reference = [t.float().cpu() for t in run(module, inputs, "fp32")]
+        with fp32_exact():
+            reference = [t.float().cpu() for t in run(module, inputs, "fp32")]
     except Exception as exc:
         raise LoadError(f"model {spec.name!r}: the fp32 reference run of the precision check "
                         f"raised {type(exc).__name__}: {_first_line(exc)}") from exc
@@ -141,8 +161,14 @@ def check(spec: ModelSpec, module: Any, inputs: list[np.ndarray] | None,
         raise LoadError(
             f"model {spec.name!r}: precision {precision} gives non-finite outputs on seeded "
             "inputs where fp32 does not (an overflow); use amp-bf16 or fp32")
+    bound = TOLERANCES[precision]
+    if error > bound:
+        raise LoadError(
+            f"model {spec.name!r}: precision {precision} differs from fp32 by a max relative "
+            f"error of {error:.3e} on seeded inputs, above its bound of {bound:.0e}; use fp32 "
+            "or another precision")
     log.info("precision_checked", model=spec.name, precision=precision, device=spec.device,
-             max_relative_error=error)
+             max_relative_error=error, bound=bound)
     return module, PrecisionReport(precision, error)
 
 

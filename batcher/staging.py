@@ -17,10 +17,13 @@ other models; beyond the cap requests are copied when their batch closes. In a s
 block that does not fit is likewise left to the batch; a permissive pool allocates it outside
 the arena and counts the fallback.
 
-Ordering: the stager holds its lock from "is the request still queued?" until its staged entry
-is recorded, and the assembler claims entries under the same lock; a request is taken from the
-queue (``TAKEN``) before its batch is assembled, so a request is staged at most once and its
-blocks are claimed exactly once, by its batch or by ``drop``.
+Ordering: the stager checks "is the request still queued?" and reserves its bytes under its
+lock, copies outside it (the assembler claiming another request's blocks never waits for a
+copy), and records the staged entry under the lock only if the request is still queued; the
+assembler claims entries under the same lock, and a request is taken from the queue (``TAKEN``)
+before its batch is assembled. So a request is staged at most once, its blocks are claimed
+exactly once, by its batch or by ``drop``, and blocks whose request was taken while they were
+being copied are freed by the stager (the batch copied that request itself).
 
 On the CPU the same code copies into host pool blocks (tests turn it on with the
 ``input_staging`` parameter; it buys nothing there, so it is off by default).
@@ -37,6 +40,7 @@ import numpy as np
 import structlog
 import torch
 
+from batcher import gpu
 from batcher.request import QUEUED, InferenceRequest
 from batcher.tensors import host_array
 
@@ -100,6 +104,11 @@ class InputStager:
         self._work: queue_module.SimpleQueue = queue_module.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"{name}-stage", daemon=True)
 
+    @property
+    def cap_bytes(self) -> int:
+        """The most this model's staged inputs may hold."""
+        return self._cap_bytes
+
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -159,27 +168,43 @@ class InputStager:
             # In a client's shared memory: the batch copies them itself, right after checking
             # they can still be read (a tensor on a device needs no staging).
             return
-        with self._lock:
+        nbytes = sum(a.nbytes for a in request.inputs)
+        with self._lock:  # reserve the bytes; the copies run outside the lock
             if request.state != QUEUED or request in self._staged:
                 return
-            nbytes = sum(a.nbytes for a in request.inputs)
             if self._bytes + nbytes > self._cap_bytes:
                 return
-            blocks = self._blocks(request)
-            if blocks is None:
-                return
-            ready = None
-            if self._cuda:
-                with torch.cuda.stream(self._stream):
-                    for i, (block, array) in enumerate(zip(blocks, request.inputs)):
-                        block.tensor.copy_(self._to_tensor(array, i), non_blocking=True)
-                    ready = torch.cuda.Event()
-                    ready.record(self._stream)
-            else:  # numpy copies: a request's arrays may be read-only, which torch warns about
-                for block, array in zip(blocks, request.inputs):
-                    np.copyto(host_array(block.tensor), array)
-            staged = self._staged[request] = Staged(blocks, ready)
-            self._bytes += staged.nbytes
+            self._bytes += nbytes
+        blocks = self._blocks(request)
+        if blocks is None:
+            with self._lock:
+                self._bytes -= nbytes
+            return
+        ready = None
+        if self._cuda:
+            with torch.cuda.stream(self._stream):
+                for i, (block, array) in enumerate(zip(blocks, request.inputs)):
+                    block.tensor.copy_(self._to_tensor(array, i), non_blocking=True)
+                ready = gpu.host_event()
+                ready.record(self._stream)
+        else:  # numpy copies: a request's arrays may be read-only, which torch warns about
+            for block, array in zip(blocks, request.inputs):
+                np.copyto(host_array(block.tensor), array)
+        staged = Staged(blocks, ready)
+        with self._lock:
+            # Taken by its batch (which then copied it itself) or dropped meanwhile: not kept.
+            keep = request.state == QUEUED
+            if keep:
+                self._staged[request] = staged
+                self._bytes += staged.nbytes - nbytes
+        if not keep:
+            if ready is not None:
+                ready.synchronize()
+            for block in blocks:
+                block.release()
+            with self._lock:
+                self._bytes -= nbytes
+            return
         if self._on_bytes is not None:
             self._on_bytes(staged.nbytes)
 

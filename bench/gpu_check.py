@@ -17,13 +17,16 @@ figure there too:
     convolutions while ``torch.backends.cudnn.allow_tf32`` is on, torch's default, and for
     every model if matmuls may use TF32: TF32's 10-bit mantissa puts the max error near 5e-4),
     fp16 2e-2 (autocast and weights), bf16 5e-2 (8-bit mantissa).
-(b) memory, peak bytes in use / bytes reserved: ``batcher.pool.mixed_trace`` (several models,
-    random batch sizes, interleaved lifetimes; ``POOL_TRACE_SEEDS``) replayed through our pool,
-    each trace in the smallest arena that serves it without a refusal, and through PyTorch's
-    caching allocator (``torch.empty`` per allocation, each seed from an empty cache) in a
-    subprocess per allocator setting (default, ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:
-    True``: it must be set before CUDA starts); then the caching allocator on real forwards of
-    several models (the example models, a bigger encoder, ResNet-50, linear stacks).
+(b) memory. First ``batcher.pool.mixed_trace`` (several models, random batch sizes, interleaved
+    lifetimes; ``POOL_TRACE_SEEDS``): a synthetic trace of inputs and outputs through our
+    device pool alone, each trace in the smallest arena that serves it, and through PyTorch's
+    caching allocator (``torch.empty`` per allocation) in a subprocess per allocator setting.
+    Then what the server itself allocates (``server_trace_main``, a subprocess per row of
+    ``SERVER_TRACE_MODES``: per-model pools, PyTorch's default allocator, expandable_segments
+    alone): ServedModels of several sizes serving requests of random batch sizes concurrently,
+    one unloaded and another loaded while the rest serve; device-wide bytes in use / reserved
+    sampled after every round (target: >= 90 % with pools, and above PyTorch's figures). With
+    pools, a CUDA-graph model is loaded while the others serve and its answers are checked.
 (c) throughput: the example encoder, a bigger encoder (d_model 512, 6 layers, sequence 128) and
     ResNet-50 (if torchvision imports; random weights), fp32, amp-fp16 and amp-fp16 replayed as
     one CUDA graph in a tight in-process loop at batch ``THROUGHPUT_BATCH``, then amp-fp16
@@ -35,16 +38,20 @@ figure there too:
     timed with CUDA events against the forward: the batch's copy after it closes from pageable
     memory (a one-process server's request bytes) and from pinned memory (the shared arena),
     and what staging leaves there, the device-to-device gather of rows staged while queued:
-    copy / (copy + forward).
+    copy / (copy + forward). Then the gather as the executor really does it
+    (``section_gather``): GATHER_REQUESTS single-sample requests of a ResNet-sized input per
+    batch, staged at batch and while queued, assembly time against a ResNet-50 forward (target
+    <= 5 %); and the shared arena pinned as the executor process pins it, with its cost.
 (e) GPU busy %: NVML utilisation sampled every 100 ms while the gateway runs (c)'s load.
+(t) ``pytest -m cuda`` on the same machine, in the same call (``--no-pytest`` leaves it out).
 
 Exit status: 0; 1 when a correctness check of (a) failed or could not run; 3 when the run hit
 ``HARD_LIMIT_S`` (the table so far is printed first).
 
-``--cpu`` runs section (a) on the CPU (fp32, amp-bf16, and the bucketed, staged path) and (b)'s
-traces through our pool, so the harness itself is tested on machines without a GPU (the pool's
-figure does not depend on the device: allocation decisions are the same); ``--cpu --sections
-c`` also exercises (c)'s gateway harness there.
+``--cpu`` runs section (a) on the CPU (fp32, amp-bf16, and the bucketed, staged path), (b)'s
+synthetic traces through our pool and one run of the server trace's harness (its device figures
+are unmeasured there), so the harness itself is tested on machines without a GPU; ``--cpu
+--sections c`` also exercises (c)'s gateway harness there.
 
 On the device machine (python 3.12 image with torch, torchvision and nvidia-ml-py, but without
 structlog, grpcio-health-checking or grpcio-reflection, and with grpcio/protobuf of unknown
@@ -54,7 +61,9 @@ in .gitignore, so it travels only when carried)::
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 -d .whl structlog==26.1.0 grpcio==1.81.1 \
-        grpcio-health-checking==1.81.1 grpcio-reflection==1.81.1 protobuf==6.33.6
+        grpcio-health-checking==1.81.1 grpcio-reflection==1.81.1 protobuf==6.33.6 \
+        pytest==9.2.0 pytest-asyncio==1.5.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4 \
+        Pygments==2.21.0
 
 and run, with ``carry: [".whl"]``::
 
@@ -62,8 +71,10 @@ and run, with ``carry: [".whl"]``::
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; \
     PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --json $OUT/gpu_check.json
 
-Without structlog a stand-in logger is used (and said so): (b) and (d) need torch alone, (a)
-needs protobuf >= 6.33 too (the generated config module), (c) needs every package above.
+Without structlog a stand-in logger is used (and said so): (b)'s synthetic trace needs torch
+alone, (a), (b)'s server trace and (d) need protobuf >= 6.33 too (the generated config module),
+(c) every package above but pytest's, (t) pytest's too. The script uses only torch API that
+torch 2.11 (the GPU machines') and 2.13 (CI) both have.
 """
 
 from __future__ import annotations
@@ -98,13 +109,14 @@ if str(ROOT) not in sys.path:  # run as a file (``python bench/gpu_check.py``), 
     sys.path.insert(0, str(ROOT))
 
 # -- time budgets (seconds): the whole run must stay well under 8 minutes ----------------------
-HARD_LIMIT_S = 440.0  # the watchdog prints the table so far and exits 3
-SOFT_LIMIT_S = 380.0  # no section starts after this
-A_BUDGET_S = 80.0
-D_BUDGET_S = 25.0
-B_BUDGET_S = 110.0
+HARD_LIMIT_S = 465.0  # the watchdog prints the table so far and exits 3
+SOFT_LIMIT_S = 400.0  # no section starts after this
+A_BUDGET_S = 70.0
+D_BUDGET_S = 40.0
+B_BUDGET_S = 125.0
 B_SUBPROCESS_TIMEOUT_S = 40.0
-C_BUDGET_S = 170.0
+C_BUDGET_S = 110.0
+T_BUDGET_S = 90.0  # pytest -m cuda
 
 # -- (a) correctness -----------------------------------------------------------------------------
 EXAMPLE_MODELS = ("mlp", "cnn", "encoder")
@@ -149,13 +161,18 @@ TRACE_SEED = 4
 POOL_TRACE_SEEDS = tuple(range(8))  # mixed_trace seeds replayed through both allocators
 POOL_TRACE_STEPS = 2000
 POOL_SEARCH_PRECISION = 0.005
-TRACE_STEPS = 300
-TRACE_SECONDS = 15.0
-TRACE_IN_FLIGHT = 4  # outputs kept alive, as batches in flight overlap in the server
-LINEAR_STACKS = ((256, 4), (1024, 4), (4096, 3), (8192, 2))  # (width, layers)
-LINEAR_MAX_BATCH = 256
-EXAMPLE_MAX_BATCH = 64
 ALLOC_CONFS = ("", "expandable_segments:True")
+# The server's own trace: the allocator settings compared, as (label, PYTORCH_ALLOC_CONF,
+# per-model pools).
+SERVER_TRACE_MODES = (
+    ("per-model pools", "expandable_segments:True", True),
+    ("PyTorch default", "expandable_segments:False", False),
+    ("expandable_segments alone", "expandable_segments:True", False),
+)
+SERVER_TRACE_ROUNDS = 60  # rounds of SERVER_TRACE_WIDTH requests over the loaded models
+SERVER_TRACE_WIDTH = 16
+SERVER_TRACE_SECONDS = 25.0
+SERVER_TRACE_POOL_BYTES = 256 << 20  # the device pool the plans are admitted into
 
 # -- (c) throughput and (e) busy % -------------------------------------------------------------
 THROUGHPUT_BATCH = 64
@@ -173,6 +190,10 @@ NVML_SETTLE_S = 1.0  # samples from the load's first second are left out (ramp-u
 
 # -- (d) host-to-device --------------------------------------------------------------------------
 H2D_CASES = (("mlp", 64), ("cnn", 32))
+GATHER_REQUESTS = 64  # single-sample requests per batch, as the executor gathers them
+GATHER_INPUT = (3, 224, 224)  # ResNet-sized
+GATHER_BATCHES = 12
+ARENA_PIN_BYTES = 512 << 20
 H2D_WARMUP = 5
 H2D_REPEATS = 30
 
@@ -299,7 +320,7 @@ class Report:
             rows = list(self.rows)
         width = min(44, max([len(r.check) for r in rows] + [5]))
         lines = [f"{'':2}{'check':<{width}}  {'status':<9}  result"]
-        for section in [*"abcde", "run"]:
+        for section in [*"abcdet", "run"]:
             chosen = [r for r in rows if r.section == section]
             if not chosen:
                 continue
@@ -322,6 +343,7 @@ SECTION_TITLES = {
     "c": "throughput: in-process loop vs the whole gateway",
     "d": "host-to-device time on the critical path",
     "e": "GPU busy % under load (NVML)",
+    "t": "pytest -m cuda on this machine",
     "run": "the run as a whole",
 }
 
@@ -751,6 +773,7 @@ def section_memory(report: Report, budget: Budget, device: str) -> None:
         f"{sum(r['refused'] for r in per_seed)} refused)", INFO, **ours)
     if not device.startswith("cuda"):
         report.add("b", "caching allocator, same trace", "needs a CUDA device", SKIP)
+        server_trace_rows(report, budget, device)
         return
     theirs = {}
     for conf in ALLOC_CONFS:
@@ -769,19 +792,190 @@ def section_memory(report: Report, budget: Budget, device: str) -> None:
                    f"ours {ours['ratio']:.1%} vs "
                    + ", ".join(f"{k} {v:.1%}" for k, v in theirs.items())
                    + (": met" if met else ": not met"), INFO, met=met)
-    for conf in ALLOC_CONFS:
-        label = f"caching allocator, {conf or 'default'}, model forwards"
-        result = alloc_child(report, budget, conf, "--_alloc-trace", "ALLOC_TRACE ", label)
+    server_trace_rows(report, budget, device)
+
+
+def server_trace_rows(report: Report, budget: Budget, device: str) -> None:
+    """The server's real footprint: ``server_trace_main`` once per SERVER_TRACE_MODES entry,
+    each in a process of its own (the allocator setting is read when CUDA starts)."""
+    ratios: dict[str, float] = {}
+    cuda = device.startswith("cuda")
+    for index, (label, conf, pooled) in enumerate(SERVER_TRACE_MODES):
+        if not cuda and index:  # on the CPU nothing is measured: one run tests the harness
+            break
+        check = f"server trace, {label}" + ("" if cuda else " (harness only, on cpu)")
+        result = alloc_child(report, budget, conf, f"--_server-trace={device},{index}",
+                             "SERVER_TRACE ", check)
         if result is None:
             continue
+        served = (f"{result['requests']} requests over {len(result['models'])} models at "
+                  f"mixed batch sizes, '{result['unloaded']}' unloaded and "
+                  f"'{result['loaded']}' loaded while the rest served, all answers "
+                  f"{'correct' if result['correct'] else 'NOT correct'}")
+        status = INFO if result["correct"] else FAIL
+        if result.get("ratio_end") is None:
+            report.add("b", check, f"{served}; device figures unmeasured on the CPU", status,
+                       **result)
+            continue
+        ratios[label] = result["ratio_mean"]
         report.add(
-            "b", label,
-            f"peak in use {result['peak_allocated'] / mib:.0f} MiB / peak reserved "
-            f"{result['peak_reserved'] / mib:.0f} MiB = {result['ratio']:.1%}; beyond the "
-            f"{result['weights'] / mib:.0f} MiB of weights {result['activation_ratio']:.1%}; "
-            f"{result['steps']} forwards over {len(result['models'])} models, "
-            f"{result['alloc_retries']} alloc retries",
-            INFO, **result)
+            "b", check,
+            f"device in use / reserved {result['ratio_mean']:.1%} on average over the trace, "
+            f"{result['ratio_min']:.1%} at worst, {result['ratio_end']:.1%} at its end "
+            f"(peak reserved {result['peak_reserved'] / 2**20:.0f} MiB); {served}", status,
+            **result)
+        graph = result.get("graph_model")
+        if graph is not None:
+            report.add("b", "graph model loaded while another serves",
+                       f"{graph['status']}; max relative error {graph['error']:.2e}",
+                       PASS if graph["ok"] else FAIL, **graph)
+    ours = ratios.get(SERVER_TRACE_MODES[0][0])
+    if ours is not None and len(ratios) > 1:
+        others = {k: v for k, v in ratios.items() if k != SERVER_TRACE_MODES[0][0]}
+        met = ours >= 0.9 and all(ours > v for v in others.values())
+        report.add("b", "per-model pools vs PyTorch (target >= 90 % and above)",
+                   f"pools {ours:.1%} vs " + ", ".join(f"{k} {v:.1%}" for k, v in others.items())
+                   + (": met" if met else ": not met"), INFO, met=met)
+
+
+def server_trace_main(argument: str) -> int:
+    """Child of (b): what the server itself allocates. ServedModels of several sizes (the
+    example models and linear stacks), each with its own pool or not (the mode), served
+    requests of random batch sizes concurrently; mid-trace one model is unloaded and another
+    loaded while the rest serve; with pools a CUDA-graph model is loaded while the others serve
+    and its answers are checked. The device's bytes in use / reserved is sampled after every
+    round. Prints one SERVER_TRACE JSON line."""
+    import torch
+
+    from batcher.gpu import ModelMemory
+    from batcher.memory import DevicePools, PoolSettings
+    from batcher.model import ServedModel
+    from batcher.request import InferenceRequest
+    from batcher.spec import BatchingConfig, ModelSpec, TensorSpec
+
+    device, index = argument.split(",")
+    label, _conf, pooled = SERVER_TRACE_MODES[int(index)]
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.init()
+    pools = DevicePools(PoolSettings(SERVER_TRACE_POOL_BYTES))
+    rng = np.random.default_rng(TRACE_SEED)
+    stacks = (((256, 4), 64), ((1024, 4), 128), ((4096, 3), 64), ((2048, 3), 128))
+    if not cuda:
+        stacks = (((64, 2), 16), ((128, 2), 16), ((256, 2), 8), ((96, 2), 16))
+
+    def linear(width: int, layers: int, seed: int) -> Any:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return torch.nn.Sequential(*[torch.nn.Linear(width, width)
+                                         for _ in range(layers)]).eval()
+
+    def served(name: str, width: int, layers: int, max_batch: int, seed: int,
+               **fields: Any) -> tuple[Any, Any]:
+        memory = ModelMemory(device, name, pooled=pooled)
+        cpu_module = linear(width, layers, seed)
+        with memory.use():
+            module = linear(width, layers, seed).to(device)
+        spec = ModelSpec(name=name, version="1", platform="test", device=device,
+                         inputs=(TensorSpec("x", "FP32", (width,)),),
+                         outputs=(TensorSpec("y", "FP32", (width,)),),
+                         batching=BatchingConfig(max_batch_size=max_batch), **fields)
+        model = ServedModel(spec, module, pools=pools, memory=memory)
+        model.start()
+        return model, cpu_module
+
+    models: dict[str, tuple[Any, Any]] = {}
+    for number, ((width, layers), max_batch) in enumerate(stacks[:3]):
+        name = f"linear{width}x{layers}"
+        models[name] = served(name, width, layers, max_batch, number)
+    samples: list[float] = []
+    correct = True
+    requests = 0
+    unloaded = next(iter(models))
+    (late_width, late_layers), late_batch = stacks[3]
+    loaded = f"linear{late_width}x{late_layers}"
+    graph: dict[str, Any] | None = None
+
+    def sample() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+            reserved = torch.cuda.memory_reserved()
+            if reserved:
+                samples.append(torch.cuda.memory_allocated() / reserved)
+
+    async def one(model: Any, cpu_module: Any, rows: int) -> bool:
+        x = rng.standard_normal((rows, model.spec.inputs[0].dims[0]), dtype=np.float32)
+        out = (await model.infer(InferenceRequest([x], batch_size=rows)))["y"]
+        with torch.inference_mode():
+            want = cpu_module(torch.from_numpy(x)).numpy()
+        return bool(np.abs(out - want).max() <= 1e-3 * max(1.0, float(np.abs(want).max())))
+
+    async def trace() -> None:
+        nonlocal correct, requests, graph
+        started = time.monotonic()
+        swap: asyncio.Future | None = None
+        graph_load: asyncio.Future | None = None
+        for round_number in range(SERVER_TRACE_ROUNDS):
+            if time.monotonic() - started > SERVER_TRACE_SECONDS:
+                break
+            if round_number == SERVER_TRACE_ROUNDS // 3:
+                # Unload one model and load another while the rest keep serving.
+                gone = models.pop(unloaded)[0]
+                swap = asyncio.ensure_future(asyncio.gather(
+                    asyncio.to_thread(gone.stop, 5.0),
+                    asyncio.to_thread(served, loaded, late_width, late_layers, late_batch, 7)))
+            if round_number == SERVER_TRACE_ROUNDS // 2 and cuda and pooled:
+                graph_load = asyncio.ensure_future(asyncio.to_thread(
+                    served, "graphs", 512, 3, 64, 11, cuda_graphs=True, buckets=(1, 8, 64)))
+            if swap is not None and swap.done():
+                models[loaded] = swap.result()[1]
+                swap = None
+            if graph_load is not None and graph_load.done():
+                model, cpu_module = graph_load.result()
+                results = await asyncio.gather(*(one(model, cpu_module, rows)
+                                                 for rows in (1, 5, 8, 33, 64)))
+                graph = {"status": model.load_report.get("cuda_graphs_status", ""),
+                         "ok": all(results) and model.load_report.get(
+                             "cuda_graphs_status", "").startswith("captured"),
+                         "error": 0.0 if all(results) else 1.0}
+                model.stop(5.0)
+                graph_load = None
+            names = list(models)
+            jobs = []
+            for _ in range(SERVER_TRACE_WIDTH):
+                model, cpu_module = models[names[int(rng.integers(len(names)))]]
+                jobs.append(one(model, cpu_module,
+                                int(rng.integers(1, model.spec.max_batch_size + 1))))
+            results = await asyncio.gather(*jobs)
+            correct = correct and all(results)
+            requests += len(results)
+            sample()
+        if swap is not None:
+            models[loaded] = (await swap)[1]
+        if graph_load is not None:
+            model, _ = await graph_load
+            graph = {"status": "loaded after the trace ended", "ok": False, "error": 1.0}
+            model.stop(5.0)
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    asyncio.run(trace())
+    result: dict[str, Any] = {
+        "mode": label, "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF", ""),
+        "pooled": pooled, "models": sorted([*models, unloaded]), "unloaded": unloaded,
+        "loaded": loaded, "requests": requests, "correct": correct, "graph_model": graph,
+        "ratio_end": None, "ratio_mean": None, "ratio_min": None,
+    }
+    if cuda and samples:
+        result.update(ratio_end=samples[-1], ratio_mean=sum(samples) / len(samples),
+                      ratio_min=min(samples), peak_reserved=torch.cuda.max_memory_reserved(),
+                      peak_allocated=torch.cuda.max_memory_allocated(),
+                      fragmentation_end=torch.cuda.memory_reserved()
+                      - torch.cuda.memory_allocated())
+    for model, _ in models.values():
+        model.stop(5.0)
+    print("SERVER_TRACE " + json.dumps(result), flush=True)
+    return 0
 
 
 def alloc_child(report: Report, budget: Budget, conf: str, flag: str, marker: str,
@@ -794,8 +988,9 @@ def alloc_child(report: Report, budget: Budget, conf: str, flag: str, marker: st
         return None
     env = dict(os.environ)
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    env.pop("PYTORCH_ALLOC_CONF", None)
     if conf:
-        env["PYTORCH_CUDA_ALLOC_CONF"] = conf
+        env["PYTORCH_ALLOC_CONF"] = conf
     try:
         out = run_child([sys.executable, str(Path(__file__).resolve()), flag], env=env,
                         timeout_s=timeout)
@@ -865,7 +1060,7 @@ def alloc_replay_main() -> int:
                       "ratio": allocated / reserved if reserved else 0.0,
                       "segments_peak": torch.cuda.memory_stats().get("segment.all.peak", 0)})
     print("ALLOC_REPLAY " + json.dumps({
-        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF", ""),
         "ratio": sum(s["ratio"] for s in seeds) / len(seeds),
         "min_ratio": min(s["ratio"] for s in seeds),
         "seeds": seeds,
@@ -900,88 +1095,6 @@ def marked_json(text: str, marker: str) -> dict[str, Any] | None:
         if line.startswith(marker):
             return json.loads(line[len(marker):])
     return None
-
-
-def trace_models(device: str) -> list[tuple[str, Any, tuple[int, ...], str, int]]:
-    """(name, module, input dims, input dtype, max batch) of every model in (b)'s trace."""
-    import torch
-
-    models = []
-    for name in EXAMPLE_MODELS:
-        shape, dtype = EXAMPLE_INPUTS[name]
-        module = build_from_source(ROOT / "models" / name / "1" / "model.py", device)
-        models.append((name, module, shape, dtype, EXAMPLE_MAX_BATCH))
-    with tempfile.TemporaryDirectory(prefix="gpu_check_") as folder:
-        path = Path(folder) / "encoder_big.py"
-        path.write_text(BIG_ENCODER_SOURCE)
-        models.append(("encoder_big", build_from_source(path, device), (128,), "int64", 32))
-        if not torchvision_problem():
-            path = Path(folder) / "resnet50.py"
-            path.write_text(RESNET50_SOURCE)
-            models.append(("resnet50", build_from_source(path, device), (3, 224, 224),
-                           "float32", 64))
-    for width, layers in LINEAR_STACKS:
-        # Initialised on the device: only the sizes matter to the allocator.
-        stack = torch.nn.Sequential(
-            *[torch.nn.Linear(width, width, device=device) for _ in range(layers)])
-        models.append((f"linear{width}x{layers}", stack.eval(), (width,), "float32",
-                       LINEAR_MAX_BATCH))
-    return models
-
-
-def run_trace(models: list[tuple[str, Any, tuple[int, ...], str, int]], device: str,
-              precision: str, steps: int, seconds: float) -> int:
-    """Forward passes over a seeded random sequence of models and batch sizes; steps run."""
-    import collections
-
-    import torch
-
-    rng = np.random.default_rng(TRACE_SEED)
-    in_flight: collections.deque = collections.deque(maxlen=TRACE_IN_FLIGHT)
-    started = time.monotonic()
-    done = 0
-    with torch.inference_mode(), autocast_for(precision, device):
-        while done < steps and time.monotonic() - started < seconds:
-            _, module, shape, dtype, max_batch = models[int(rng.integers(len(models)))]
-            batch = int(rng.integers(1, max_batch + 1))
-            in_flight.append(module(random_tensor((batch, *shape), dtype, device)))
-            done += 1
-    synchronize(device)
-    return done
-
-
-def alloc_trace_main() -> int:
-    """Child of (b): the mixed trace under whatever PYTORCH_CUDA_ALLOC_CONF it was started with."""
-    import torch
-
-    device = "cuda:0"
-    torch.cuda.init()
-    models = trace_models(device)
-    torch.cuda.synchronize()
-    weights = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    started = time.monotonic()
-    steps = run_trace(models, device, "fp16", TRACE_STEPS, TRACE_SECONDS)
-    peak_allocated = torch.cuda.max_memory_allocated()
-    peak_reserved = torch.cuda.max_memory_reserved()
-    stats = torch.cuda.memory_stats()
-    result = {
-        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-        "models": [m[0] for m in models],
-        "steps": steps,
-        "seconds": round(time.monotonic() - started, 2),
-        "weights": weights,
-        "peak_allocated": peak_allocated,
-        "peak_reserved": peak_reserved,
-        "ratio": peak_allocated / peak_reserved if peak_reserved else 0.0,
-        "activation_ratio": ((peak_allocated - weights) / (peak_reserved - weights)
-                             if peak_reserved > weights else 0.0),
-        "alloc_retries": stats.get("num_alloc_retries", 0),
-        "segments_peak": stats.get("segment.all.peak", 0),
-        "inactive_split_bytes_peak": stats.get("inactive_split_bytes.all.peak", 0),
-    }
-    print("ALLOC_TRACE " + json.dumps(result), flush=True)
-    return 0
 
 
 # -- (c) throughput and (e) busy % -------------------------------------------------------------
@@ -1527,6 +1640,112 @@ def section_h2d(report: Report, budget: Budget) -> None:
                 staged_share=share["staged"])
 
 
+def section_gather(report: Report, budget: Budget) -> None:
+    """The gather as the executor does it: GATHER_REQUESTS single-sample requests of a
+    ResNet-sized input assembled into a batch (``Executor._assemble``), from the request's own
+    pageable bytes (one-process mode) and after staging while queued; the assembly's time on
+    the critical path against a ResNet-50-sized forward. Then the shared arena pinned, as the
+    executor process pins it (multi-process mode), and what pinning costs."""
+    import torch
+
+    from batcher.arena import SharedArena
+    from batcher.metrics import BatcherMetrics
+    from batcher.model import ServedModel
+    from batcher.request import InferenceRequest
+    from batcher.spec import BatchingConfig, ModelSpec, TensorSpec
+    from prometheus_client import CollectorRegistry
+
+    device = "cuda:0"
+    if torchvision_problem():
+        module: Any = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 64, 7, stride=2), torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(), torch.nn.Linear(64, 1000))
+        forward = "conv stem (torchvision absent)"
+    else:
+        import torchvision
+
+        module = torchvision.models.resnet50(weights=None)
+        forward = "ResNet-50"
+    module = module.eval().to(device)
+    rng = np.random.default_rng()
+    for staging in ("batch", "queue"):
+        check = f"gather {GATHER_REQUESTS} x 1 sample {'x'.join(map(str, GATHER_INPUT))}, " \
+                f"staged at {staging}"
+        if budget.over():
+            report.add("d", check, "not run: over the section's budget", SKIP)
+            continue
+        spec = ModelSpec(name="gather", version="1", platform="test", device=device,
+                         inputs=(TensorSpec("x", "FP32", GATHER_INPUT),),
+                         outputs=(TensorSpec("y", "FP32", (1000,)),),
+                         batching=BatchingConfig(max_batch_size=GATHER_REQUESTS,
+                                                 max_queue_delay_us=200_000),
+                         buckets=(GATHER_REQUESTS,), input_staging=staging,
+                         precision="amp-fp16")
+        served = ServedModel(spec, module, metrics=BatcherMetrics(CollectorRegistry()))
+        served.start()
+        try:
+            async def batches() -> None:
+                for _ in range(GATHER_BATCHES):
+                    await asyncio.gather(*(
+                        served.infer(InferenceRequest(
+                            [rng.standard_normal((1, *GATHER_INPUT), dtype=np.float32)]))
+                        for _ in range(GATHER_REQUESTS)))
+
+            before = served.stats.snapshot()
+            asyncio.run(batches())
+            after = served.stats.snapshot()
+        finally:
+            served.stop(5.0)
+        runs = after.execution_count - before.execution_count
+        # Triton's statistics add a batch's durations once per request in it.
+        counted = max(after.compute_input.count - before.compute_input.count, 1)
+        input_ms = (after.compute_input.ns - before.compute_input.ns) / 1e6 / counted
+        infer_ms = (after.compute_infer.ns - before.compute_infer.ns) / 1e6 / counted
+        share = input_ms / (input_ms + infer_ms) if input_ms + infer_ms else 0.0
+        report.add("d", check,
+                   f"assembly {input_ms:.2f} ms vs {forward} amp-fp16 {infer_ms:.2f} ms a "
+                   f"batch over {runs} batches: {share:.1%} on the critical path (target "
+                   "<= 5 %)", INFO, input_ms=input_ms, infer_ms=infer_ms, share=share,
+                   batches=runs, staging=staging)
+    arena = SharedArena.create(ARENA_PIN_BYTES)
+    try:
+        from server.executor_process import pin_arena
+
+        started = time.perf_counter()
+        pinned = pin_arena(arena, BatcherMetrics(CollectorRegistry()))
+        seconds = time.perf_counter() - started
+        report.add("d", f"arena pinned ({ARENA_PIN_BYTES >> 20} MiB)",
+                   (f"pinned in {seconds * 1e3:.0f} ms (the whole arena is locked in RAM)"
+                    if pinned else "pinning failed: the server falls back to unpinned"),
+                   INFO if pinned else FAIL, pinned=pinned, seconds=seconds)
+    finally:
+        arena.close()
+
+
+def section_pytest(report: Report, budget: Budget) -> None:
+    """``pytest -m cuda`` on this machine, within the section's budget."""
+    if importlib.util.find_spec("pytest") is None:
+        report.add("t", "pytest -m cuda", "pytest is not installed here (carry its wheels)", SKIP)
+        return
+    timeout = budget.left()
+    # The test that runs this script is left out: it would run this section again.
+    # Only the files that hold cuda tests: the others need packages the machine may lack.
+    files = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "tests").glob("test_*.py")
+                   if "mark.cuda" in path.read_text())
+    command = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
+               "--deselect", "tests/test_gpu_check.py::test_full_run_on_cuda", *files]
+    try:
+        out = run_child(command, env=dict(os.environ), timeout_s=timeout)
+    except subprocess.TimeoutExpired:
+        report.add("t", "pytest -m cuda", f"ran past {timeout:.0f} s", ERROR)
+        return
+    lines = [line for line in out.stdout.strip().splitlines() if line.strip()]
+    summary = lines[-1] if lines else "no output"
+    report.add("t", "pytest -m cuda", summary,
+               PASS if out.returncode == 0 else FAIL, returncode=out.returncode,
+               tail=lines[-30:])
+
+
 # -- the run -------------------------------------------------------------------------------------
 
 
@@ -1574,11 +1793,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "a,b)")
     parser.add_argument("--models", default=",".join(EXAMPLE_MODELS),
                         help="example models for section (a)")
-    parser.add_argument("--_alloc-trace", dest="alloc_trace", action="store_true",
-                        help=argparse.SUPPRESS)
     parser.add_argument("--_alloc-replay", dest="alloc_replay", action="store_true",
                         help=argparse.SUPPRESS)
     parser.add_argument("--_load-worker", dest="load_worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--_server-trace", dest="server_trace", default=None,
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--no-pytest", dest="pytest", action="store_false",
+                        help="on a GPU, do not run `pytest -m cuda` at the end")
     return parser.parse_args(argv)
 
 
@@ -1586,10 +1807,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.load_worker is not None:
         return load_worker_main(args.load_worker)
-    if args.alloc_trace:
-        return alloc_trace_main()
     if args.alloc_replay:
         return alloc_replay_main()
+    if args.server_trace is not None:
+        ensure_structlog()
+        return server_trace_main(args.server_trace)
 
     import torch
 
@@ -1625,12 +1847,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cpu:
             report.add("d", "section", "needs a CUDA device", SKIP)
         else:
-            run_section(report, "d", D_BUDGET_S, section_h2d)
+            run_section(report, "d", D_BUDGET_S,
+                        lambda r, b: (section_h2d(r, b), section_gather(r, b)))
     if "b" in sections:
         run_section(report, "b", B_BUDGET_S, lambda r, b: section_memory(r, b, device))
     if sections & {"c", "e"}:
         settings = CPU_THROUGHPUT if args.cpu else GPU_THROUGHPUT
         run_section(report, "c", C_BUDGET_S, lambda r, b: section_throughput(r, b, settings))
+    if cuda and not args.cpu and args.pytest:
+        run_section(report, "t", T_BUDGET_S, section_pytest)
     return finish(report, args.json, 1 if report.correctness_failed() else 0)
 
 

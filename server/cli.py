@@ -22,6 +22,7 @@ from pathlib import Path
 
 import structlog
 
+from batcher import gpu_env
 from server import native
 from server.logs import configure_logging
 from server.settings import TOKEN_ENV, Settings, check_devices
@@ -153,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     # that fails its handshake is an INFO line): only errors, unless asked, so that a JSON log
     # stays JSON lines. Set before any process of the server loads gRPC; children inherit it.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    # The CUDA allocator's configuration and the device order, before anything can touch CUDA;
+    # the supervisor's children inherit them.
+    gpu_env.configure()
     if argv[:1] == ["bench"]:
         # Imported here: serve's supervisor must not load grpc (it forks), nor rich.
         from bench.loadgen.cli import main as bench

@@ -23,6 +23,7 @@ import asyncio
 import collections
 import gc
 import itertools
+import logging
 import math
 import os
 import signal
@@ -31,6 +32,7 @@ import sys
 import numpy as np
 import structlog
 
+from batcher import gpu, gpu_env
 from batcher.arena import ArenaAllocator, ArenaLayout, SharedArena
 from batcher.errors import BatchgateError, ModelExecutionError
 from batcher.memory import DevicePools, PoolSettings
@@ -50,6 +52,8 @@ from server.shared_memory import Placement, SharedMemoryRegistry
 from server.status import INTERNAL_MESSAGE, Code, status_of
 
 log = structlog.get_logger(__name__)
+
+EXIT_DEVICE_LOST = 75  # the supervisor restarts the executor whatever its exit status
 
 STALE_HANDLE_MESSAGE = (
     "the model was reloaded or unloaded while this request was on its way; retry the request"
@@ -574,6 +578,35 @@ def _describe(spec: ModelSpec, into: wire_pb2.ModelSpec) -> None:
             target.add(name=tensor.name, datatype=tensor.datatype, dims=tensor.dims)
 
 
+def pin_arena(arena: SharedArena, metrics: BatcherMetrics) -> bool:
+    """On a GPU the arena is the pinned staging area: host-to-device copies start from it.
+
+    Pinning (``cudaHostRegister``) locks the whole arena in RAM at once: its pages are no
+    longer allocated only when touched. When it fails (a locked-memory limit, a driver that
+    refuses), the server goes on unpinned, with one warning and ``batchgate_arena_pinned`` 0:
+    copies from the arena then run at pageable speed and hold their thread until done.
+    """
+    try:
+        pinned = arena.pin()
+    except Exception as exc:  # RuntimeError from torch.cuda.check_error, among others
+        log.warning("arena_not_pinned", bytes=arena.size, error=str(exc).split("\n")[0],
+                    effect="host-to-device copies run from pageable memory")
+        pinned = False
+    else:
+        if pinned:
+            log.info("arena_pinned", bytes=arena.size)
+    metrics.arena_pinned.set(1 if pinned else 0)
+    return pinned
+
+
+def _exit_on_device_lost(reason: str) -> None:
+    """A sticky CUDA error broke this process's context: every model on it fails from now on.
+    Exit, so that the supervisor starts a fresh executor (front ends answer UNAVAILABLE)."""
+    log.error("executor_exiting", reason=reason)
+    logging.shutdown()
+    os._exit(EXIT_DEVICE_LOST)
+
+
 async def run(handover: dict) -> int:
     settings = Settings.handed_over(handover["settings"])
     try:
@@ -582,11 +615,10 @@ async def run(handover: dict) -> int:
         log.error("settings_refused", error=str(exc))
         return 2
     arena = SharedArena.attach(handover["arena_fd"], handover["arena_bytes"])
-    # On a GPU the arena is the pinned staging area: host-to-device copies start from it.
-    if arena.pin():
-        log.info("arena_pinned", bytes=arena.size)
     layout = ArenaLayout(handover["arena_bytes"], handover["slots"])
     metrics = BatcherMetrics()
+    pin_arena(arena, metrics)
+    gpu.on_device_lost = _exit_on_device_lost
     server = ExecutorServer(arena, layout, metrics, SharedMemoryRegistry(settings.shared_memory))
     pools = DevicePools(PoolSettings(settings.device_pool_bytes, settings.device_pool_fraction,
                                      settings.device_pool_strict), metrics)
@@ -619,6 +651,7 @@ async def run(handover: dict) -> int:
 
 
 def main() -> int:
+    gpu_env.configure()  # before CUDA initialises
     read_pid_once()
     handover = read_handover()
     configure_logging(handover["settings"]["log_level"], "json")

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import structlog
 
-from batcher import loading
+from batcher import gpu, loading
 from batcher.errors import (
     BatchgateError,
     InvalidRequest,
@@ -51,6 +51,7 @@ from batcher.errors import (
     ResourceExhausted,
     quoted,
 )
+from batcher.device import Devices
 from batcher.memory import DevicePools
 from batcher.model import ServedModel
 from batcher.spec import ModelSpec
@@ -124,6 +125,8 @@ class ModelRepository:
         self._root = Path(root)
         self._metrics = metrics
         self._pools = pools if pools is not None else DevicePools(metrics=metrics)
+        # What the models on one device share: its pool and its weighted turns.
+        self._devices = Devices(self._pools)
         self._cuda = loading.cuda_available() if cuda_available is None else cuda_available
         self._on_state_change = on_state_change
         self._slots: dict[str, _Slot] = {}
@@ -398,13 +401,21 @@ class ModelRepository:
                             f"{model_config.CONFIG_FILENAME})") from None
         warmup = model_config.warmup_inputs(config, spec, model_dir)
         parameters = {key: value.string_value for key, value in config.parameters.items()}
-        module = loading.load_module(
-            version_dir, filename=filename, parameters=parameters, device=spec.device,
-            bytes_outputs=[o.name for o in spec.outputs if o.datatype == "BYTES"],
-        )
+        # On a GPU the model's weights come from its own allocator pool (batcher/gpu.py).
+        memory = gpu.ModelMemory(spec.device, name)
+        try:
+            with memory.use():
+                module = loading.load_module(
+                    version_dir, filename=filename, parameters=parameters, device=spec.device,
+                    bytes_outputs=[o.name for o in spec.outputs if o.datatype == "BYTES"],
+                )
+        except BaseException:
+            memory.close()
+            raise
         served = ServedModel(
             spec, module, metrics=self._metrics, warmup_inputs=warmup, pools=self._pools,
             on_failed=None if on_failed is None else lambda reason: on_failed(served, reason),
+            memory=memory, devices=self._devices,
         )
         try:
             served.start()

@@ -627,10 +627,11 @@ async def test_admission_counts_a_batch_in_flight_by_its_size_less_what_it_has_r
                              response_margin_ms=0.0), fake,
                    profile_of({1: 0.5, 2: 0.6, 4: 10.0}, max_batch=4))
     blocker = await hold_executor(model, fake)  # running: a batch of 1, 0.5 s expected
-    (running,) = model._inflight_batches.values()
-    assert model._inflight_work_s(running.started_at) == pytest.approx((0.5, 0.0))
-    assert model._inflight_work_s(running.started_at + 0.2) == pytest.approx((0.3, 0.0))
-    assert model._inflight_work_s(running.started_at + 5.0) == (0.0, 0.0)
+    accounting = model._accounting
+    (running,) = accounting.inflight()
+    assert accounting.inflight_work_s(running.started_at) == pytest.approx((0.5, 0.0))
+    assert accounting.inflight_work_s(running.started_at + 0.2) == pytest.approx((0.3, 0.0))
+    assert accounting.inflight_work_s(running.started_at + 5.0) == (0.0, 0.0)
     # Counted as a full batch (10 s) the running one would refuse a request with 5 s left; by
     # its own size it leaves at most 0.5 s, and the request's own batch takes 0.5 s (0.6 s
     # under fifo, which expects the blocker's arrival rate to add one more to it).
@@ -640,7 +641,7 @@ async def test_admission_counts_a_batch_in_flight_by_its_size_less_what_it_has_r
     fake.gate.set()
     await blocker
     await queued
-    assert not model._inflight_batches
+    assert not accounting.inflight()
 
 
 def test_recent_arrivals_count_the_samples_within_a_time():

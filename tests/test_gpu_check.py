@@ -58,6 +58,13 @@ def test_cpu_mode_runs_the_correctness_harness_and_the_pool_trace(tmp_path):
     assert all(seed["refused"] == 0 for seed in pool["data"]["seeds"])
     assert 0.5 < pool["data"]["min_ratio"] <= pool["data"]["ratio"] <= 1.0
     assert rows["caching allocator, same trace"]["status"] == "SKIP"
+    # (b): the server's own trace ran its harness (ServedModels served at mixed batch sizes,
+    # one unloaded and another loaded meanwhile, every answer checked); no device figure.
+    trace = rows["server trace, per-model pools (harness only, on cpu)"]
+    assert trace["status"] == "INFO", trace
+    assert trace["data"]["correct"] is True and trace["data"]["requests"] > 0
+    assert trace["data"]["loaded"] in trace["data"]["models"]
+    assert trace["data"]["ratio_end"] is None
     assert {row["section"] for row in report["rows"]} == {"a", "b"}
 
 
@@ -73,6 +80,9 @@ def test_full_run_on_cuda(tmp_path):
     correctness = [row for row in report["rows"] if row["section"] == "a"]
     assert len(correctness) == 18, correctness
     assert all(row["status"] == "PASS" for row in correctness), correctness
+    rows = {row["check"]: row for row in report["rows"]}
+    assert rows["server trace, per-model pools"]["data"]["correct"] is True
+    assert rows["graph model loaded while another serves"]["status"] == "PASS"
 
 
 @pytest.mark.slow

@@ -77,6 +77,9 @@ class StandInNvml(types.ModuleType):
     def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
         return index
 
+    def nvmlDeviceGetUUID(self, handle: int) -> bytes:
+        return [b"GPU-aaaa-0000", b"GPU-bbbb-1111"][handle]
+
     def nvmlDeviceGetUtilizationRates(self, handle: int):
         return types.SimpleNamespace(gpu=[97, 12][handle], memory=40)
 
@@ -92,13 +95,33 @@ class StandInNvml(types.ModuleType):
 def test_nvml_figures_become_gauges_per_gpu(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", StandInNvml())
     registry = CollectorRegistry()
-    registry.register(GpuTelemetry())
+    registry.register(GpuTelemetry(environ={}))
     found = families(generate_latest(registry).decode())
     values = {name: {s.labels["gpu"]: s.value for s in found[name]} for name in GPU_FAMILIES}
-    assert values["batchgate_gpu_utilization_ratio"] == {"0": 0.97, "1": 0.12}
-    assert values["batchgate_gpu_memory_used_bytes"] == {"0": 2**30, "1": 2 * 2**30}
-    assert values["batchgate_gpu_memory_total_bytes"] == {"0": 141 * 2**30, "1": 141 * 2**30}
-    assert values["batchgate_gpu_power_watts"] == {"0": 612.5}  # GPU 1 has no sensor
+    assert values["batchgate_gpu_utilization_ratio"] == {"cuda:0": 0.97, "cuda:1": 0.12}
+    assert values["batchgate_gpu_memory_used_bytes"] == {"cuda:0": 2**30, "cuda:1": 2 * 2**30}
+    assert values["batchgate_gpu_memory_total_bytes"] == {"cuda:0": 141 * 2**30,
+                                                          "cuda:1": 141 * 2**30}
+    assert values["batchgate_gpu_power_watts"] == {"cuda:0": 612.5}  # GPU 1 has no sensor
+    uuids = {s.labels["gpu"]: s.labels["uuid"]
+             for s in found["batchgate_gpu_utilization_ratio"]}
+    assert uuids == {"cuda:0": "GPU-aaaa-0000", "cuda:1": "GPU-bbbb-1111"}
+
+
+@pytest.mark.parametrize(("visible", "exported"), [
+    ("1", {"cuda:0": "GPU-bbbb-1111"}),  # the pools' cuda:0 is NVML's GPU 1
+    ("GPU-bbbb,GPU-aaaa-0000", {"cuda:0": "GPU-bbbb-1111", "cuda:1": "GPU-aaaa-0000"}),
+    ("0,7,1", {"cuda:0": "GPU-aaaa-0000"}),  # CUDA stops at the first entry naming no GPU
+    ("", {}),
+])
+def test_only_the_visible_gpus_are_exported_under_their_cuda_names(monkeypatch, visible,
+                                                                   exported):
+    monkeypatch.setitem(sys.modules, "pynvml", StandInNvml())
+    registry = CollectorRegistry()
+    registry.register(GpuTelemetry(environ={"CUDA_VISIBLE_DEVICES": visible}))
+    found = families(generate_latest(registry).decode())
+    samples = found.get("batchgate_gpu_utilization_ratio", [])
+    assert {s.labels["gpu"]: s.labels["uuid"] for s in samples} == exported
 
 
 @pytest.mark.cuda

@@ -1,0 +1,272 @@
+"""Each model's own device memory: the footprint measured at warm-up, admission against the
+device's free memory, the metrics, and unload giving the bytes back.
+
+On the CPU a model's memory is not measured (``ModelMemory`` is inert there), so these tests
+hand the model a stand-in with CUDA's figures: its pool's segments, the device's free memory.
+What only a GPU can show (real ``torch.cuda.MemPool`` segments, their release at unload) is in
+the ``cuda``-marked tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import gc
+import threading
+
+import numpy as np
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from batcher import gpu, gpu_env
+from batcher.errors import ResourceExhausted
+from batcher.memory import DevicePools, PoolSettings
+from batcher.metrics import BatcherMetrics
+from batcher.model import ServedModel
+from batcher.request import InferenceRequest
+from batcher.spec import BatchingConfig, ModelSpec, TensorSpec
+
+CUDA = torch.cuda.is_available()
+MIB = 1 << 20
+
+
+class StandInMemory(gpu.ModelMemory):
+    """A model's pools as CUDA would report them: ``weights`` allocated at load, ``peak`` more
+    reserved by its largest warm-up batch; the device has ``free`` of ``total`` bytes."""
+
+    def __init__(self, *, weights: int, peak: int, free: int, total: int = 80 << 30) -> None:
+        super().__init__("cpu", "stand-in")
+        self.weights, self.peak, self.free, self.total = weights, peak, free, total
+        self.reserved = weights
+        self.threads: set[str] = set()
+
+    @property
+    def measures(self) -> bool:
+        return not self.closed
+
+    @contextlib.contextmanager
+    def use(self):
+        self.threads.add(threading.current_thread().name)
+        yield
+
+    def stats(self):
+        if self.closed:
+            return None
+        return {"eager": gpu.PoolStats(self.reserved, self.weights)}
+
+    def start_peak(self) -> int:
+        return self.weights
+
+    def peak_since(self, start: int) -> int:
+        self.reserved = self.weights + self.peak  # the caching allocator keeps the segments
+        return self.peak
+
+    def free_and_total(self):
+        return self.free, self.total
+
+    def device_stats(self):
+        return gpu.PoolStats(self.reserved + 3 * MIB, self.weights + MIB)
+
+    def close(self) -> None:
+        self.closed = True
+        self.reserved = 0
+
+
+def _spec() -> ModelSpec:
+    return ModelSpec(name="m", version="1", platform="test",
+                     inputs=(TensorSpec("x", "FP32", (4,)),),
+                     outputs=(TensorSpec("y", "FP32", (4,)),),
+                     batching=BatchingConfig(max_batch_size=8), buckets=(1, 8))
+
+
+def _model(memory: StandInMemory, registry: CollectorRegistry) -> ServedModel:
+    return ServedModel(_spec(), lambda x: x * 3, metrics=BatcherMetrics(registry),
+                       pools=DevicePools(PoolSettings(1 << 20)), memory=memory)
+
+
+def _gauge(registry, name, **labels):
+    return registry.get_sample_value(name, labels)
+
+
+async def test_the_footprint_is_measured_reported_and_given_back_at_unload():
+    registry = CollectorRegistry()
+    memory = StandInMemory(weights=40 * MIB, peak=12 * MIB, free=8 << 30)
+    model = _model(memory, registry)
+    model.start()
+    try:
+        x = np.ones((3, 4), np.float32)
+        out = await model.infer(InferenceRequest([x], batch_size=3))
+        np.testing.assert_array_equal(out["y"], x * 3)
+        report = model.load_report
+        plan = int(report["memory_plan_bytes"])
+        assert plan > 0
+        assert report["weight_bytes"] == str(40 * MIB)
+        assert report["activation_bytes"] == str(12 * MIB)
+        assert report["footprint_bytes"] == str(52 * MIB + plan)
+        labels = {"model": "m", "device": "cpu"}
+        for part, value in (("weights", 40 * MIB), ("activations", 12 * MIB), ("plan", plan)):
+            assert _gauge(registry, "batchgate_model_footprint_bytes", part=part,
+                          **labels) == value
+        assert _gauge(registry, "batchgate_model_device_bytes_reserved", **labels) == 52 * MIB
+        assert _gauge(registry, "batchgate_model_device_bytes_allocated", **labels) == 40 * MIB
+        assert _gauge(registry, "batchgate_device_fragmentation_bytes", device="cpu") == \
+            52 * MIB + 3 * MIB - (40 * MIB + MIB)
+        # The load and the batches allocated under the model's pool, on its own threads.
+        assert any(name.endswith("-warmup") for name in memory.threads)
+        assert any(name.endswith("-batch") for name in memory.threads)
+    finally:
+        model.stop(5)
+    assert memory.closed and model.module is None
+    labels = {"model": "m", "device": "cpu"}
+    assert _gauge(registry, "batchgate_model_device_bytes_reserved", **labels) == 0
+    assert _gauge(registry, "batchgate_model_footprint_bytes", part="weights", **labels) == 0
+
+
+def test_a_model_whose_footprint_does_not_fit_is_refused_naming_the_bytes():
+    registry = CollectorRegistry()
+    # 5 % of 16 GiB of headroom is more than the 100 MiB left free after its load.
+    memory = StandInMemory(weights=40 * MIB, peak=12 * MIB, free=100 * MIB, total=16 << 30)
+    model = _model(memory, registry)
+    with pytest.raises(ResourceExhausted) as info:
+        model.start()
+    model.stop(0)  # what the repository does with a model that failed its load
+    message = str(info.value)
+    assert "model 'm' needs" in message and f"weights {40 * MIB}" in message
+    assert f"{100 * MIB} bytes are free" in message
+    assert memory.closed
+
+
+def test_admission_counts_only_what_the_model_has_not_taken_yet():
+    footprint = gpu.Footprint(weights=600, activations=300, graphs=100, staging=0, plan=0)
+    gpu.admit("a", "cuda:0", footprint, held=1000, free=50, total=1000,
+              headroom_fraction=0.05)  # all of it held; 50 free covers the headroom
+    with pytest.raises(ResourceExhausted, match=r"needs 1000 bytes on cuda:0.*400 more bytes "
+                                                r"plus 50 of headroom are needed and 60 bytes"):
+        gpu.admit("a", "cuda:0", footprint, held=600, free=60, total=1000,
+                  headroom_fraction=0.05)
+
+
+def test_on_the_cpu_memory_is_not_measured_and_serving_is_unchanged():
+    memory = gpu.ModelMemory("cpu")
+    assert not memory.measures and memory.stats() is None
+    with memory.use():
+        torch.ones(3)
+    model = ServedModel(_spec(), torch.nn.Linear(4, 4))
+    model.start()
+    try:
+        assert model.load_report["footprint_bytes"] == "not measured on the CPU"
+        assert model.load_report["weight_bytes"] == str((16 + 4) * 4)  # its parameters
+    finally:
+        model.stop(5)
+
+
+@pytest.mark.parametrize(("given", "expected"), [
+    ({}, {"PYTORCH_ALLOC_CONF": "expandable_segments:True", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"},  # the operator's, kept as it is
+     {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}),
+    ({"CUDA_DEVICE_ORDER": "FASTEST_FIRST"},
+     {"PYTORCH_ALLOC_CONF": "expandable_segments:True", "CUDA_DEVICE_ORDER": "FASTEST_FIRST"}),
+])
+def test_the_allocator_configuration_is_set_unless_the_operator_set_one(given, expected):
+    environ = dict(given)
+    gpu_env.configure(environ)
+    assert environ == expected
+
+
+# -- on a GPU ----------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device; this machine has none")
+async def test_a_model_pool_holds_its_weights_and_activations_and_unload_returns_them():
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(0)
+    memory = gpu.ModelMemory("cuda:0", "pooled")
+    with memory.use():
+        module = torch.nn.Sequential(torch.nn.Linear(512, 4096), torch.nn.ReLU(),
+                                     torch.nn.Linear(4096, 512)).cuda()
+    weights = sum(p.numel() * 4 for p in module.parameters())
+    spec = ModelSpec(name="pooled", version="1", platform="test", device="cuda:0",
+                     inputs=(TensorSpec("x", "FP32", (512,)),),
+                     outputs=(TensorSpec("y", "FP32", (512,)),),
+                     batching=BatchingConfig(max_batch_size=64), buckets=(1, 8, 64))
+    x = np.random.default_rng(0).standard_normal((5, 512), dtype=np.float32)
+    with torch.inference_mode():
+        want = module(torch.from_numpy(x).cuda()).cpu().numpy()
+    model = ServedModel(spec, module, memory=memory)
+    del module
+    model.start()
+    try:
+        assert int(model.load_report["weight_bytes"]) >= weights
+        assert memory.stats()["eager"].reserved >= weights
+        assert int(model.load_report["footprint_bytes"]) >= weights
+        out = await model.infer(InferenceRequest([x], batch_size=5))
+        np.testing.assert_allclose(out["y"], want, rtol=1e-4, atol=1e-4)
+    finally:
+        model.stop(5)
+    del model
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    # The weights' segments went back to the device with the pool (a cuBLAS workspace may stay).
+    assert torch.cuda.memory_reserved(0) - before < weights
+
+
+def _linear_model(name: str, width: int, **fields) -> tuple[ServedModel, torch.nn.Module]:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(width)
+        cpu = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(),
+                                  torch.nn.Linear(width, width)).eval()
+    memory = gpu.ModelMemory("cuda:0", name)
+    with memory.use():  # its weights in its own pool
+        module = copy.deepcopy(cpu).to("cuda:0")
+    spec = ModelSpec(name=name, version="1", platform="test", device="cuda:0",
+                     inputs=(TensorSpec("x", "FP32", (width,)),),
+                     outputs=(TensorSpec("y", "FP32", (width,)),),
+                     batching=BatchingConfig(max_batch_size=64), buckets=(1, 8, 64), **fields)
+    return ServedModel(spec, module, memory=memory), cpu
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device; this machine has none")
+async def test_a_graph_model_captured_while_another_serves_leaves_both_correct():
+    serving, serving_cpu = _linear_model("serving", 1024, cuda_graphs=True)
+    serving.start()
+    late = None
+    try:
+        assert serving.load_report["cuda_graphs_status"].startswith("captured")
+        rng = np.random.default_rng(0)
+
+        async def check(model, cpu_module, rows):
+            x = rng.standard_normal((rows, model.spec.inputs[0].dims[0]), dtype=np.float32)
+            out = (await model.infer(InferenceRequest([x], batch_size=rows)))["y"]
+            with torch.inference_mode():
+                want = cpu_module(torch.from_numpy(x)).numpy()
+            np.testing.assert_allclose(out, want, rtol=2e-3, atol=2e-3)
+
+        stop = False
+
+        async def traffic():
+            while not stop:
+                await asyncio.gather(*(check(serving, serving_cpu, rows)
+                                       for rows in (1, 5, 8, 40, 64)))
+
+        running = asyncio.ensure_future(traffic())
+        torch.cuda.synchronize()
+        reserved = torch.cuda.memory_reserved(0)
+        late, late_cpu = _linear_model("late", 512, cuda_graphs=True)
+        await asyncio.to_thread(late.start)  # captures while "serving" replays its graphs
+        # torch.cuda.graph would have emptied the caching allocator's cache here.
+        assert torch.cuda.memory_reserved(0) >= reserved
+        assert late.load_report["cuda_graphs_status"].startswith("captured")
+        await asyncio.gather(*(check(late, late_cpu, rows) for rows in (1, 8, 33, 64)))
+        stop = True
+        await running
+    finally:
+        if late is not None:
+            late.stop(5)
+        serving.stop(5)
