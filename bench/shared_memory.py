@@ -8,7 +8,7 @@ registers). Reported per row: throughput, p99, and the server's CPU per request 
 processes, from ``/proc``, over the whole perf_analyzer run); and each shared-memory row's
 ratios to its gRPC row.
 
-    python -m bench.shared_memory [--modes python,single] [--concurrency 4] [--seconds 3]
+    python -m bench.shared_memory [--modes native,python,single] [--concurrency 4] [--seconds 3]
 """
 
 from __future__ import annotations
@@ -142,8 +142,8 @@ def _say(message: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.shared_memory",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", type=_choices(MODES), default=["python", "single"],
-                        help="server modes to measure, in order (default: python,single)")
+    parser.add_argument("--modes", type=_choices(MODES), default=["native", "python", "single"],
+                        help="server modes to measure, in order (default: native,python,single)")
     parser.add_argument("--concurrency", type=int, default=4,
                         help="perf_analyzer's concurrency (default: %(default)s)")
     parser.add_argument("--seconds", type=float, default=3.0,
