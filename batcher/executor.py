@@ -33,7 +33,8 @@ same way (its slot and staged blocks are kept until its event completes). A mode
 broken; the process is told through ``gpu.on_device_lost``) or an executor thread that fails
 kills the instance (``on_dead``): its queued batches fail with UNAVAILABLE.
 
-The model call itself (precision, the outputs' check, graph replay, the out-of-memory split)
+Filling a slot's buffers (the gather, padding, host concatenation) is ``batcher/assembly.py``;
+the model call itself (precision, the outputs' check, graph replay, the out-of-memory split)
 is ``batcher/forward.py``; the batch and slot types and the accounting interface are
 ``batcher/batch.py``.
 
@@ -60,6 +61,7 @@ import torch
 from batcher import gpu
 from batcher import graphs as cuda_graphs
 from batcher import precision as precisions
+from batcher.assembly import BatchAssembly
 from batcher.batch import (
     Batch,
     BatchAccounting,
@@ -74,7 +76,7 @@ from batcher.errors import BatchgateError, ModelExecutionError, ModelUnavailable
 from batcher.forward import ModelForward
 from batcher.request import InferenceRequest
 from batcher.spec import ModelSpec, TensorSpec
-from batcher.tensors import TORCH_DTYPES, host_input, to_numpy, to_torch
+from batcher.tensors import TORCH_DTYPES, to_numpy
 from batcher.watchdog import MAX_ABANDONED, ExecutionTimeout, TimedRunner, TooManyHungCalls
 
 log = structlog.get_logger(__name__)
@@ -137,6 +139,9 @@ class Executor:
         self._output_specs: Sequence[TensorSpec] = spec.outputs
         self._model = ModelForward(spec, module, buckets=self._buckets, pooled=self._pooled,
                                    accounting=self._accounting)
+        self._assembly = BatchAssembly(
+            spec, buckets=self._buckets, stager=self._stager, pooled=self._pooled,
+            copy_stream=self._copy_stream, memory=self._memory, accounting=self._accounting)
         # Storages of our buffers, for the alias check; grows when a slot is replaced.
         self._owned_storage = set(self._plan.owned_storage)
         self._threads: list[threading.Thread] = []
@@ -452,129 +457,7 @@ class Executor:
     # -- assembling one batch -----------------------------------------------------------------
 
     def _assemble(self, batch: Batch) -> None:
-        if not self._pooled:
-            self._concatenate(batch)
-            return
-        rows = batch.samples
-        batch.bucket = self._buckets.pad(rows) if self._batching else 1
-        stream = torch.cuda.stream(self._copy_stream) if self._cuda else contextlib.nullcontext()
-        with self._memory.use(), stream:
-            self._gather(batch)
-            if batch.bucket > rows:
-                for buffer in batch.slot.inputs:
-                    buffer[rows:batch.bucket].zero_()
-            if self._cuda:
-                batch.ready = torch.cuda.Event()
-                batch.ready.record(self._copy_stream)
-        inputs = batch.slot.inputs
-        batch.tensors = [b[:batch.bucket] for b in inputs] if self._batching else list(inputs)
-        batch.graph = (self._model.graphs is not None and batch.bucket in self._model.graphs.buckets
-                       and rows <= self._buckets.largest)
-
-    def _gather(self, batch: Batch) -> None:
-        """The requests' rows into the slot's buffers: one operation per input (a ``torch.cat``
-        of their staged blocks, or a host concatenation and, on a GPU, one copy from pinned
-        memory), per request only when a batch mixes staged and unstaged requests."""
-        slot, requests = batch.slot, batch.requests
-        for request in requests:
-            if request.check_inputs is not None:
-                _check_inputs(request)
-        # Inputs in a client's CUDA shared memory are device tensors: copied as they are.
-        direct = any(isinstance(a, torch.Tensor) for r in requests for a in r.inputs)
-        claimed = ([self._stager.claim(r) for r in requests] if self._stager is not None
-                   else [None] * len(requests))
-        staged = [c for c in claimed if c is not None]
-        batch.staged.extend(staged)
-        for item in staged:
-            if item.ready is not None:
-                self._copy_stream.wait_event(item.ready)
-        rows = batch.samples
-        if not self._batching:  # one request; the buffers are one sample
-            if staged:
-                for buffer, block in zip(slot.inputs, staged[0].blocks):
-                    buffer.copy_(block.tensor, non_blocking=self._cuda)
-            else:
-                self._request_into(slot, requests[0], slice(None))
-        elif len(staged) == len(requests):
-            for i, buffer in enumerate(slot.inputs):
-                blocks = [item.blocks[i].tensor for item in staged]
-                if len(blocks) == 1:
-                    buffer[:rows].copy_(blocks[0], non_blocking=self._cuda)
-                else:
-                    torch.cat(blocks, out=buffer[:rows])
-        elif not staged and not direct:
-            self._from_host(slot, [request.inputs for request in requests], rows)
-        else:
-            offset = 0
-            for request, item in zip(requests, claimed):
-                where = slice(offset, offset + request.batch_size)
-                if item is not None:
-                    for buffer, block in zip(slot.inputs, item.blocks):
-                        buffer[where].copy_(block.tensor, non_blocking=self._cuda)
-                else:
-                    self._request_into(slot, request, where)
-                offset += request.batch_size
-        if batch.id:  # id 0: a warm-up run
-            self._accounting.copies(len(staged), len(requests) - len(staged))
-
-    def _request_into(self, slot: Slot, request: InferenceRequest, where: slice) -> None:
-        """One request's inputs into ``slot``'s buffers at ``where``."""
-        if not any(isinstance(a, torch.Tensor) for a in request.inputs):
-            self._from_host(slot, [request.inputs], None, where)
-            return
-        for i, (buffer, array) in enumerate(zip(slot.inputs, request.inputs)):
-            if slot.host is not None:
-                np.copyto(slot.host[i][where], host_input(array))
-            elif isinstance(array, torch.Tensor):
-                buffer[where].copy_(array, non_blocking=True)
-            else:
-                buffer[where].copy_(to_torch(array, self._input_types[i]), non_blocking=True)
-
-    def _from_host(self, slot: Slot, inputs: list[Sequence[np.ndarray]], rows: int | None,
-                   where: slice | None = None) -> None:
-        """Host arrays (per request, per input) into ``slot``'s buffers at ``where`` (default:
-        from row 0): on the CPU one concatenation per input straight into the buffer; on a GPU
-        into the slot's pinned host mirror, then one asynchronous copy per input (from pinned
-        memory the copy is a real DMA; from the request's pageable bytes it would not be)."""
-        if where is None:
-            where = slice(0, rows) if rows is not None else slice(None)
-        targets = slot.host if slot.host is not None else slot.pinned_views()
-        for i, target in enumerate(targets):
-            arrays = [request_inputs[i] for request_inputs in inputs]
-            if len(arrays) == 1:
-                np.copyto(target[where], arrays[0])
-            else:
-                np.concatenate(arrays, out=target[where])
-        if slot.host is None:
-            for buffer, pinned in zip(slot.inputs, slot.pinned):
-                buffer[where].copy_(pinned[where], non_blocking=True)
-
-    def _concatenate(self, batch: Batch) -> None:
-        requests = batch.requests
-        for request in requests:
-            if request.check_inputs is not None:
-                _check_inputs(request)
-        if len(requests) == 1:
-            # Decoded inputs are read-only views of the request's bytes; a model may write to
-            # its inputs, so it gets its own copy (concatenation makes one anyway).
-            arrays = [a if a.flags.writeable else a.copy()
-                      for a in map(host_input, requests[0].inputs)]
-        else:
-            arrays = [
-                np.concatenate([host_input(r.inputs[i]) for r in requests])
-                for i in range(len(self._input_types))
-            ]
-        tensors = [to_torch(a, t) for a, t in zip(arrays, self._input_types)]
-        if not self._cuda:
-            batch.tensors = tensors
-            return
-        with self._memory.use(), torch.cuda.stream(self._copy_stream):
-            batch.tensors = [
-                t.to(self._device, non_blocking=True) if isinstance(t, torch.Tensor) else t
-                for t in tensors
-            ]
-            batch.ready = torch.cuda.Event()
-            batch.ready.record(self._copy_stream)
+        self._assembly.assemble(batch, self._model.graphs)
 
     # -- computing one batch ------------------------------------------------------------------
 
@@ -845,16 +728,3 @@ class Executor:
             start = stop
         return results
 
-
-def _check_inputs(request: InferenceRequest) -> None:
-    """Run the request's check right before its inputs are read; when it fails, the request
-    is answered with that error and the batch reads zeros in its place (never its memory)."""
-    try:
-        request.check_inputs()
-    except BatchgateError as exc:
-        request.input_error = exc
-        request.inputs = [
-            torch.zeros_like(a) if isinstance(a, torch.Tensor)
-            else np.full(a.shape, b"", dtype=object) if a.dtype == object
-            else np.zeros(a.shape, a.dtype)
-            for a in request.inputs]
