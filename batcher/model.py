@@ -156,6 +156,8 @@ class ServedModel:
         self._turns = DeviceTurns(self._device.share) if batching.device_share_weight else None
         self._executors: list[Executor] = []
         self._reservations: list[tuple[DevicePool | None, ModelReservation]] = []
+        # The model's arena (batcher/memory.py) and its owner name, once reserved.
+        self._arena: tuple[str, DevicePool | None] | None = None
         self._stager: InputStager | None = None
         self.load_report: dict[str, str] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -217,6 +219,7 @@ class ServedModel:
             "precision_max_relative_error": checked.parameter(),
             "cuda_graphs_status": graphs_status,
             "memory_plan_bytes": str(sum(r.nbytes for _, r in self._reservations if r)),
+            "device_pool_bytes": str(self._arena_bytes()),
             "activation_bytes": ("not measured on the CPU" if warm["activation_bytes"] is None
                                  else str(warm["activation_bytes"])),
             "warmed_up_batch_sizes": ",".join(map(str, warm["batch_sizes"])) or "none",
@@ -279,7 +282,7 @@ class ServedModel:
             weights=weights, activations=warm["activation_bytes"] or 0, graphs=graphs,
             staging=staging, plan=plan)
         # Taken from the device already: the pools' segments (which hold the warm-up's peak)
-        # and the plan and staging, which come out of the device pool reserved before.
+        # and the plan and staging, which the model's arena reserved before the warm-up.
         held = sum(s.reserved for s in stats.values()) + plan + staging
         free, total = memory.free_and_total()
         try:
@@ -332,7 +335,8 @@ class ServedModel:
         return spec.buckets, ""
 
     def _reserve(self, graph_buckets: tuple[int, ...]) -> None:
-        """One memory plan per instance, admitted into the device's pool (all or nothing)."""
+        """One memory plan per instance and room for the staged inputs, in an arena reserved
+        for this model at exactly that size (``batcher/memory.py``), all or nothing."""
         spec = self._spec
         slots = spec.inflight_batches
         if not self._pooled:
@@ -342,25 +346,56 @@ class ServedModel:
             [(t.dims, TORCH_DTYPES[t.datatype]) for t in spec.inputs],
             [(t.dims, TORCH_DTYPES[t.datatype]) for t in spec.outputs] if graph_buckets else [],
             max_rows=spec.max_batch_size or None, slots=slots, graph_buckets=graph_buckets)
-        pool = self._device.pool()
+        staging = self._staging_cap() if spec.input_staging == "queue" else 0
+        per_instance = [b.nbytes for b in plan.buffers] + [plan.activation_bytes]
+        sizes = per_instance * spec.instance_count + ([staging] if staging else [])
+        owner = f"{spec.name}:{spec.version}#{next(_reservation_ids)}"
+        what = plan.describe() + (f", x{spec.instance_count} instances"
+                                  if spec.instance_count > 1 else "") + \
+            (f" + {staging} bytes of staged inputs" if staging else "")
+        try:
+            pool = self._device.reserve(owner, sizes, what)
+        except ResourceExhausted as exc:
+            log.error("model_does_not_fit", model=spec.name, reason=str(exc))
+            raise ResourceExhausted(f"model '{spec.name}' was not loaded: {exc}") from None
+        self._arena = (owner, pool)
         for index in range(spec.instance_count):
-            name = f"{spec.name}:{spec.version}#{next(_reservation_ids)}.{index}"
+            name = f"{owner}.{index}"
             if pool is None:
                 reservation = unpooled_reservation(name, plan, spec.device)
             else:
                 try:
                     reservation = pool.admit(name, plan)
-                except ResourceExhausted as exc:
+                except ResourceExhausted as exc:  # sized for it: only a defect gets here
                     log.error("model_does_not_fit", model=spec.name, reason=str(exc))
+                    self._release()
                     raise ResourceExhausted(
                         f"model '{spec.name}' was not loaded: {exc}") from None
             self._reservations.append((pool, reservation))
             self._count_reserved(pool, reservation.nbytes, reservation.fallbacks)
+        if self._metrics is not None and pool is not None:
+            # The whole arena is the model's: the plan, and the room left for staged inputs.
+            self._metrics.pool_bytes_reserved.set(pool.bytes_reserved)
         log.info("memory_plan_admitted", model=spec.name, device=spec.device,
                  instances=spec.instance_count, plan=plan.describe(),
-                 bytes=sum(r.nbytes for _, r in self._reservations), pooled=pool is not None)
+                 bytes=sum(r.nbytes for _, r in self._reservations), staging_bytes=staging,
+                 pool_bytes=pool.bytes_reserved if pool is not None else 0,
+                 pooled=pool is not None)
         if spec.input_staging == "queue":
             self._stager = self._new_stager(pool)
+
+    def _arena_bytes(self) -> int:
+        """What the device pool holds for this model: its arena (0 when it has none)."""
+        pool = self._arena[1] if self._arena is not None else None
+        return pool.bytes_reserved if pool is not None else 0
+
+    def _staging_cap(self) -> int:
+        """The most the queued requests' staged inputs may hold (the stager's cap)."""
+        spec = self._spec
+        per_sample = sum(math.prod(t.dims) * TORCH_DTYPES[t.datatype].itemsize
+                         for t in spec.inputs)
+        batches = spec.inflight_batches * spec.instance_count + STAGING_BATCHES
+        return batches * max(spec.max_batch_size, 1) * per_sample
 
     def _count_reserved(self, pool: DevicePool | None, nbytes: int, fallbacks: int) -> None:
         if self._metrics is not None:
@@ -374,9 +409,6 @@ class ServedModel:
     def _new_stager(self, pool: DevicePool | None) -> InputStager:
         spec = self._spec
         device = torch.device(spec.device)
-        per_sample = sum(math.prod(t.dims) * TORCH_DTYPES[t.datatype].itemsize
-                         for t in spec.inputs)
-        batches = spec.inflight_batches * spec.instance_count + STAGING_BATCHES
         metrics = self._metrics
 
         def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> Block | None:
@@ -393,7 +425,7 @@ class ServedModel:
             spec.name, device,
             to_tensor=lambda array, i: to_torch(array, types[i]),
             dtypes=[TORCH_DTYPES[t] for t in types], allocate=allocate,
-            cap_bytes=batches * max(spec.max_batch_size, 1) * per_sample,
+            cap_bytes=self._staging_cap(),
             on_bytes=metrics.pool_bytes_in_use.inc if metrics is not None else None,
             on_fallback=metrics.pool_fallbacks.inc if metrics is not None else None)
 
@@ -452,7 +484,7 @@ class ServedModel:
         return reports[0]
 
     def _release(self) -> None:
-        """Give the memory plans back to the pool (idempotent)."""
+        """Give the memory plans back to the pool, then the model's arena (idempotent)."""
         reservations, self._reservations = self._reservations, []
         for pool, reservation in reservations:
             if reservation is None:
@@ -460,10 +492,12 @@ class ServedModel:
             if pool is not None:
                 pool.release(reservation.name)
             if self._metrics is not None:
-                self._metrics.pool_bytes_reserved.dec(reservation.nbytes)
                 self._metrics.pool_bytes_in_use.dec(reservation.nbytes)
-            if pool is not None:
-                self._device.refresh(pool)
+        arena, self._arena = self._arena, None
+        if arena is not None and arena[1] is not None:
+            self._device.release(*arena)
+        if self._metrics is not None:
+            self._metrics.pool_bytes_reserved.set(0)
 
     def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Refuse new requests, let queued and running ones finish, then stop the threads."""

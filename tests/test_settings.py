@@ -303,10 +303,10 @@ def test_the_shared_memory_flag(running):
 
 
 def test_the_device_pool_flags(running):
-    # --device-pool-bytes: the CPU's pool; --device-pool-permissive: ``fixed``'s buffers do not
-    # fit it and went outside, counted, instead of refusing the model.
+    # --device-pool-bytes: the CPU's pool's cap; --device-pool-permissive: ``fixed``'s buffers
+    # do not fit under it and went outside, counted, instead of refusing the model.
     samples = _scrape(running)
-    assert samples[("batchgate_pool_bytes_reserved", (("device", "cpu"),))] == POOL_BYTES
+    assert 0 < samples[("batchgate_pool_bytes_reserved", (("device", "cpu"),))] <= POOL_BYTES
     assert samples[("batchgate_pool_fallbacks_total", (("device", "cpu"),))] > 0
     with running.client() as client:
         assert client.model_ready("fixed")
