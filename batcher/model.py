@@ -11,8 +11,9 @@ a batch.
 1. the precision check (``batcher/precision.py``): the model in its precision against fp32 on
    seeded inputs; fp16 weights are converted here;
 2. the memory plan (``batcher/pool.py``): per instance, an input buffer per batch in flight and,
-   with CUDA graphs, each bucket's fixed buffers, admitted into the device's pool all or
-   nothing, else ``ResourceExhausted`` naming the bytes needed and free;
+   with CUDA graphs, each bucket's fixed buffers, and room for the staged inputs, in an arena
+   of the device's pool reserved for the model at exactly that size (``batcher/memory.py``),
+   all or nothing, else ``ResourceExhausted`` naming the bytes needed and free;
 3. warm-up through the real batch path at every batch bucket (and the config's
    ``model_warmup`` samples), then the CUDA graphs' capture;
 4. on a GPU, the footprint (weights, the largest batch's peak, the graph pool, staging, the
@@ -21,7 +22,7 @@ a batch.
 5. the input stager (``input_staging`` queue) and the executor threads.
 
 What it found goes to ``load_report``, which the server shows in the model's config parameters.
-``stop`` gives the plan's memory back to the pool and closes the model's own allocator pools
+``stop`` gives the plan's arena back to the device and closes the model's own allocator pools
 (``memory``), so that their segments go back to the device.
 
 Around the queue: a latency profile (seeded by a timed warm run per batch size, fed by every
