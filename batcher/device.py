@@ -4,7 +4,8 @@ A ``Device`` holds what the models placed on one device share: the device memory
 memory plans and staged inputs are carved from (``batcher/memory.py``: one arena per model,
 reserved at its admission, under the device's cap) and the weighted turns of those that set
 ``device_share_weight`` (``batcher/device_share.py``). Each model's own allocator pools,
-streams and CUDA graphs are the model's (``batcher/gpu.py``, ``batcher/graphs.py``): nothing of them is shared.
+streams and CUDA graphs are the model's (``batcher/gpu.py``, ``batcher/graphs.py``): nothing
+of them is shared.
 
 ``Devices``: a process's devices, each made on first use. The model repository makes one and
 hands it to every model it loads; a model built alone (tests, benchmarks) makes its own.
