@@ -69,7 +69,13 @@ from batcher.executor import Executor
 from batcher.tensors import TORCH_DTYPES, to_torch
 from batcher.memory import DevicePools
 from batcher.metrics import BatcherMetrics, ModelMetrics
-from batcher.pool import DevicePool, ModelReservation, model_plan, unpooled_reservation
+from batcher.pool import (
+    DEFAULT_POOL_ALIGNMENT,
+    DevicePool,
+    ModelReservation,
+    model_plan,
+    unpooled_reservation,
+)
 from batcher.profile import LatencyProfile
 from batcher.queue import ModelQueue
 from batcher.request import DONE, InferenceRequest
@@ -347,7 +353,7 @@ class ServedModel:
             [(t.dims, TORCH_DTYPES[t.datatype]) for t in spec.inputs],
             [(t.dims, TORCH_DTYPES[t.datatype]) for t in spec.outputs] if graph_buckets else [],
             max_rows=spec.max_batch_size or None, slots=slots, graph_buckets=graph_buckets)
-        staging = self._staging_cap() if spec.input_staging == "queue" else 0
+        staging = self._staging_room() if spec.input_staging == "queue" else 0
         per_instance = [b.nbytes for b in plan.buffers] + [plan.activation_bytes]
         sizes = per_instance * spec.instance_count + ([staging] if staging else [])
         owner = f"{spec.name}:{spec.version}#{next(_reservation_ids)}"
@@ -389,6 +395,16 @@ class ServedModel:
         """What the device pool holds for this model: its arena (0 when it has none)."""
         pool = self._arena[1] if self._arena is not None else None
         return pool.bytes_reserved if pool is not None else 0
+
+    def _staging_room(self) -> int:
+        """The arena bytes the staged inputs may need at most: the cap's worth of one-row
+        requests (the worst case: each input's block is rounded up to the pool's alignment)."""
+        spec = self._spec
+        align = DEFAULT_POOL_ALIGNMENT
+        per_sample = sum(max(-(-math.prod(t.dims) * TORCH_DTYPES[t.datatype].itemsize // align),
+                             1) * align for t in spec.inputs)
+        batches = spec.inflight_batches * spec.instance_count + STAGING_BATCHES
+        return batches * max(spec.max_batch_size, 1) * per_sample
 
     def _staging_cap(self) -> int:
         """The most the queued requests' staged inputs may hold (the stager's cap)."""
