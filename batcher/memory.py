@@ -1,110 +1,189 @@
-"""The server's device memory pools: one ``DevicePool`` per device, reserved once, and their
-metrics.
+"""The server's device memory pools: per device, one arena per loaded model, reserved at its
+admission at exactly the size of its plan, and their metrics.
 
-A pool is reserved the first time a model is placed on its device, at the size the settings
-give (bytes, or on a CUDA device a fraction of the memory free then), and lives as long as the
-process: models come and go inside it (``DevicePool.admit`` / ``release``), the device memory
-does not. On the CPU the same pool is reserved in host memory (``torch.empty`` touches no page
-until it is written), so the CPU runs the very path a GPU runs.
+Nothing is reserved before a model is admitted. A model's arena (a ``DevicePool``) holds its
+memory plan (every instance's batch input buffers and CUDA-graph buffers) and room for its
+queued requests' staged inputs (the stager's cap), sized from those and nothing else; it is
+reserved when the model is admitted (``DevicePools.reserve``) and given back when it unloads
+(``DevicePools.release``), so what a device's pools hold is the sum of its loaded models' plans.
+An arena is one contiguous buffer its views point into, so it cannot grow in place: each model
+gets its own, which is the same as a pool that grows by one segment per model.
 
-Metrics (``batcher/metrics.py``) per device: bytes reserved, in use, largest free block,
-fallbacks; ``refresh`` sets them, after a model is admitted or released and after each batch,
-never per request.
+The settings cap what the pools on one device may hold together: ``cap_bytes`` (every device,
+the CPU's included) and, on a CUDA device, ``fraction_of_total`` of its memory; both given, the
+smaller applies; neither, no cap (a CUDA device's own memory still bounds it, and the model's
+footprint is admitted against the device's free memory, ``batcher/gpu.py``). A model whose
+arena would pass the cap is refused (``ResourceExhausted`` naming the bytes needed and free),
+or, with ``strict=False``, served with its buffers outside any pool, each counted as a fallback.
+On the CPU an arena is host memory (``torch.empty`` touches no page until it is written), so the
+CPU runs the very path a GPU runs.
+
+Metrics (``batcher/metrics.py``) per device: bytes reserved, in use, the largest free block of
+any arena, fallbacks; ``refresh`` sets them, after a model is admitted or released and after
+each batch, never per request.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Iterable
 
 import structlog
 import torch
 
 from batcher.errors import ResourceExhausted
 from batcher.metrics import BatcherMetrics
-from batcher.pool import DevicePool
+from batcher.pool import DEFAULT_POOL_ALIGNMENT, DevicePool
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_POOL_BYTES = 1 << 30
+MIN_CAP_BYTES = 4096
 
 
 @dataclasses.dataclass(frozen=True)
 class PoolSettings:
-    """How each device's pool is reserved."""
+    """What the pools on each device may hold (module docstring)."""
 
-    size_bytes: int = DEFAULT_POOL_BYTES
-    """Bytes reserved per device (the CPU's pool always takes this)."""
-    fraction_of_free: float | None = None
-    """On a CUDA device: reserve this fraction of the memory free at the time, not size_bytes."""
+    cap_bytes: int | None = None
+    """The most the pools on one device hold together, the CPU's included; None: no cap."""
+    fraction_of_total: float | None = None
+    """On a CUDA device: the most, as a fraction of its total memory (the smaller of the two)."""
     strict: bool = True
     """Refuse what does not fit (RESOURCE_EXHAUSTED); False: allocate outside, counted."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.size_bytes, bool) or not isinstance(self.size_bytes, int) or \
-                self.size_bytes < 4096:
-            raise ValueError(f"size_bytes must be an int >= 4096, got {self.size_bytes!r}")
-        if self.fraction_of_free is not None and not 0.0 < self.fraction_of_free <= 1.0:
+        if self.cap_bytes is not None and (
+                isinstance(self.cap_bytes, bool) or not isinstance(self.cap_bytes, int)
+                or self.cap_bytes < MIN_CAP_BYTES):
             raise ValueError(
-                f"fraction_of_free must lie in (0, 1], got {self.fraction_of_free!r}")
+                f"cap_bytes must be None or an int >= {MIN_CAP_BYTES}, got {self.cap_bytes!r}")
+        if self.fraction_of_total is not None and not 0.0 < self.fraction_of_total <= 1.0:
+            raise ValueError(
+                f"fraction_of_total must lie in (0, 1], got {self.fraction_of_total!r}")
+
+
+def arena_bytes(sizes: Iterable[int], alignment: int = DEFAULT_POOL_ALIGNMENT) -> int:
+    """The arena that holds allocations of ``sizes`` bytes: each rounded up to ``alignment``
+    (as the allocator does), plus one ``alignment`` for the buffer's skip to an aligned start."""
+    return sum(max(-(-n // alignment), 1) * alignment for n in sizes) + alignment
 
 
 class DevicePools:
-    """The pool of each device, reserved on first use."""
+    """Each device's model arenas, reserved per model at admission (module docstring)."""
 
     def __init__(self, settings: PoolSettings | None = None,
                  metrics: BatcherMetrics | None = None) -> None:
         self.settings = settings if settings is not None else PoolSettings()
         self._metrics = metrics
-        self._pools: dict[str, DevicePool] = {}
+        self._arenas: dict[str, dict[str, DevicePool]] = {}  # device -> owner -> arena
+        self._caps: dict[str, int | None] = {}
+        self._outside_fallbacks: dict[str, int] = {}
         self._fallbacks_seen: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def get(self, device: str) -> DevicePool:
-        """``device``'s pool, reserving it now if this is its first model."""
+    # --- accounting --------------------------------------------------------------------------
+
+    def cap(self, device: str) -> int | None:
+        """The most ``device``'s pools may hold together; None when uncapped."""
         key = str(torch.device(device))
         with self._lock:
-            pool = self._pools.get(key)
-            if pool is None:
-                pool = self._pools[key] = self._reserve(key)
-        self.refresh(pool)
-        return pool
+            if key not in self._caps:
+                self._caps[key] = self._cap_of(key)
+            return self._caps[key]
+
+    def _cap_of(self, device: str) -> int | None:
+        s = self.settings
+        caps = [] if s.cap_bytes is None else [s.cap_bytes]
+        if s.fraction_of_total is not None and device.startswith("cuda"):
+            _free, total = torch.cuda.mem_get_info(torch.device(device))
+            caps.append(int(total * s.fraction_of_total))
+        return min(caps) if caps else None
+
+    def bytes_reserved(self, device: str) -> int:
+        """What ``device``'s pools hold now: its models' arenas together."""
+        key = str(torch.device(device))
+        with self._lock:
+            return sum(a.bytes_reserved for a in self._arenas.get(key, {}).values())
+
+    def arenas(self, device: str) -> dict[str, DevicePool]:
+        """``device``'s arenas by owner."""
+        with self._lock:
+            return dict(self._arenas.get(str(torch.device(device)), {}))
 
     def pools(self) -> list[DevicePool]:
         with self._lock:
-            return list(self._pools.values())
+            return [a for arenas in self._arenas.values() for a in arenas.values()]
 
-    def _reserve(self, device: str) -> DevicePool:
-        s = self.settings
-        by_fraction = s.fraction_of_free is not None and device.startswith("cuda")
-        try:
-            if by_fraction:
-                pool = DevicePool(device, fraction_of_free=s.fraction_of_free, strict=s.strict)
-            else:
-                pool = DevicePool(device, s.size_bytes, strict=s.strict)
-        except torch.OutOfMemoryError as exc:
-            asked = f"{s.fraction_of_free} of the free memory" if by_fraction else \
-                f"{s.size_bytes} bytes"
-            raise ResourceExhausted(
-                f"could not reserve the memory pool of {device} ({asked}): the device is out "
-                "of memory; give a smaller --device-pool-bytes / --device-pool-fraction"
-            ) from exc
-        log.info("device_pool_reserved", device=device, bytes=pool.bytes_reserved,
-                 strict=pool.strict)
-        return pool
+    # --- models ------------------------------------------------------------------------------
+
+    def reserve(self, device: str, owner: str, sizes: Iterable[int], what: str) -> DevicePool:
+        """Reserve ``owner``'s arena on ``device``, sized for allocations of ``sizes`` bytes
+        (``what``: the plan, for the refusal). Over the cap, or when the device is out of
+        memory: ``ResourceExhausted`` naming the bytes needed and free (``strict``), or a
+        permissive pool with no room (``strict=False``: everything it is asked for goes outside,
+        counted). Nothing is reserved when it raises."""
+        key = str(torch.device(device))
+        nbytes = arena_bytes(sizes)
+        cap = self.cap(key)
+        strict = self.settings.strict
+        with self._lock:
+            arenas = self._arenas.setdefault(key, {})
+            if owner in arenas:
+                raise ValueError(f"{owner!r} already holds an arena on {key}; release it first")
+            held = sum(a.bytes_reserved for a in arenas.values())
+            over = cap is not None and held + nbytes > cap
+            if over and strict:
+                raise ResourceExhausted(
+                    f"model {owner!r} needs {nbytes} bytes of device memory (plan: {what}); "
+                    f"{max(0, cap - held)} bytes are free in the pools of {key}, capped at "
+                    f"{cap} bytes (--device-pool-bytes / --device-pool-fraction)")
+            size = 2 * DEFAULT_POOL_ALIGNMENT if over else nbytes
+            try:
+                arena = DevicePool(key, size, strict=strict)
+            except torch.OutOfMemoryError as exc:
+                free = torch.cuda.mem_get_info(torch.device(key))[0] if key.startswith(
+                    "cuda") else 0
+                raise ResourceExhausted(
+                    f"model {owner!r} needs {nbytes} bytes of device memory (plan: {what}); "
+                    f"{free} bytes are free on {key}") from exc
+            arenas[owner] = arena
+        log.info("device_pool_reserved", device=key, model=owner, bytes=arena.bytes_reserved,
+                 device_bytes=held + arena.bytes_reserved, cap=cap, outside=over)
+        self.refresh(arena)
+        return arena
+
+    def release(self, owner: str, arena: DevicePool) -> None:
+        """Give ``owner``'s arena back (its buffers must no longer be used)."""
+        key = str(arena.device)
+        with self._lock:
+            arenas = self._arenas.get(key, {})
+            if arenas.get(owner) is not arena:
+                raise ValueError(f"{owner!r} holds no arena on {key}")
+            del arenas[owner]
+            # Its fallbacks stay counted after the arena goes.
+            self._outside_fallbacks[key] = self._outside_fallbacks.get(key, 0) + arena.fallbacks
+        log.info("device_pool_released", device=key, model=owner, bytes=arena.bytes_reserved)
+        self.refresh(arena)
+        del arena
+        if key.startswith("cuda"):
+            with torch.cuda.device(torch.device(key)):
+                torch.cuda.empty_cache()  # the arena's segment goes back to the device
 
     def refresh(self, pool: DevicePool) -> None:
-        """Set ``pool``'s gauges (and count its new fallbacks)."""
+        """Set the gauges of ``pool``'s device (and count its new fallbacks)."""
         metrics = self._metrics
         if metrics is None:
             return
         device = str(pool.device)
-        metrics.pool_bytes_reserved.labels(device).set(pool.bytes_reserved)
-        metrics.pool_bytes_in_use.labels(device).set(pool.bytes_in_use)
-        metrics.pool_largest_free_block.labels(device).set(pool.largest_free_block)
         with self._lock:
-            fallbacks = pool.fallbacks
+            arenas = list(self._arenas.get(device, {}).values())
+            fallbacks = self._outside_fallbacks.get(device, 0) + sum(a.fallbacks for a in arenas)
             new = fallbacks - self._fallbacks_seen.get(device, 0)
             self._fallbacks_seen[device] = fallbacks
+        metrics.pool_bytes_reserved.labels(device).set(sum(a.bytes_reserved for a in arenas))
+        metrics.pool_bytes_in_use.labels(device).set(sum(a.bytes_in_use for a in arenas))
+        metrics.pool_largest_free_block.labels(device).set(
+            max((a.largest_free_block for a in arenas), default=0))
         if new:
             metrics.pool_fallbacks.labels(device).inc(new)

@@ -138,7 +138,7 @@ class BatcherMetrics:
         )
         self.model_pool_bytes_reserved = Gauge(
             "batchgate_model_pool_bytes_reserved",
-            "Bytes of the device memory pool a model's admitted memory plan holds.",
+            "Bytes of the device memory pool reserved for a model: its plan and staging room.",
             ["model"], registry=r, multiprocess_mode="livesum",
         )
         self.model_pool_bytes_in_use = Gauge(

@@ -11,8 +11,9 @@ a batch.
 1. the precision check (``batcher/precision.py``): the model in its precision against fp32 on
    seeded inputs; fp16 weights are converted here;
 2. the memory plan (``batcher/pool.py``): per instance, an input buffer per batch in flight and,
-   with CUDA graphs, each bucket's fixed buffers, admitted into the device's pool all or
-   nothing, else ``ResourceExhausted`` naming the bytes needed and free;
+   with CUDA graphs, each bucket's fixed buffers, and room for the staged inputs, in an arena
+   of the device's pool reserved for the model at exactly that size (``batcher/memory.py``),
+   all or nothing, else ``ResourceExhausted`` naming the bytes needed and free;
 3. warm-up through the real batch path at every batch bucket (and the config's
    ``model_warmup`` samples), then the CUDA graphs' capture;
 4. on a GPU, the footprint (weights, the largest batch's peak, the graph pool, staging, the
@@ -21,7 +22,7 @@ a batch.
 5. the input stager (``input_staging`` queue) and the executor threads.
 
 What it found goes to ``load_report``, which the server shows in the model's config parameters.
-``stop`` gives the plan's memory back to the pool and closes the model's own allocator pools
+``stop`` gives the plan's arena back to the device and closes the model's own allocator pools
 (``memory``), so that their segments go back to the device.
 
 Around the queue: a latency profile (seeded by a timed warm run per batch size, fed by every
@@ -68,7 +69,13 @@ from batcher.executor import Executor
 from batcher.tensors import TORCH_DTYPES, to_torch
 from batcher.memory import DevicePools
 from batcher.metrics import BatcherMetrics, ModelMetrics
-from batcher.pool import DevicePool, ModelReservation, model_plan, unpooled_reservation
+from batcher.pool import (
+    DEFAULT_POOL_ALIGNMENT,
+    DevicePool,
+    ModelReservation,
+    model_plan,
+    unpooled_reservation,
+)
 from batcher.profile import LatencyProfile
 from batcher.queue import ModelQueue
 from batcher.request import DONE, InferenceRequest
@@ -156,6 +163,8 @@ class ServedModel:
         self._turns = DeviceTurns(self._device.share) if batching.device_share_weight else None
         self._executors: list[Executor] = []
         self._reservations: list[tuple[DevicePool | None, ModelReservation]] = []
+        # The model's arena (batcher/memory.py) and its owner name, once reserved.
+        self._arena: tuple[str, DevicePool | None] | None = None
         self._stager: InputStager | None = None
         self.load_report: dict[str, str] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -217,6 +226,7 @@ class ServedModel:
             "precision_max_relative_error": checked.parameter(),
             "cuda_graphs_status": graphs_status,
             "memory_plan_bytes": str(sum(r.nbytes for _, r in self._reservations if r)),
+            "device_pool_bytes": str(self._arena_bytes()),
             "activation_bytes": ("not measured on the CPU" if warm["activation_bytes"] is None
                                  else str(warm["activation_bytes"])),
             "warmed_up_batch_sizes": ",".join(map(str, warm["batch_sizes"])) or "none",
@@ -279,7 +289,7 @@ class ServedModel:
             weights=weights, activations=warm["activation_bytes"] or 0, graphs=graphs,
             staging=staging, plan=plan)
         # Taken from the device already: the pools' segments (which hold the warm-up's peak)
-        # and the plan and staging, which come out of the device pool reserved before.
+        # and the plan and staging, which the model's arena reserved before the warm-up.
         held = sum(s.reserved for s in stats.values()) + plan + staging
         free, total = memory.free_and_total()
         try:
@@ -332,7 +342,8 @@ class ServedModel:
         return spec.buckets, ""
 
     def _reserve(self, graph_buckets: tuple[int, ...]) -> None:
-        """One memory plan per instance, admitted into the device's pool (all or nothing)."""
+        """One memory plan per instance and room for the staged inputs, in an arena reserved
+        for this model at exactly that size (``batcher/memory.py``), all or nothing."""
         spec = self._spec
         slots = spec.inflight_batches
         if not self._pooled:
@@ -342,25 +353,66 @@ class ServedModel:
             [(t.dims, TORCH_DTYPES[t.datatype]) for t in spec.inputs],
             [(t.dims, TORCH_DTYPES[t.datatype]) for t in spec.outputs] if graph_buckets else [],
             max_rows=spec.max_batch_size or None, slots=slots, graph_buckets=graph_buckets)
-        pool = self._device.pool()
+        staging = self._staging_room() if spec.input_staging == "queue" else 0
+        per_instance = [b.nbytes for b in plan.buffers] + [plan.activation_bytes]
+        sizes = per_instance * spec.instance_count + ([staging] if staging else [])
+        owner = f"{spec.name}:{spec.version}#{next(_reservation_ids)}"
+        what = plan.describe() + (f", x{spec.instance_count} instances"
+                                  if spec.instance_count > 1 else "") + \
+            (f" + {staging} bytes of staged inputs" if staging else "")
+        try:
+            pool = self._device.reserve(owner, sizes, what)
+        except ResourceExhausted as exc:
+            log.error("model_does_not_fit", model=spec.name, reason=str(exc))
+            raise ResourceExhausted(f"model '{spec.name}' was not loaded: {exc}") from None
+        self._arena = (owner, pool)
         for index in range(spec.instance_count):
-            name = f"{spec.name}:{spec.version}#{next(_reservation_ids)}.{index}"
+            name = f"{owner}.{index}"
             if pool is None:
                 reservation = unpooled_reservation(name, plan, spec.device)
             else:
                 try:
                     reservation = pool.admit(name, plan)
-                except ResourceExhausted as exc:
+                except ResourceExhausted as exc:  # sized for it: only a defect gets here
                     log.error("model_does_not_fit", model=spec.name, reason=str(exc))
+                    self._release()
                     raise ResourceExhausted(
                         f"model '{spec.name}' was not loaded: {exc}") from None
             self._reservations.append((pool, reservation))
             self._count_reserved(pool, reservation.nbytes, reservation.fallbacks)
+        if self._metrics is not None and pool is not None:
+            # The whole arena is the model's: the plan, and the room left for staged inputs.
+            self._metrics.pool_bytes_reserved.set(pool.bytes_reserved)
         log.info("memory_plan_admitted", model=spec.name, device=spec.device,
                  instances=spec.instance_count, plan=plan.describe(),
-                 bytes=sum(r.nbytes for _, r in self._reservations), pooled=pool is not None)
+                 bytes=sum(r.nbytes for _, r in self._reservations), staging_bytes=staging,
+                 pool_bytes=pool.bytes_reserved if pool is not None else 0,
+                 pooled=pool is not None)
         if spec.input_staging == "queue":
             self._stager = self._new_stager(pool)
+
+    def _arena_bytes(self) -> int:
+        """What the device pool holds for this model: its arena (0 when it has none)."""
+        pool = self._arena[1] if self._arena is not None else None
+        return pool.bytes_reserved if pool is not None else 0
+
+    def _staging_room(self) -> int:
+        """The arena bytes the staged inputs may need at most: the cap's worth of one-row
+        requests (the worst case: each input's block is rounded up to the pool's alignment)."""
+        spec = self._spec
+        align = DEFAULT_POOL_ALIGNMENT
+        per_sample = sum(max(-(-math.prod(t.dims) * TORCH_DTYPES[t.datatype].itemsize // align),
+                             1) * align for t in spec.inputs)
+        batches = spec.inflight_batches * spec.instance_count + STAGING_BATCHES
+        return batches * max(spec.max_batch_size, 1) * per_sample
+
+    def _staging_cap(self) -> int:
+        """The most the queued requests' staged inputs may hold (the stager's cap)."""
+        spec = self._spec
+        per_sample = sum(math.prod(t.dims) * TORCH_DTYPES[t.datatype].itemsize
+                         for t in spec.inputs)
+        batches = spec.inflight_batches * spec.instance_count + STAGING_BATCHES
+        return batches * max(spec.max_batch_size, 1) * per_sample
 
     def _count_reserved(self, pool: DevicePool | None, nbytes: int, fallbacks: int) -> None:
         if self._metrics is not None:
@@ -374,9 +426,6 @@ class ServedModel:
     def _new_stager(self, pool: DevicePool | None) -> InputStager:
         spec = self._spec
         device = torch.device(spec.device)
-        per_sample = sum(math.prod(t.dims) * TORCH_DTYPES[t.datatype].itemsize
-                         for t in spec.inputs)
-        batches = spec.inflight_batches * spec.instance_count + STAGING_BATCHES
         metrics = self._metrics
 
         def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> Block | None:
@@ -393,7 +442,7 @@ class ServedModel:
             spec.name, device,
             to_tensor=lambda array, i: to_torch(array, types[i]),
             dtypes=[TORCH_DTYPES[t] for t in types], allocate=allocate,
-            cap_bytes=batches * max(spec.max_batch_size, 1) * per_sample,
+            cap_bytes=self._staging_cap(),
             on_bytes=metrics.pool_bytes_in_use.inc if metrics is not None else None,
             on_fallback=metrics.pool_fallbacks.inc if metrics is not None else None)
 
@@ -452,7 +501,7 @@ class ServedModel:
         return reports[0]
 
     def _release(self) -> None:
-        """Give the memory plans back to the pool (idempotent)."""
+        """Give the memory plans back to the pool, then the model's arena (idempotent)."""
         reservations, self._reservations = self._reservations, []
         for pool, reservation in reservations:
             if reservation is None:
@@ -460,10 +509,12 @@ class ServedModel:
             if pool is not None:
                 pool.release(reservation.name)
             if self._metrics is not None:
-                self._metrics.pool_bytes_reserved.dec(reservation.nbytes)
                 self._metrics.pool_bytes_in_use.dec(reservation.nbytes)
-            if pool is not None:
-                self._device.refresh(pool)
+        arena, self._arena = self._arena, None
+        if arena is not None and arena[1] is not None:
+            self._device.release(*arena)
+        if self._metrics is not None:
+            self._metrics.pool_bytes_reserved.set(0)
 
     def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Refuse new requests, let queued and running ones finish, then stop the threads."""

@@ -1,9 +1,10 @@
-"""One reserved device arena per GPU, carved into tensors by the gateway's own allocator.
+"""Reserved device arenas, carved into tensors by the gateway's own allocator.
 
 Memory fragmentation: when models of different sizes share a GPU, only 35-50 % of
-device memory typically holds live data. ``DevicePool`` reserves one ``uint8`` buffer per device
-once (``torch.empty`` on ``cuda:N``, or on ``cpu`` where tests and CI run) and hands out typed
-views into it. It does not bring an allocator of its own: it reuses ``batcher.arena``'s
+device memory typically holds live data. ``DevicePool`` reserves one ``uint8`` buffer
+(``torch.empty`` on ``cuda:N``, or on ``cpu`` where tests and CI run; the server reserves one
+per model, at exactly its plan's size: ``batcher/memory.py``) and hands out typed views into
+it. It does not bring an allocator of its own: it reuses ``batcher.arena``'s
 ``ArenaAllocator``: best fit over an address- and size-ordered free list with immediate
 coalescing, sizes rounded only to ``alignment`` (no power-of-two classes wasting up to half of
 each block), and each block placed in its hole by expected lifetime. Every allocation here says

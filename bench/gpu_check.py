@@ -149,7 +149,7 @@ CPU_VARIANTS = (
 )
 TOLERANCES = {"fp32": 1e-4, "amp-fp16": 2e-2, "amp-bf16": 5e-2,  # max |err| / max |ref|
               "fp16-weights": 2e-2}
-POOL_BYTES_A = 512 << 20  # the device pool the served models of (a) are admitted into
+POOL_BYTES_A = 512 << 20  # the cap of the device pool the served models of (a) are admitted into
 TF32_TOLERANCE = 2e-3  # fp32 where TF32 may apply: 10-bit mantissa
 REQUESTS_PER_SIZE = 4  # of each size 1, 7 and max, all sent at once
 AUTOCAST_INERT_BELOW = 1e-6  # an fp16/bf16 error this small means autocast did not apply
@@ -172,7 +172,7 @@ SERVER_TRACE_MODES = (
 SERVER_TRACE_ROUNDS = 60  # rounds of SERVER_TRACE_WIDTH requests over the loaded models
 SERVER_TRACE_WIDTH = 16
 SERVER_TRACE_SECONDS = 25.0
-SERVER_TRACE_POOL_BYTES = 256 << 20  # the device pool the plans are admitted into
+SERVER_TRACE_POOL_BYTES = 256 << 20  # the cap of the device pool the plans are admitted into
 
 # -- (c) throughput and (e) busy % -------------------------------------------------------------
 THROUGHPUT_BATCH = 64

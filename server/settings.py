@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_REPOSITORY = Path(__file__).resolve().parent.parent / "models"
-DEFAULT_DEVICE_POOL_BYTES = 1 << 30  # batcher.memory.DEFAULT_POOL_BYTES (no torch here)
+MIN_DEVICE_POOL_BYTES = 4096  # batcher.memory.MIN_CAP_BYTES (no torch here)
 DEFAULT_ARENA_BYTES = 1 << 30
 MIN_TOKEN_CHARS = 16
 # Where the CLI reads each bearer token from (besides a file).
@@ -153,17 +153,20 @@ class Settings:
         64 * 1024 * 1024, parse=int, roles=(EXECUTOR,),
         help="largest sum of the file: contents one RepositoryModelLoad may bring; 0 refuses "
              "loads with file: parameters")
-    device_pool_bytes: int = setting(
-        DEFAULT_DEVICE_POOL_BYTES, parse=int, roles=(EXECUTOR,),
-        help="bytes of the memory pool reserved on each device models use, the CPU's included")
+    device_pool_bytes: int | None = setting(
+        None, parse=int, roles=(EXECUTOR,), default_text="no cap",
+        help="the most bytes the memory pool may hold on each device, the CPU's included; the "
+             "pool holds only its loaded models' plans and staged inputs, reserved per model "
+             "as it loads")
     device_pool_fraction: float | None = setting(
-        None, parse=float, roles=(EXECUTOR,), default_text="--device-pool-bytes",
-        help="on a CUDA device, reserve this fraction (0-1] of its free memory instead of "
-             "--device-pool-bytes")
+        None, parse=float, roles=(EXECUTOR,), default_text="no cap",
+        help="on a CUDA device, the most the memory pool may hold as a fraction (0-1] of the "
+             "device's total memory (with --device-pool-bytes too, the smaller applies)")
     device_pool_strict: bool = setting(
         True, flag="--device-pool-permissive", action="store_false", roles=(EXECUTOR,),
-        help="allocate what does not fit the pool outside it (counted in "
-             "batchgate_pool_fallbacks_total) instead of refusing it")
+        help="serve a model whose plan passes the pool's cap, and staged inputs that do not "
+             "fit, outside the pool (counted in batchgate_pool_fallbacks_total) instead of "
+             "refusing the model")
 
     # -- processes -----------------------------------------------------------------------------
     frontend: str = setting(
@@ -240,8 +243,9 @@ class Settings:
             raise ValueError("admin_token and infer_token must differ, got the same token twice")
 
     def _check_device_pool(self) -> None:
-        if self.device_pool_bytes < 4096:
-            raise ValueError(f"device_pool_bytes must be >= 4096, got {self.device_pool_bytes}")
+        if self.device_pool_bytes is not None and self.device_pool_bytes < MIN_DEVICE_POOL_BYTES:
+            raise ValueError(f"device_pool_bytes must be >= {MIN_DEVICE_POOL_BYTES} (or unset: "
+                             f"no cap), got {self.device_pool_bytes}")
         fraction = self.device_pool_fraction
         if fraction is not None and not 0.0 < fraction <= 1.0:
             raise ValueError(f"device_pool_fraction must lie in (0, 1], got {fraction}")
@@ -352,7 +356,7 @@ def check_devices(settings: Settings) -> None:
 
         if not torch.cuda.is_available():
             raise ValueError(
-                "--device-pool-fraction sizes the pools of CUDA devices, and this machine has "
+                "--device-pool-fraction caps the pools of CUDA devices, and this machine has "
                 f"none; give --device-pool-bytes, got --device-pool-fraction "
                 f"{settings.device_pool_fraction}")
 

@@ -270,3 +270,81 @@ async def test_a_graph_model_captured_while_another_serves_leaves_both_correct()
         if late is not None:
             late.stop(5)
         serving.stop(5)
+
+
+# -- the device pool sized from the models' plans ----------------------------------------------
+
+
+def _plan_model(name: str, pools: DevicePools, metrics: BatcherMetrics | None,
+                rows: int = 8, staging: str = "queue") -> ServedModel:
+    spec = ModelSpec(name=name, version="1", platform="test",
+                     inputs=(TensorSpec("x", "FP32", (256,)),),
+                     outputs=(TensorSpec("y", "FP32", (256,)),),
+                     batching=BatchingConfig(max_batch_size=rows), buckets=(1, rows),
+                     input_staging=staging)
+    return ServedModel(spec, lambda x: x + 1, metrics=metrics, pools=pools)
+
+
+async def test_the_pool_grows_by_each_model_s_plan_and_shrinks_when_one_unloads():
+    registry = CollectorRegistry()
+    metrics = BatcherMetrics(registry)
+    pools = DevicePools(PoolSettings(), metrics)
+    assert _gauge(registry, "batchgate_pool_bytes_reserved", device="cpu") in (None, 0.0)
+    assert pools.bytes_reserved("cpu") == 0  # nothing before a model is admitted
+    a = _plan_model("a", pools, metrics, rows=8)
+    b = _plan_model("b", pools, metrics, rows=32)
+    a.start()
+    try:
+        held_a = int(a.load_report["device_pool_bytes"])
+        # Its plan (one 8-row batch buffer, and the empty activation block's one alignment)
+        # and its staging room (3 batches' worth), plus the arena's alignment skip; no more.
+        plan_a = int(a.load_report["memory_plan_bytes"])
+        assert plan_a == 8 * 256 * 4 + 512 and held_a == plan_a + 3 * 8 * 256 * 4 + 512
+        assert pools.bytes_reserved("cpu") == held_a
+        b.start()
+        held_b = int(b.load_report["device_pool_bytes"])
+        assert held_b > held_a
+        assert pools.bytes_reserved("cpu") == held_a + held_b
+        assert _gauge(registry, "batchgate_pool_bytes_reserved", device="cpu") == held_a + held_b
+        assert _gauge(registry, "batchgate_model_pool_bytes_reserved", model="b") == held_b
+        x = np.ones((5, 256), np.float32)
+        out = await b.infer(InferenceRequest([x], batch_size=5))
+        np.testing.assert_array_equal(out["y"], x + 1)
+    finally:
+        a.stop(5)
+    try:
+        # a's share went back; b's stays.
+        assert pools.bytes_reserved("cpu") == held_b
+        assert _gauge(registry, "batchgate_pool_bytes_reserved", device="cpu") == held_b
+        assert _gauge(registry, "batchgate_model_pool_bytes_reserved", model="a") == 0
+    finally:
+        b.stop(5)
+    assert pools.bytes_reserved("cpu") == 0
+    assert _gauge(registry, "batchgate_pool_bytes_in_use", device="cpu") == 0
+
+
+def test_a_model_past_the_pool_s_cap_is_refused_naming_the_bytes_and_the_rest_serve():
+    small = _plan_model("small", DevicePools(PoolSettings()), None, staging="batch")
+    small.start()
+    small_bytes = int(small.load_report["device_pool_bytes"])
+    small.stop(5)
+    cap = small_bytes + 4096  # room for "small", not for "big"'s 64-row buffer too
+    registry = CollectorRegistry()
+    metrics = BatcherMetrics(registry)
+    pools = DevicePools(PoolSettings(cap), metrics)
+    first = _plan_model("small", pools, metrics, staging="batch")
+    big = _plan_model("big", pools, metrics, rows=64, staging="batch")
+    first.start()
+    try:
+        with pytest.raises(ResourceExhausted) as info:
+            big.start()
+        message = str(info.value)
+        needed = int(message.split(" needs ")[1].split()[0])
+        free = int(message.split(" bytes are free")[0].split()[-1])
+        assert free == cap - small_bytes and needed >= 64 * 256 * 4 > free, message
+        assert f"capped at {cap} bytes" in message
+        big.stop(5)
+        assert pools.bytes_reserved("cpu") == small_bytes  # the refusal took nothing
+    finally:
+        first.stop(5)
+    assert pools.bytes_reserved("cpu") == 0

@@ -312,13 +312,19 @@ def test_pool_metrics_per_device_and_model(gpu_server):
     reserved = sample(samples, "batchgate_pool_bytes_reserved", device="cpu")
     in_use = sample(samples, "batchgate_pool_bytes_in_use", device="cpu")
     largest = sample(samples, "batchgate_pool_largest_free_block_bytes", device="cpu")
-    assert reserved == 1 << 30
-    assert 0 < in_use < reserved and 0 < largest <= reserved - in_use
     models = {labels[0][1]: value for (name, labels), value in samples.items()
               if name == "batchgate_model_pool_bytes_reserved"}
+    used = {labels[0][1]: value for (name, labels), value in samples.items()
+            if name == "batchgate_model_pool_bytes_in_use"}
+    # The pool is its models' arenas, each sized from its plan: no blanket reservation.
+    assert reserved == sum(models.values()) < 1 << 30
+    assert 0 < in_use <= reserved and 0 < largest <= reserved - in_use
     # A 64-row input buffer per batch in flight: one, the CPU default.
     assert models["mlp_buckets"] >= 64 * 512 * 4
-    assert sum(models.values()) == in_use  # nothing else is in the pool while idle
+    assert sum(used.values()) == in_use  # nothing else is in the pool while idle
+    params = config_parameters(gpu_server.address, "mlp_buckets")
+    assert int(params["device_pool_bytes"]) == models["mlp_buckets"]
+    assert int(params["device_pool_bytes"]) >= int(params["memory_plan_bytes"])
     assert sample(samples, "batchgate_pool_fallbacks_total", device="cpu") in (None, 0.0)
 
 
@@ -410,6 +416,7 @@ def check_staging(gpu_server, log_dir: Path) -> None:
     (log_dir / "entered").unlink(missing_ok=True)
     base = scrape(gpu_server.metrics_url)
     reserved = sample(base, "batchgate_model_pool_bytes_reserved", model="staged")
+    idle = sample(base, "batchgate_model_pool_bytes_in_use", model="staged")  # its plan
     queued_before = sample(base, "batchgate_input_copies_total", model="staged",
                            when="queued") or 0
     gate.touch()
@@ -422,7 +429,10 @@ def check_staging(gpu_server, log_dir: Path) -> None:
         # The queued requests' inputs land in pool blocks while the first batch is held.
         staged_bytes = (2 + 3 + 4) * 2 * 4
         poll(lambda: sample(scrape(gpu_server.metrics_url), "batchgate_model_pool_bytes_in_use",
-                            model="staged") >= reserved + staged_bytes, 30, "inputs staged")
+                            model="staged") >= idle + staged_bytes, 30, "inputs staged")
+        # The staged blocks came out of the room the model's arena was sized with.
+        assert sample(scrape(gpu_server.metrics_url), "batchgate_model_pool_bytes_reserved",
+                      model="staged") == reserved
         gate.unlink()
         answers = [first.result(60)] + [f.result(60) for f in rest]
     for x, answer in zip(xs, answers):
@@ -431,7 +441,7 @@ def check_staging(gpu_server, log_dir: Path) -> None:
     assert sample(after, "batchgate_input_copies_total", model="staged",
                   when="queued") >= queued_before + 3
     poll(lambda: sample(scrape(gpu_server.metrics_url), "batchgate_model_pool_bytes_in_use",
-                        model="staged") == reserved, 30, "staged blocks given back")
+                        model="staged") == idle, 30, "staged blocks given back")
 
 
 # -- out of memory -----------------------------------------------------------------------------
@@ -587,23 +597,28 @@ def test_staging_from_the_pinned_arena_on_cuda(tmp_path):
         assert params["input_staging"] == "queue" and params["buckets"] == "1,2,4,8"
         check_staging(running, log_dir)
         samples = scrape(running.metrics_url)
-        assert sample(samples, "batchgate_pool_bytes_reserved", device="cuda:0") == 1 << 30
+        # The device's pool is the model's arena alone: its plan and its staging room.
+        assert sample(samples, "batchgate_pool_bytes_reserved", device="cuda:0") == \
+            int(config_parameters(running.address, "staged")["device_pool_bytes"]) == \
+            sample(samples, "batchgate_model_pool_bytes_reserved", model="staged") > 0
     finally:
         running.stop()
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device; this machine has none")
-def test_a_pool_sized_by_a_fraction_of_free_memory_on_cuda(tmp_path):
+def test_a_pool_capped_by_a_fraction_of_the_device_holds_only_the_plan_on_cuda(tmp_path):
     repository = tmp_path / "models"
     _mlp(repository, "mlp_fp16", precision="amp-fp16")
-    free, _total = torch.cuda.mem_get_info(0)
+    _free, total = torch.cuda.mem_get_info(0)
     running = start_server(repository, device_pool_fraction=0.02)
     try:
         reserved = sample(scrape(running.metrics_url), "batchgate_pool_bytes_reserved",
                           device="cuda:0")
-        assert 0.01 * free < reserved <= 0.02 * free
         params = config_parameters(running.address, "mlp_fp16")
+        # A cap, not a reservation: the pool holds the model's arena, sized from its plan.
+        assert reserved == int(params["device_pool_bytes"]) < 0.02 * total
+        assert reserved >= int(params["memory_plan_bytes"]) > 0
         assert 0 < float(params["precision_max_relative_error"]) < 2e-2
         assert int(params["activation_bytes"]) > 0
         x = np.random.default_rng(0).standard_normal((37, 512), dtype=np.float32)

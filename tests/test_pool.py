@@ -378,3 +378,69 @@ def test_unpooled_reservation_matches_the_plan():
     assert sorted(reservation.batch) == [0, 1, 2]
     assert reservation.batch[2][0].dtype == torch.bfloat16
     assert sorted(reservation.inputs) == sorted(reservation.outputs) == [2, 4]
+
+
+# --- the server's pools: one arena per model, sized from its plan (batcher/memory.py) -------
+
+
+def test_no_arena_is_reserved_before_a_model_and_each_is_its_sizes_exactly():
+    from batcher.memory import DevicePools, PoolSettings, arena_bytes
+
+    pools = DevicePools(PoolSettings())
+    assert pools.bytes_reserved("cpu") == 0 and pools.pools() == []
+    sizes = [3 * 4096, 100, 0]
+    arena = pools.reserve("cpu", "a", sizes, "a plan")
+    # Each size rounded to the alignment (0 takes one block, as the allocator does) + one skip.
+    assert arena_bytes(sizes) == 3 * 4096 + 512 + 512 + 512
+    assert arena.bytes_reserved == pools.bytes_reserved("cpu") == arena_bytes(sizes)
+    # What it was sized for fits it to the byte, in any order.
+    handles = [arena.allocate((n,), torch.uint8) for n in (100, 3 * 4096, 0)]
+    assert all(h is not None and h.in_pool for h in handles)
+    # And no more, but for the skip's block when the buffer happened to start aligned.
+    assert arena_bytes(sizes) - 512 <= arena.capacity <= arena_bytes(sizes)
+    pools.release("a", arena)
+    assert pools.bytes_reserved("cpu") == 0 and pools.pools() == []
+    with pytest.raises(ValueError, match="holds no arena"):
+        pools.release("a", arena)
+
+
+def test_the_cap_refuses_naming_the_bytes_and_a_release_makes_room():
+    from batcher.memory import DevicePools, PoolSettings, arena_bytes
+
+    cap = 64 * 1024
+    pools = DevicePools(PoolSettings(cap))
+    first = pools.reserve("cpu", "a", [40 * 1024], "a's plan")
+    needed = arena_bytes([30 * 1024])
+    with pytest.raises(ResourceExhausted) as info:
+        pools.reserve("cpu", "b", [30 * 1024], "b's plan")
+    message = str(info.value)
+    free = cap - first.bytes_reserved
+    assert f"needs {needed} bytes" in message and f"{free} bytes are free" in message
+    assert f"capped at {cap} bytes" in message and "b's plan" in message
+    assert pools.bytes_reserved("cpu") == first.bytes_reserved  # the refusal took nothing
+    pools.release("a", first)
+    second = pools.reserve("cpu", "b", [30 * 1024], "b's plan")
+    assert pools.bytes_reserved("cpu") == second.bytes_reserved == needed
+
+
+def test_a_permissive_pool_over_its_cap_serves_outside_and_counts_it():
+    from batcher.memory import DevicePools, PoolSettings
+
+    pools = DevicePools(PoolSettings(8192, strict=False))
+    arena = pools.reserve("cpu", "big", [MIB], "a plan")
+    assert arena.bytes_reserved < 8192  # not the plan: it goes outside
+    plan = model_plan([((1024,), torch.float32)], [], max_rows=64, slots=1)
+    reservation = arena.admit("big.0", plan)
+    assert reservation.fallbacks > 0 and reservation.batch[0][0].shape == (64, 1024)
+    assert arena.fallbacks == reservation.fallbacks
+
+
+def test_pool_settings_are_checked():
+    from batcher.memory import PoolSettings
+
+    for bad in (100, True, 4095.0):
+        with pytest.raises(ValueError, match="cap_bytes"):
+            PoolSettings(bad)
+    with pytest.raises(ValueError, match="fraction_of_total"):
+        PoolSettings(fraction_of_total=1.5)
+    assert PoolSettings().cap_bytes is None  # the default: no cap, nothing reserved up front

@@ -96,7 +96,7 @@ CHECKED = {
     "--tls-client-ca": "a client without a certificate is refused",
     "--admin-token-file": "the index needs the admin token",
     "--infer-token-file": "inference needs the infer token",
-    "--device-pool-bytes": "the CPU's pool reserves that many bytes",
+    "--device-pool-bytes": "the most the CPU's pool holds, whatever its models plan",
     "--device-pool-fraction": "refused on a machine without CUDA",
     "--device-pool-permissive": "what does not fit the pool is allocated outside it",
     "--frontend": "the front end processes that run",
@@ -303,10 +303,10 @@ def test_the_shared_memory_flag(running):
 
 
 def test_the_device_pool_flags(running):
-    # --device-pool-bytes: the CPU's pool; --device-pool-permissive: ``fixed``'s buffers do not
-    # fit it and went outside, counted, instead of refusing the model.
+    # --device-pool-bytes: the CPU's pool's cap; --device-pool-permissive: ``fixed``'s buffers
+    # do not fit under it and went outside, counted, instead of refusing the model.
     samples = _scrape(running)
-    assert samples[("batchgate_pool_bytes_reserved", (("device", "cpu"),))] == POOL_BYTES
+    assert 0 < samples[("batchgate_pool_bytes_reserved", (("device", "cpu"),))] <= POOL_BYTES
     assert samples[("batchgate_pool_fallbacks_total", (("device", "cpu"),))] > 0
     with running.client() as client:
         assert client.model_ready("fixed")
@@ -363,7 +363,7 @@ def test_the_log_flags_and_the_drain(running):
     (["--frontend", "python", "--frontend-threads", "2"], "--frontend-threads sizes the native"),
     (["--frontend", "native", "--frontends", "2"], "--frontends counts Python front-end"),
     (["--frontends", "0", "--arena-bytes", str(64 << 20)], "one process (--frontends 0) has none"),
-    (["--frontends", "0", "--device-pool-fraction", "0.5"], "--device-pool-fraction sizes"),
+    (["--frontends", "0", "--device-pool-fraction", "0.5"], "--device-pool-fraction caps"),
 ])
 def test_flags_the_mode_does_not_act_on_are_refused(args, message):
     if "--device-pool-fraction" in args:
@@ -390,7 +390,7 @@ def test_the_fraction_is_refused_by_the_executor_process_too(tmp_path):
                            "--device-pool-fraction", "0.5", "--log-format", "json")
     assert process.proc.wait(120) == 1
     refused = [e for e in process.events if e.get("event") == "settings_refused"]
-    assert refused and "--device-pool-fraction sizes" in refused[0]["error"]
+    assert refused and "--device-pool-fraction caps" in refused[0]["error"]
 
 
 def _listening() -> dict[int, set[str]]:
@@ -419,3 +419,14 @@ def _scrape(running: Running) -> dict:
                                   timeout=10).read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_the_device_pool_has_no_cap_by_default_and_a_cap_below_a_page_is_refused():
+    from server.settings import Settings
+
+    assert Settings().device_pool_bytes is None  # nothing reserved up front, nothing capped
+    assert Settings(device_pool_bytes=4096).device_pool_bytes == 4096
+    with pytest.raises(ValueError, match="device_pool_bytes must be >= 4096"):
+        Settings(device_pool_bytes=100)
+    with pytest.raises(ValueError, match="device_pool_fraction must lie in"):
+        Settings(device_pool_fraction=0.0)
