@@ -18,10 +18,9 @@ import pytest
 
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
-from tests.conftest import reference
+from tests.conftest import PERF_ANALYZER, perf_analyzer_unavailable, reference
 
 ROOT = Path(__file__).resolve().parent.parent
-PERF_ANALYZER = ROOT / "scripts" / "perf_analyzer"
 
 TRITONCLIENT_SCRIPT = textwrap.dedent('''
     import json, sys, queue
@@ -131,17 +130,9 @@ def test_tritonclient_speaks_to_us(server, tmp_path):
     assert out["stats_count"] >= 2
 
 
-def _perf_analyzer_runs() -> str | None:
-    """None if perf_analyzer runs here, else the reason it does not."""
-    if not PERF_ANALYZER.exists() or not (ROOT / ".tools" / "perf_analyzer" / "bin").exists():
-        return "perf_analyzer is not installed (make test runs scripts/install-perf-analyzer.sh)"
-    probe = subprocess.run([str(PERF_ANALYZER), "--version"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return f"perf_analyzer does not run here: {probe.stderr.strip()[:200]}"
-    return None
 
-
-@pytest.mark.skipif(_perf_analyzer_runs() is not None, reason=str(_perf_analyzer_runs()))
+@pytest.mark.skipif(perf_analyzer_unavailable() is not None,
+                    reason=str(perf_analyzer_unavailable()))
 def test_perf_analyzer_concurrency_8_without_errors(server, tmp_path):
     import grpc
 

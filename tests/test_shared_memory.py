@@ -24,10 +24,15 @@ import pytest
 
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
-from tests.conftest import SERVER_MODES, poll, start_in_mode
+from tests.conftest import (
+    PERF_ANALYZER,
+    SERVER_MODES,
+    perf_analyzer_unavailable,
+    poll,
+    start_in_mode,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
-PERF_ANALYZER = ROOT / "scripts" / "perf_analyzer"
 
 
 def start_with_shared_memory(mode: str, repository: Path, gate):
@@ -402,16 +407,9 @@ def test_shared_memory_is_off_unless_turned_on(server):
 
 # -- perf_analyzer --------------------------------------------------------------------------------
 
-def _perf_analyzer_runs() -> str | None:
-    if not PERF_ANALYZER.exists() or not (ROOT / ".tools" / "perf_analyzer" / "bin").exists():
-        return "perf_analyzer is not installed (make test runs scripts/install-perf-analyzer.sh)"
-    probe = subprocess.run([str(PERF_ANALYZER), "--version"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return f"perf_analyzer does not run here: {probe.stderr.strip()[:200]}"
-    return None
 
-
-@pytest.mark.skipif(_perf_analyzer_runs() is not None, reason=str(_perf_analyzer_runs()))
+@pytest.mark.skipif(perf_analyzer_unavailable() is not None,
+                    reason=str(perf_analyzer_unavailable()))
 def test_perf_analyzer_with_system_shared_memory_has_no_errors(shm_server, tmp_path):
     stub = _stub(shm_server.address)
 
