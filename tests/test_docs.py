@@ -24,10 +24,19 @@ CODE_FOLDERS = ("server", "batcher", "clients", "bench", "models")
 
 
 def tracked(pattern: str) -> list[Path]:
-    """The repository's tracked files (and new ones not ignored) matching a git pathspec."""
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard",
-                          "--", pattern], cwd=ROOT, capture_output=True, text=True, check=True)
-    return sorted({ROOT / line for line in out.stdout.splitlines() if (ROOT / line).is_file()})
+    """The repository's tracked files (and new ones not ignored) matching a git pathspec; in a
+    copy without git, the files under the root outside virtual environments and builds."""
+    try:
+        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard",
+                              "--", pattern], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        skip = {".venv", "build", ".git", ".tools", ".pytest_cache", "node_modules"}
+        folder, _, name = pattern.rpartition("/")
+        found = (ROOT / folder).rglob(name) if folder else ROOT.rglob(name)
+        return sorted(p for p in found
+                      if p.is_file() and not skip & set(p.relative_to(ROOT).parts))
+    return sorted({ROOT / line for line in out.splitlines() if (ROOT / line).is_file()})
 
 
 MARKDOWN = tracked("*.md")
