@@ -224,15 +224,12 @@ class ModelSpec:
         else two on a GPU (one's inputs copied while one computes) and one on the CPU.
 
         On the CPU nothing is asynchronous to overlap, and a second batch in flight only adds
-        an assembler thread's two hand-offs (each a wait for the GIL) between batches:
-        ``bench.serving`` on the example ``mlp``, back to back twice (2 cores, 2026-12-01), gave
-        1,529 and 1,587 requests/s at c=64 (p99 72 and 70 ms) with one against 1,127 and 1,380
-        (126 and 95 ms) with two. Under the deadline policy always one, on any device: a busy
-        instance never takes a batch there (the queue holds the next one until the running one
-        ends, so that a tight arrival can still join it), so a second slot would stand idle and
-        its assembler only add the hand-offs: through the server (bursty load, 100 and 300 ms
-        deadlines mixed), 0.8 ms median from one batch's end to the next one's decision and
-        0.3 ms more before it ran, against 0.2 and 0.1 ms on one thread."""
+        an assembler thread's two hand-offs (each a wait for the GIL) between batches, which
+        lowered throughput and raised the p99 at c=64 (docs/decisions/0001). Under the deadline
+        policy always one, on any device: a busy instance never takes a batch there (the queue
+        holds the next one until the running one ends, so that a tight arrival can still join
+        it), so a second slot would stand idle and its assembler only add the hand-offs between
+        one batch's end and the next one's decision."""
         if self.batching.policy == "deadline":
             return 1
         if self.batching.max_inflight_batches:

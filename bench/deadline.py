@@ -20,14 +20,14 @@ so does the fixed delay at its best *without* admission control when its best se
 on: count and delay with deadlines enforced only while a request is queued, as popular servers
 run it. The table gives, per policy and load: attainment (requests answered OK within their
 deadline ÷ requests sent), goodput (those per second), latency of the answered ones, and how
-the rest failed. The issue's target: at the load where the fixed delay attains 90 %, the
+the rest failed. The target: at the load where the fixed delay attains 90 %, the
 deadline policy attains ≥ 99 % with a goodput at least the fixed delay's; judged twice, against
 each baseline (``verdict`` and ``verdict_no_admission`` in the JSON).
 
     python -m bench.deadline [--model mlp] [--deadline-ms 50] [--loads 0.8,1.0,1.2] [--json F]
 
 Every figure is one ``batchgate bench`` step (its JSON is kept in the report), so attainment
-and goodput mean what bench/README.md defines: OK answers within the deadline ÷ requests sent,
+and goodput mean what docs/benchmarks.md defines: OK answers within the deadline ÷ requests sent,
 and those per second of the measured window.
 """
 

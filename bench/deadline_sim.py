@@ -8,14 +8,14 @@ does, and its warm-up timed a batch of 1 and a full one), the bursty on/off arri
 ``batchgate bench`` sends (``bench.deadline.burst_arrival``), each request with one of the
 deadlines, queued requests expiring at their deadline as the server's timers do. So the policies' decisions are compared on identical traces, and a change to the
 policy shows up here first. It is a model of the server, not a measurement of it: no figure
-from here goes into the README's performance section.
+from here is quoted as a measurement (docs/benchmarks.md).
 
     python -m bench.deadline_sim [--loads 0.3,0.45,0.6,0.9] [--deadline-ms 150[,300]]
                                  [--seeds 1,2,3] [--json F]
 
 At each load it runs the fixed delay at its best (each of ``--delays-us``, admission control off
 and on), at its best without admission control, and the deadline policy; then, from their mean
-attainment over the seeds, it reads the issue's target: where each baseline falls through
+attainment over the seeds, it reads the target: where each baseline falls through
 90 % (linearly between the two loads around it), what the deadline policy attains there.
 
 Like ``bench.inprocess`` it imports the batcher (and so torch); the rest of ``bench/`` does not.

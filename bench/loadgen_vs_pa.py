@@ -1,6 +1,6 @@
 """How hard ``batchgate bench`` drives a server, against Triton's ``perf_analyzer``, in one run.
 
-The issue's bar: one ``batchgate bench`` process drives at least 70 % of the rate
+The bar: one ``batchgate bench`` process drives at least 70 % of the rate
 ``perf_analyzer`` drives against the same server at concurrency 64. Both are closed loops of 64
 requests in flight, against one server (started here, serving only the model), in rounds that
 alternate which of the two goes first, so the drift of a shared machine touches both alike.

@@ -11,7 +11,7 @@ One run, one machine, with ``batchgate bench`` as the load (a subprocess, ``--js
 4. the same overload against the same model with ``admission: false`` (a second server, started
    after the first has stopped), so the run shows what admission control buys.
 
-The figure: goodput at overload ÷ capacity (the issue's bar: ≥ 0.9 at 5×), and the errors by
+The figure: goodput at overload ÷ capacity (the bar: ≥ 0.9 at 5×), and the errors by
 status code: what the server refused at once (RESOURCE_EXHAUSTED) rather than let expire.
 Capacity counts the answers within the measured window (``bench.serving.closed_loop_capacity``),
 the overload rates the answers to the requests sent in it; both per second of the window.

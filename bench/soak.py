@@ -50,7 +50,7 @@ from bench.inprocess import load as load_inprocess
 from bench.serving import ROOT, ServerProcess
 from clients import AsyncClient, BatchgateError, RetryPolicy
 
-MAX_SECONDS = 600.0  # the issue bounds the soak to 10 minutes
+MAX_SECONDS = 600.0  # a soak runs 10 minutes at most
 RSS_GROWTH_LIMIT = 0.05
 CALL_TIMEOUT_S = 30.0  # far above any latency here: reaching it means a request was lost
 MODELS = ("mlp", "cnn", "encoder")

@@ -141,7 +141,7 @@ class Settings:
         False, action="store_true", roles=SERVING,
         help="serve Triton's system and CUDA shared-memory extensions: local clients register "
              "regions (files in /dev/shm, CUDA IPC handles) and pass tensors through them; for "
-             "trusted local clients only (README, Shared memory)")
+             "trusted local clients only (docs/operations.md, Shared memory)")
 
     # -- the models ----------------------------------------------------------------------------
     model_repository: Path = setting(

@@ -1,8 +1,8 @@
 """The overload benchmark (``python -m bench.overload``) runs, and tells the two servers apart.
 
-Its figures are for the README; here a short run shows that the harness measures a capacity,
-overloads it, and that admission control is what refuses requests at once: with it the server
-answers RESOURCE_EXHAUSTED, without it (``admission: false``) it never does.
+Its figures are for docs/benchmarks.md; here a short run shows that the harness measures a
+capacity, overloads it, and that admission control is what refuses requests at once: with it the
+server answers RESOURCE_EXHAUSTED, without it (``admission: false``) it never does.
 """
 
 from __future__ import annotations

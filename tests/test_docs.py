@@ -1,33 +1,166 @@
-"""The README documents every setting: each CLI flag and each config parameter key."""
+"""The docs hold together: the reference tables equal their definitions, every link resolves.
+
+The flag and parameter tables of docs/configuration.md are generated (``python -m
+server.reference --write``); a flag or key added without regenerating them fails here. Every
+relative link of the Markdown files points at a file (and heading) that exists, every ``.md``
+path the code names exists, and no docstring carries a dated measurement.
+"""
 
 from __future__ import annotations
 
-import argparse
+import re
+import subprocess
 from pathlib import Path
 
-from server import cli
+import pytest
+
+from server import reference
 from server.model_config import PARAMETERS, TRITON_PARAMETERS
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+CONFIGURATION = (ROOT / "docs" / "configuration.md").read_text()
+CODE_FOLDERS = ("server", "batcher", "clients", "bench", "models")
 
 
-def serve_flags() -> list[str]:
-    parser = argparse.ArgumentParser()
-    cli.add_serve_arguments(parser)
-    return [opt for action in parser._actions for opt in action.option_strings
-            if opt.startswith("--") and opt != "--help"]
+def tracked(pattern: str) -> list[Path]:
+    """The repository's tracked files (and new ones not ignored) matching a git pathspec; in a
+    copy without git, the files under the root outside virtual environments and builds."""
+    try:
+        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard",
+                              "--", pattern], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        skip = {".venv", "build", ".git", ".tools", ".pytest_cache", "node_modules"}
+        folder, _, name = pattern.rpartition("/")
+        found = (ROOT / folder).rglob(name) if folder else ROOT.rglob(name)
+        return sorted(p for p in found
+                      if p.is_file() and not skip & set(p.relative_to(ROOT).parts))
+    return sorted({ROOT / line for line in out.splitlines() if (ROOT / line).is_file()})
 
 
-def test_every_flag_is_documented():
-    missing = [flag for flag in serve_flags() if f"`{flag}`" not in README]
-    assert not missing, f"README lacks flags {missing}"
+MARKDOWN = tracked("*.md")
 
 
-def test_every_parameter_key_is_documented():
-    missing = [key for key in [*PARAMETERS, *TRITON_PARAMETERS] if f"`{key}`" not in README]
-    assert not missing, f"README lacks parameter keys {missing}"
+@pytest.mark.parametrize("table", reference.TABLES)
+def test_the_reference_tables_are_generated_from_their_definitions(table):
+    documented = reference.documented(CONFIGURATION, table)
+    assert documented is not None, f"docs/configuration.md lacks the {table} table's markers"
+    assert documented == reference.generated(table), (
+        f"docs/configuration.md's {table} table differs from its definition: run "
+        "python -m server.reference --write")
+
+
+def test_the_tables_name_every_flag_and_key():
+    flags = reference.documented(CONFIGURATION, "flags")
+    parameters = reference.documented(CONFIGURATION, "parameters")
+    for flag in ("--grpc-port", "--frontend", "--admin-token-file", "--no-reflection",
+                 "--device-pool-permissive"):
+        assert f"| `{flag}` |" in flags
+    missing = [key for key in [*PARAMETERS, *TRITON_PARAMETERS]
+               if f"| `{key}` |" not in parameters]
+    assert not missing, f"the parameters table lacks {missing}"
+
+
+def test_rewrite_replaces_a_stale_table_and_keeps_the_rest():
+    begin, end = reference.markers("flags")
+    text = CONFIGURATION.replace(reference.documented(CONFIGURATION, "flags"), "| stale |")
+    assert reference.documented(text, "flags") == "| stale |"
+
+    rewritten = reference.rewrite(text)
+    assert rewritten == CONFIGURATION
+    assert reference.rewrite(rewritten) == rewritten
+    with pytest.raises(ValueError, match="lacks the markers of the flags table"):
+        reference.rewrite(text.replace(begin, ""))
 
 
 def test_readme_gives_the_two_commands():
     assert "make serve" in README and "make test" in README
-    assert "make test" in (Path(__file__).resolve().parent.parent / ".ci" / "run").read_text()
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_is_for_users_and_short():
+    assert len(README.splitlines()) <= 300
+    for section in ("## The two commands", "## Calling it", "## Headline figures",
+                    "## Documentation"):
+        assert section in README
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, links and code marks dropped, punctuation
+    but ``-`` and ``_`` removed, spaces turned into hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip()).lower()
+    text = re.sub(r"[^\w\- ]", "", text.replace("`", ""))
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    found: set[str] = set()
+    counts: dict[str, int] = {}
+    in_code = False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        if in_code or not re.match(r"#{1,6} ", line):
+            continue
+        base = slug(line.lstrip("#"))
+        n = counts.get(base, 0)
+        counts[base] = n + 1
+        found.add(base if n == 0 else f"{base}-{n}")
+    return found
+
+
+def links(path: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    return re.findall(r"\]\(([^)\s]+)\)", text)
+
+
+def test_slug_follows_github():
+    assert slug("`python -m bench.deadline_sim`: the same comparison on a simulated clock") == \
+        "python--m-benchdeadline_sim-the-same-comparison-on-a-simulated-clock"
+    assert slug("## `parameters` keys".lstrip("#")) == "parameters-keys"
+    assert slug("Goodput at 5 × capacity") == "goodput-at-5--capacity"
+
+
+def test_every_relative_link_resolves():
+    assert ROOT / "README.md" in MARKDOWN and len([p for p in MARKDOWN if "docs" in p.parts]) > 5
+    broken = []
+    for path in MARKDOWN:
+        for target in links(path):
+            if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+                continue
+            file_part, _, anchor = target.partition("#")
+            resolved = (path.parent / file_part).resolve() if file_part else path
+            where = f"{path.relative_to(ROOT)}: {target}"
+            if not resolved.exists():
+                broken.append(f"{where} (no such file)")
+            elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+                broken.append(f"{where} (no such heading)")
+    assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_docs_name_only_documents_in_the_repository():
+    """Every ``something.md`` the code or the docs name is a file of the repository."""
+    sources = MARKDOWN + [p for folder in CODE_FOLDERS for p in tracked(f"{folder}/*.py")]
+    missing = []
+    for path in sources:
+        for name in re.findall(r"[\w./-]*[A-Za-z_-]\.md\b", path.read_text()):
+            name = name.lstrip("./") if name.startswith("./") else name
+            if not any((base / name).exists() for base in (ROOT, path.parent)):
+                missing.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not missing, "documents that are not in the repository:\n" + "\n".join(missing)
+
+
+def test_no_docstring_or_comment_carries_a_date():
+    """Dated measurements belong in docs/benchmarks.md, whose tables say their date; code says
+    why, not when."""
+    dated = []
+    for folder in CODE_FOLDERS:
+        for path in tracked(f"{folder}/*.py"):
+            if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if re.search(r"\b20\d\d-\d\d-\d\d\b", line):
+                    dated.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not dated, "dated lines:\n" + "\n".join(dated)

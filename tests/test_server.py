@@ -1,7 +1,7 @@
 """The gRPC server end to end, over real gRPC on loopback, with our own generated stubs.
 
-Every status code of the README's status-code table is produced by a request that sends the bad
-thing; a bad request sent beside good ones leaves the good ones answered correctly.
+Every status code of docs/operations.md's status-code table is produced by a request that sends
+the bad thing; a bad request sent beside good ones leaves the good ones answered correctly.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The soak harness (``python -m bench.soak``): a short run passes, and its checks can fail.
 
-The 10-minute figures are for the README; here a few seconds prove that the harness drives all
-three kinds of traffic, that the server's count of answers matches the client's, and that the
+The 10-minute figures are for docs/benchmarks.md; here a few seconds prove that the harness drives
+all three kinds of traffic, that the server's count of answers matches the client's, and that the
 comparison catches a lost or extra answer.
 """
 

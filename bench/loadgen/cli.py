@@ -144,7 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     out = parser.add_argument_group("output")
     out.add_argument("--json", type=Path, metavar="FILE",
-                     help="write every figure as JSON (layout: bench/README.md)")
+                     help="write every figure as JSON (layout: docs/benchmarks.md)")
     out.add_argument("--plot", type=Path, metavar="DIR",
                      help="write latency_cdf.png and load_curve.png here (needs matplotlib: "
                           "the 'plots' extra)")

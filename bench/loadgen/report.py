@@ -3,8 +3,8 @@
 ``LAYOUT`` is the layout of ``schema_version`` 2 (2 added ``burst_off_rate_per_s``, the
 deadline mix ``deadlines`` and ``by_deadline``): every key the JSON has, nested as it is
 (a key ending in ``[]`` is a list of such objects; ``{"*": ...}`` a mapping whose keys are
-data, such as model names). bench/README.md documents each key, and a test holds the output, the layout
-and the README together. Add keys only with a new ``schema_version``.
+data, such as model names). docs/benchmarks.md documents each key, and a test holds the
+output, the layout and the doc together. Add keys only with a new ``schema_version``.
 """
 
 from __future__ import annotations

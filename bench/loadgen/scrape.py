@@ -76,7 +76,7 @@ class GaugeSampler:
 
 def server_side(before: Samples, after: Samples, readings: Sequence[Samples],
                 models: Iterable[str]) -> dict:
-    """The ``server_metrics`` entry of a step (layout in bench/README.md)."""
+    """The ``server_metrics`` entry of a step (layout in docs/benchmarks.md)."""
     models = set(models)
 
     def delta(name: str, **match: str) -> float:

@@ -1,6 +1,6 @@
 """From records to figures: counts by status, percentiles, throughput, goodput, SLO attainment.
 
-Definitions (bench/README.md repeats them):
+Definitions (docs/benchmarks.md repeats them):
 
 - a request belongs to a step's measurement when it was due (open loop: intended; closed loop:
   sent) inside a measured segment; every such request ends in exactly one status, so
