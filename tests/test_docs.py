@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from server import cli
-from server.model_config import PARAMETERS, TRITON_PARAMETERS
+from server.model_parameters import PARAMETERS, TRITON_PARAMETERS
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 
