@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from batcher.batch import Batch, BatchAccounting
 from batcher.metrics import ModelMetrics
 from batcher.profile import LatencyProfile
-from batcher.queue import scheduling_deadline
+from batcher.queue_policies import scheduling_deadline
 from batcher.request import InferenceRequest
 from batcher.stats import ModelStats
 

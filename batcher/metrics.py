@@ -84,8 +84,8 @@ class BatcherMetrics:
         self._deadline_metrics(r)
 
     def _deadline_metrics(self, r: CollectorRegistry) -> None:
-        # Deadlines and SLOs (batcher/queue.py's deadline policy, batcher/admission.py) and the
-        # devices' weighted turns (batcher/device_share.py).
+        # Deadlines and SLOs (batcher/queue_policies.py's deadline policy,
+        # batcher/admission.py) and the devices' weighted turns (batcher/device_share.py).
         self.slo_requests = Counter(
             "batchgate_slo_requests",
             "Requests with a deadline or SLO, by whether they were answered OK in time.",

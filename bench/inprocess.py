@@ -33,7 +33,8 @@ from batcher import precision as precisions
 from batcher.loading import cuda_available, latest_version, load_module
 from batcher.spec import NUMPY_DTYPES, ModelSpec
 from server.logs import configure_logging
-from server.model_config import model_spec_from_config, read_model_config
+from server.model_config import read_model_config
+from server.model_spec import model_spec_from_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_REPOSITORY = ROOT / "models"

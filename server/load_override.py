@@ -23,7 +23,8 @@ from pathlib import Path, PurePosixPath
 
 from batcher.errors import InvalidRequest, LoadError, ResourceExhausted, quoted
 from protos import model_config_pb2
-from server.model_config import CONFIG_FILENAME, WARMUP_FOLDER
+from server.model_config import CONFIG_FILENAME
+from server.warmup import WARMUP_FOLDER
 
 # The longest file name Linux file systems take, in bytes.
 MAX_NAME_BYTES = 255

@@ -1,7 +1,7 @@
 """The reference tables of ``docs/configuration.md``, generated from their one definition.
 
 The server's flags are declared once, in ``server.settings.Settings`` (plus the token files
-``server.cli`` adds); a model's ``parameters`` keys once, in ``server.model_config``. The tables
+``server.cli`` adds); a model's ``parameters`` keys once, in ``server.model_parameters``. The tables
 in the manual are this module's output between two marker comments, and ``tests/test_docs.py``
 fails when they differ, so a flag or key added without its documentation is caught::
 
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from server import cli
-from server.model_config import PARAMETERS, TRITON_PARAMETERS
+from server.model_parameters import PARAMETERS, TRITON_PARAMETERS
 from server.settings import DEFAULT_REPOSITORY, Settings
 
 DOC = Path(__file__).resolve().parent.parent / "docs/configuration.md"
@@ -59,10 +59,12 @@ def flags_table() -> str:
 
 def parameters_table() -> str:
     """A model's ``parameters`` keys batchgate acts on: its own, then Triton's it honours."""
-    rows = ["| key | what it sets |", "|---|---|"]
-    rows += [f"| `{key}` | {_cell(text)} |" for key, text in PARAMETERS.items()]
-    rows += [f"| `{key}` | Triton PyTorch backend key: {_cell(text)} |"
-             for key, text in TRITON_PARAMETERS.items()]
+    rows = ["| key | values | default | what it sets |", "|---|---|---|---|"]
+    for origin, table in (("", PARAMETERS), ("Triton PyTorch backend key: ", TRITON_PARAMETERS)):
+        for key, parameter in table.items():
+            default = f"`{parameter.default}`" if parameter.default is not None else "see text"
+            rows.append(f"| `{key}` | {_cell(parameter.type)} | {_cell(default)} | "
+                        f"{origin}{_cell(parameter.description)} |")
     return "\n".join(rows)
 
 

@@ -56,7 +56,8 @@ from batcher.memory import DevicePools
 from batcher.model import ServedModel
 from batcher.spec import ModelSpec
 from protos import model_config_pb2
-from server import model_config
+from server import model_config, model_spec
+from server.warmup import warmup_inputs
 from server.load_override import MAX_NAME_BYTES, LoadOverride, as_sent, write_files
 
 log = structlog.get_logger(__name__)
@@ -391,7 +392,7 @@ class ModelRepository:
         filename = config.default_model_filename or None
         version_dir = loading.latest_version(model_dir, filename)
         try:
-            spec = model_config.model_spec_from_config(
+            spec = model_spec.model_spec_from_config(
                 config, version_dir.name, cuda_available=self._cuda
             )
         except LoadError as exc:
@@ -399,7 +400,7 @@ class ModelRepository:
                 raise
             raise LoadError(f"{exc} (the load's config parameter stands for the whole "
                             f"{model_config.CONFIG_FILENAME})") from None
-        warmup = model_config.warmup_inputs(config, spec, model_dir)
+        warmup = warmup_inputs(config, spec, model_dir)
         parameters = {key: value.string_value for key, value in config.parameters.items()}
         # On a GPU the model's weights come from its own allocator pool (batcher/gpu.py).
         memory = gpu.ModelMemory(spec.device, name)
@@ -423,7 +424,7 @@ class ModelRepository:
             served.stop(0.0)
             raise
         log.info("model_load_report", model=name, **served.load_report)
-        return _Loaded(served, model_config.effective_config(config, served.spec,
+        return _Loaded(served, model_spec.effective_config(config, served.spec,
                                                              served.load_report), files)
 
     @staticmethod

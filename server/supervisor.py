@@ -7,7 +7,8 @@ descriptor), reserves the gRPC port so that every front end binds the same one w
 SO_REUSEPORT, starts the executor and waits for its ``executor_ready`` line, then the front ends
 and their ``frontend_ready`` lines, and serves one ``/metrics`` for all of them
 (``server/multiproc_metrics.py``). Children log JSON lines on stderr; a thread per child forwards
-each line to the supervisor's stderr as it comes, so the server's log stays one stream.
+each line to the supervisor's stderr as it comes, so the server's log stays one stream
+(``server/child_logs.py``).
 
 Each child gets what it needs as one JSON object on its standard input (``handover``): its
 place (role, arena slot, sockets, the reserved port) and the settings it acts on, resolved
@@ -24,15 +25,14 @@ the executor; whatever outlives its time is killed.
 Children run in their own session, so a terminal's Ctrl-C reaches only the supervisor, which
 then stops them in order. Each has PR_SET_PDEATHSIG=SIGKILL, so a supervisor that is killed takes
 its children along. The kernel sends that signal when the *thread* that forked the child exits,
-which is why one supervisor thread spawns every child and outlives them all.
+which is why one supervisor thread spawns every child and outlives them all
+(``server/posix.py`` holds those POSIX pieces).
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
-import logging
 import os
 import queue
 import secrets
@@ -51,8 +51,10 @@ import structlog
 from batcher.arena import ArenaLayout, SharedArena
 from batcher.metrics import SECONDS_BUCKETS
 from server import __version__, native, server_extensions
+from server.child_logs import ChildLogs
 from server.drain import GOAWAY_PROPAGATION_S, LAST_ANSWERS_S
 from server.multiproc_metrics import MultiProcessMetrics
+from server.posix import describe_exit, die_with_parent, exit_fields, hand_over, reserve_port
 from server.settings import EXECUTOR, FRONTEND, TOKEN_ENV
 
 if TYPE_CHECKING:
@@ -70,9 +72,6 @@ EXECUTOR_MIN_GRACE_S = 5.0
 # A front end's drain ends with gRPC's shutdown, after the timeout for requests in flight: the
 # GOAWAY's way to the clients, then the last answers (server/drain.py; the native one alike).
 FRONTEND_SHUTDOWN_S = GOAWAY_PROPAGATION_S + LAST_ANSWERS_S
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-_PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 class SupervisorError(RuntimeError):
@@ -177,8 +176,7 @@ class Supervisor:
         if ready_timeout_s <= 0:
             raise ValueError(f"ready_timeout_s must be > 0, got {ready_timeout_s}")
         log_level = settings.log_level
-        if str(log_level).upper() not in LOG_LEVELS:
-            raise ValueError(f"unknown log level, got {log_level!r}")
+        self._logs = ChildLogs(log_level, settings.log_format, log_stream)
         self.settings = settings
         self.frontend = frontend
         self.frontends = frontends
@@ -200,13 +198,6 @@ class Supervisor:
         self.serving = False
         self.exit_code: int | None = None
 
-        self._log_stream = log_stream
-        self._console_renderer = None
-        # Children log at info at least, since their ready lines are info lines; the
-        # supervisor drops what is below the level asked for.
-        self._forward_level = _level_number(log_level)
-        self._child_log_level = log_level if self._forward_level <= logging.INFO else "info"
-        self._write_lock = threading.Lock()
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._children: list[_Child] = []
         self._restarts = {"executor": 0, "frontend": 0}
@@ -232,10 +223,7 @@ class Supervisor:
         """
         if self._thread is not None:
             raise RuntimeError("the supervisor was already started")
-        if self._log_stream is None:
-            self._log_stream = sys.stderr.buffer
-        if _resolve_format(self.log_format, self._log_stream) == "console":
-            self._console_renderer = structlog.dev.ConsoleRenderer(colors=_isatty(self._log_stream))
+        self._logs.open()
         s = self.settings
         try:
             self._arena = SharedArena.create(self.arena_bytes)
@@ -418,14 +406,14 @@ class Supervisor:
             child.proc = None
             child.ready = False
             child.ready_deadline = None
-            how = _exit_fields(returncode)
+            how = exit_fields(returncode)
             if self._phase == "draining":
                 log.info("child_stopped", **child.fields(proc), **how)
                 return
             log.error("child_exited", **child.fields(proc), **how)
             if self._phase == "starting":
                 raise _StartupFailed(
-                    f"the {child.name} process exited ({_describe(how)}) before it was ready; "
+                    f"the {child.name} process exited ({describe_exit(how)}) before it was ready; "
                     "its log is above"
                 )
             self._crashed(child)
@@ -525,7 +513,7 @@ class Supervisor:
         values = self.settings.handover(role)
         # Children always log JSON at info at least: the supervisor reads their lines, drops
         # what is below the level asked for, and renders them for a terminal itself.
-        values["log_level"] = self._child_log_level
+        values["log_level"] = self._logs.child_log_level
         return values
 
     def _arena_fields(self) -> dict:
@@ -542,9 +530,9 @@ class Supervisor:
                 pass_fds=(self._arena.fd,), start_new_session=True,
                 # Between fork and exec this runs only prctl and getppid: no lock that another
                 # thread could have held at fork time.
-                preexec_fn=_die_with_parent(os.getpid()),  # noqa: PLW1509
+                preexec_fn=die_with_parent(os.getpid()),  # noqa: PLW1509
             )
-            _hand_over(proc, child.handover)
+            hand_over(proc, child.handover)
         except OSError as exc:
             log.error("child_start_failed", role=child.role, slot=child.slot, error=str(exc))
             if self._phase == "starting":
@@ -565,121 +553,14 @@ class Supervisor:
                          name=f"batchgate-wait-{proc.pid}").start()
 
     def _read(self, child: _Child, proc: subprocess.Popen) -> None:
-        ready_event = f"{child.role}_ready"
-        parse_all = self._console_renderer is not None or self._forward_level > logging.INFO
-        try:
-            for line in proc.stderr:
-                event = _parse(line) if parse_all or b"_ready" in line else None
-                if event is None or _level_number(event.get("level")) >= self._forward_level:
-                    self._forward(line, event)
-                if event is not None and event.get("event") == ready_event:
-                    self._events.put(("ready", child, proc, event))
-        finally:
-            proc.stderr.close()
+        self._logs.read(proc.stderr, f"{child.role}_ready",
+                        lambda event: self._events.put(("ready", child, proc, event)))
 
     def _reap(self, child: _Child, proc: subprocess.Popen, reader: threading.Thread) -> None:
         returncode = proc.wait()
         reader.join(LAST_LINES_S)
         self._events.put(("exit", child, proc, returncode))
 
-    def _forward(self, line: bytes, event: dict | None) -> None:
-        if not line.endswith(b"\n"):
-            line += b"\n"
-        if self._console_renderer is not None and event is not None:
-            line = (self._console_renderer(None, "", dict(event)) + "\n").encode()
-        with self._write_lock:
-            try:
-                self._log_stream.write(line)
-                self._log_stream.flush()
-            except (OSError, ValueError):
-                pass  # our stderr is gone; keep reading so the child never blocks on the pipe
-
 
 def _json(value: dict) -> bytes:
     return json.dumps(value).encode()
-
-
-def _hand_over(proc: subprocess.Popen, handover: bytes) -> None:
-    """Write the child's handover to its standard input and close it. A few KiB: the pipe's
-    buffer takes it whole, whatever the child is doing. A child that exited at once (it could
-    not start) breaks the pipe: its exit is reported as any other."""
-    try:
-        proc.stdin.write(handover)
-    except BrokenPipeError:
-        pass
-    finally:
-        try:
-            proc.stdin.close()
-        except BrokenPipeError:
-            pass
-
-
-def reserve_port(host: str, port: int) -> socket.socket:
-    """A bound, never-listening SO_REUSEPORT socket on ``(host, port)``: it holds the port.
-
-    Front ends bind the same port with SO_REUSEPORT and listen; a socket that does not listen
-    is not in the kernel's group that connections are spread over, so it never gets one.
-    """
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind(address)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
-    def preexec() -> None:  # in the child, between fork and exec
-        if _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            os._exit(70)
-        if os.getppid() != parent_pid:  # the supervisor died before prctl took effect
-            os._exit(70)
-    return preexec
-
-
-def _parse(line: bytes) -> dict | None:
-    if not line.startswith(b"{"):
-        return None
-    try:
-        event = json.loads(line)
-    except ValueError:
-        return None
-    return event if isinstance(event, dict) else None
-
-
-def _exit_fields(returncode: int) -> dict:
-    if returncode >= 0:
-        return {"exit_code": returncode}
-    try:
-        return {"signal": signal.Signals(-returncode).name}
-    except ValueError:
-        return {"signal": f"SIG{-returncode}"}
-
-
-def _describe(how: dict) -> str:
-    return f"exit code {how['exit_code']}" if "exit_code" in how else f"killed by {how['signal']}"
-
-
-def _level_number(level) -> int:
-    """``logging``'s number for a level name; lines without a known level are always shown."""
-    if not isinstance(level, str):
-        return logging.CRITICAL + 1
-    number = logging.getLevelName(level.upper())
-    return number if isinstance(number, int) else logging.CRITICAL + 1
-
-
-def _isatty(stream) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False
-
-
-def _resolve_format(fmt: str, stream) -> str:
-    if fmt == "auto":
-        return "console" if _isatty(stream) else "json"
-    return fmt

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from batcher.admission import Admission, RecentArrivals
+from batcher.deadline_search import DeadlineSearch
 from batcher.device_share import DeviceShare, DeviceTurns
 from batcher.errors import (
     AdmissionRefused,
@@ -348,7 +349,7 @@ def test_a_tight_head_is_served_when_the_loose_requests_behind_it_can_wait():
        padded=st.booleans(), limit=st.sampled_from([4, 8, 16]))
 def test_the_bisecting_choice_matches_composing_every_batch(deadlines, per_sample, jitter,
                                                             padded, limit):
-    """In deadline order (one priority level), ``_best_batch`` bisects; it must choose as
+    """In deadline order (one priority level), ``best_batch`` bisects; it must choose as
     composing and weighing every batch does."""
     clock = FakeClock()
     profile = LatencyProfile(16, padded=padded, alpha=0.5)
@@ -358,7 +359,8 @@ def test_the_bisecting_choice_matches_composing_every_batch(deadlines, per_sampl
     q = deadline_queue(clock, profile, max_batch_size=16)
     candidates = [(clock.now + d, put(q, clock, float(i), deadline=d))
                   for i, d in enumerate(sorted(deadlines))]
-    assert q._best_batch(candidates, limit, clock.now) == q._best_batch_composed(
+    search = DeadlineSearch(profile)
+    assert search.best_batch(candidates, limit, clock.now) == search.best_batch_composed(
         candidates, limit, clock.now)
 
 

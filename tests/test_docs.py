@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from server import reference
-from server.model_config import PARAMETERS, TRITON_PARAMETERS
+from server.model_parameters import PARAMETERS, TRITON_PARAMETERS
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()

@@ -15,14 +15,13 @@ from batcher.spec import NUMPY_DTYPES, QueuePolicy
 from protos import model_config_pb2
 from server.model_config import (
     config_from_json,
-    PARAMETERS,
     datatype_from_proto,
     datatype_to_proto,
-    effective_config,
-    model_spec_from_config,
     read_model_config,
-    warmup_inputs,
 )
+from server.model_parameters import PARAMETERS, TRITON_PARAMETERS
+from server.model_spec import effective_config, model_spec_from_config
+from server.warmup import warmup_inputs
 from server.repository import ModelRepository
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "models"
@@ -302,7 +301,11 @@ def test_documented_parameters_take_effect(tmp_path):
                                "execution_timeout_ms", "buckets", "cuda_graphs",
                                "input_staging", "batch_policy", "slo_ms", "admission",
                                "device_share_weight", "response_margin_ms"}
-    assert all(description.strip() for description in PARAMETERS.values())
+    for table in (PARAMETERS, TRITON_PARAMETERS):
+        for key, parameter in table.items():
+            assert parameter.key == key
+            assert parameter.type.strip() and parameter.description.strip()
+            assert "\n" not in parameter.description
     default = spec_of(tmp_path, BASE)
     spec = spec_of(
         tmp_path,
