@@ -38,7 +38,6 @@ import contextlib
 import dataclasses
 import json
 import re
-import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -59,6 +58,15 @@ from bench.serving import (
     window_goodput,
 )
 from tests.support.harness import RunningServer
+from tests.support.repository import (
+    copy_model,
+    model_config,
+    read_config,
+    tensor,
+    with_parameters,
+    write_config,
+    write_model,
+)
 TARGET_FIXED_ATTAINMENT = 0.90
 TARGET_DEADLINE_ATTAINMENT = 0.99
 # The verdict's load must give the fixed delay 87-90 % attainment: at or just past its 90 %
@@ -67,17 +75,11 @@ JUDGED_WITHIN = 0.03
 
 # --synthetic: a model whose batch of n takes FIXED + PER_SAMPLE * n ms (sleeping, like a
 # GPU's kernel time: the GIL is free), so that batching, not the front end, sets capacity.
-SYNTHETIC_CONFIG = """
-name: "synthetic"
-backend: "pytorch"
-max_batch_size: 32
-input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 16 ] } ]
-output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 16 ] } ]
-dynamic_batching { max_queue_delay_microseconds: 0 }
-instance_group [ { count: 1 kind: KIND_CPU } ]
-parameters { key: "fixed_ms" value: { string_value: "FIXED" } }
-parameters { key: "per_sample_ms" value: { string_value: "PER_SAMPLE" } }
-"""
+SYNTHETIC_CONFIG = model_config(
+    "synthetic", max_batch_size=32, input=[tensor("INPUT__0", "FP32", [16])],
+    output=[tensor("OUTPUT__0", "FP32", [16])],
+    dynamic_batching={"max_queue_delay_microseconds": 0},
+    instance_group=[{"count": 1, "kind": "KIND_CPU"}])
 SYNTHETIC_MODEL = """
 import time
 
@@ -102,11 +104,8 @@ def build_model(parameters):
 @contextlib.contextmanager
 def synthetic_repository(fixed_ms: float, per_sample_ms: float) -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="bench-synthetic-") as scratch:
-        folder = Path(scratch) / "synthetic"
-        (folder / "1").mkdir(parents=True)
-        (folder / "config.pbtxt").write_text(
-            SYNTHETIC_CONFIG.replace("PER_SAMPLE", str(per_sample_ms)).replace("FIXED", str(fixed_ms)))
-        (folder / "1" / "model.py").write_text(SYNTHETIC_MODEL)
+        write_model(Path(scratch), with_parameters(
+            SYNTHETIC_CONFIG, fixed_ms=fixed_ms, per_sample_ms=per_sample_ms), SYNTHETIC_MODEL)
         yield Path(scratch)
 
 
@@ -150,17 +149,12 @@ def policy_repository(repository: Path, model: str, policy: Policy) -> Iterator[
     """A repository holding only ``model``, its config set to ``policy``."""
     source = repository / model
     with tempfile.TemporaryDirectory(prefix="bench-deadline-") as scratch:
-        target = Path(scratch) / model
-        shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
-        config = (target / "config.pbtxt").read_text()
-        config, found = re.subn(r"max_queue_delay_microseconds:\s*\d+",
-                                f"max_queue_delay_microseconds: {policy.delay_us}", config)
-        if not found:
-            raise BenchError(f"{source}/config.pbtxt: no max_queue_delay_microseconds to set")
-        config += "".join(
-            f'\nparameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
-            for key, value in policy.parameters.items())
-        (target / "config.pbtxt").write_text(config)
+        config = read_config(source)
+        if not config.HasField("dynamic_batching"):
+            raise BenchError(f"{source}/config.pbtxt: no dynamic_batching to set the delay of")
+        config.dynamic_batching.max_queue_delay_microseconds = policy.delay_us
+        target = copy_model(source, Path(scratch))
+        write_config(target, with_parameters(config, **policy.parameters))
         yield Path(scratch)
 
 

@@ -37,7 +37,6 @@ import os
 import platform
 import re
 import resource
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -59,6 +58,7 @@ from bench._perf_analyzer import (
 from protos import inference_pb2, inference_pb2_grpc
 from server import native
 from tests.support.harness import MODES, RunningServer, ServerError, start_process
+from tests.support.repository import copy_model
 
 __all__ = ["PerfRow", "main", "parse_metrics", "parse_perf_analyzer_csv"]
 
@@ -274,10 +274,7 @@ def single_model_repository(repository: Path, model: str,
     with tempfile.TemporaryDirectory(prefix="bench-repository-") as scratch:
         target = Path(scratch) / model
         if parameters:
-            shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
-            with (target / "config.pbtxt").open("a", encoding="utf-8") as config:
-                for key, value in parameters.items():
-                    config.write(f'\nparameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n')
+            copy_model(source, Path(scratch), model, parameters)
         else:
             target.symlink_to(source, target_is_directory=True)
         yield Path(scratch)

@@ -17,7 +17,6 @@ import argparse
 import json
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -25,18 +24,14 @@ from typing import Any
 from bench._perf_analyzer import DEFAULT_PERF_ANALYZER
 from bench.serving import MODES, Step, _choices, load_step, machine, start_server
 from server import native
+from tests.support.repository import model_config, tensor, write_model
 
 MODEL = "image"
-CONFIG = """
-name: "image"
-backend: "pytorch"
-max_batch_size: 8
-input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 3, 224, 224 ] } ]
-output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 10 ] } ]
-dynamic_batching { max_queue_delay_microseconds: 0 }
-instance_group [ { kind: KIND_CPU count: 1 } ]
-parameters { key: "INTRA_OP_THREAD_COUNT" value: { string_value: "1" } }
-"""
+CONFIG = model_config(
+    MODEL, max_batch_size=8, input=[tensor("INPUT__0", "FP32", [3, 224, 224])],
+    output=[tensor("OUTPUT__0", "FP32", [10])],
+    dynamic_batching={"max_queue_delay_microseconds": 0},
+    instance_group=[{"kind": "KIND_CPU", "count": 1}], parameters={"INTRA_OP_THREAD_COUNT": "1"})
 MODULE = """
 import torch
 
@@ -62,9 +57,7 @@ TRANSPORTS = {"grpc": (), "system shared memory": (
 
 
 def write_repository(root: Path) -> Path:
-    (root / MODEL / "1").mkdir(parents=True)
-    (root / MODEL / "config.pbtxt").write_text(textwrap.dedent(CONFIG))
-    (root / MODEL / "1" / "model.py").write_text(MODULE)
+    write_model(root, CONFIG, MODULE)
     return root
 
 

@@ -19,8 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos import inference_pb2_grpc
 from tests.support import EXAMPLE_MODELS, ROOT
 from tests.support.harness import RunningServer, ServeProcess
-from tests.support.models import TEST_MODELS
+from tests.support.models import GATED_CONFIG, GATED_MODEL
 from tests.support.polling import poll
+from tests.support.repository import with_parameters, write_model
 from tests.support.servers import SERVER_MODES, native_or_skip, start_in_mode
 from tests.support.messages import infer_request
 
@@ -199,11 +200,7 @@ def test_drain_ends_open_streams_with_unavailable(mlp_only, mode):
 @pytest.fixture
 def gated_only(tmp_path, gate):
     """A repository of the ``gated`` test model alone."""
-    config, model = TEST_MODELS["gated"]
-    (tmp_path / "gated" / "1").mkdir(parents=True)
-    (tmp_path / "gated" / "config.pbtxt").write_text(
-        textwrap.dedent(config).replace("GATE_DIR", str(gate.dir)))
-    (tmp_path / "gated" / "1" / "model.py").write_text(model)
+    write_model(tmp_path, with_parameters(GATED_CONFIG, gate_dir=gate.dir), GATED_MODEL)
     return tmp_path
 
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import shutil
-import textwrap
 import threading
 import urllib.request
 from pathlib import Path
@@ -35,23 +33,20 @@ from batcher.spec import BatchingConfig, ModelSpec, TensorSpec
 from clients import BatchgateError, Client
 from tests.support import EXAMPLE_MODELS
 from tests.support.harness import ServeProcess
-from tests.support.models import reference
+from protos.model_config_pb2 import ModelConfig
+from tests.support.models import reference, xy_config
 from tests.support.polling import poll
+from tests.support.repository import copy_model, write_model
 from tests.support.servers import SERVER_MODES, start_multiprocess_server, start_server
 
 CUDA = torch.cuda.is_available()
 
-SMALL_CONFIG = """
-name: "NAME"
-backend: "pytorch"
-max_batch_size: 8
-input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]
-output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]
-dynamic_batching { max_queue_delay_microseconds: 0 }
-instance_group [ { kind: KIND_CPU count: 1 } ]
-parameters { key: "log_dir" value: { string_value: "LOG_DIR" } }
-parameters { key: "log_name" value: { string_value: "NAME" } }
-"""
+
+
+def small_config(name: str, log_dir: Path, kind: str = "KIND_CPU", **params: str) -> ModelConfig:
+    """An FP32 [2] model that logs to ``log_dir``/``name``, with ``params``."""
+    return xy_config(name, kind=kind, parameters={"log_dir": log_dir, "log_name": name, **params})
+
 
 # y = 3x; appends each batch's row count (padding included) to log_dir/NAME.
 RECORDER_MODEL = '''
@@ -144,24 +139,8 @@ def build_model(parameters):
 '''
 
 
-def _params(**params: str) -> str:
-    return "".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n'
-                   for k, v in params.items())
-
-
-def _write(root: Path, name: str, config: str, model: str, log_dir: Path) -> None:
-    (root / name / "1").mkdir(parents=True)
-    text = textwrap.dedent(config).replace("NAME", name).replace("LOG_DIR", str(log_dir))
-    (root / name / "config.pbtxt").write_text(text)
-    (root / name / "1" / "model.py").write_text(model)
-
-
 def _mlp(root: Path, name: str, **params: str) -> None:
-    shutil.copytree(EXAMPLE_MODELS / "mlp", root / name,
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    config = root / name / "config.pbtxt"
-    config.write_text(config.read_text().replace('name: "mlp"', f'name: "{name}"')
-                      + _params(**params))
+    copy_model(EXAMPLE_MODELS / "mlp", root, name, params)
 
 
 def write_gpu_repository(root: Path, log_dir: Path) -> Path:
@@ -169,12 +148,11 @@ def write_gpu_repository(root: Path, log_dir: Path) -> Path:
     _mlp(root, "mlp_bf16", precision="amp-bf16")
     _mlp(root, "mlp_fp16w", precision="fp16-weights")
     _mlp(root, "mlp_graphs", buckets="1,8,64", cuda_graphs="true")
-    _write(root, "recorder", SMALL_CONFIG + _params(buckets="1,2,4,8"), RECORDER_MODEL, log_dir)
-    _write(root, "oom", SMALL_CONFIG + _params(buckets="pow2"), OOM_MODEL, log_dir)
-    _write(root, "staged", SMALL_CONFIG + _params(input_staging="queue", max_inflight_batches="1"),
-           GATED_MODEL, log_dir)
-    _write(root, "overflow", SMALL_CONFIG + _params(precision="fp16-weights"), OVERFLOW_MODEL,
-           log_dir)
+    write_model(root, small_config("recorder", log_dir, buckets="1,2,4,8"), RECORDER_MODEL)
+    write_model(root, small_config("oom", log_dir, buckets="pow2"), OOM_MODEL)
+    write_model(root, small_config("staged", log_dir, input_staging="queue",
+                                   max_inflight_batches="1"), GATED_MODEL)
+    write_model(root, small_config("overflow", log_dir, precision="fp16-weights"), OVERFLOW_MODEL)
     return root
 
 
@@ -338,7 +316,7 @@ TINY_POOL = 64 * 1024  # the small models fit; the mlp's 64-row buffers do not
 
 
 def _tiny_repository(root: Path, log_dir: Path) -> Path:
-    _write(root, "small", SMALL_CONFIG, RECORDER_MODEL, log_dir)
+    write_model(root, small_config("small", log_dir), RECORDER_MODEL)
     _mlp(root, "big")
     return root
 
@@ -584,9 +562,8 @@ def test_staging_from_the_pinned_arena_on_cuda(tmp_path):
     log_dir = tmp_path / "logs"
     log_dir.mkdir()
     repository = tmp_path / "models"
-    _write(repository, "staged",
-           SMALL_CONFIG.replace("KIND_CPU", "KIND_GPU") + _params(max_inflight_batches="1"),
-           GATED_MODEL, log_dir)
+    write_model(repository, small_config("staged", log_dir, "KIND_GPU", max_inflight_batches="1"),
+                GATED_MODEL)
     running = start_multiprocess_server(repository)
     try:
         params = config_parameters(running.address, "staged")

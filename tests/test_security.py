@@ -34,6 +34,7 @@ from server.settings import Settings
 from tests.support import EXAMPLE_MODELS
 from tests.support.harness import ServeProcess
 from tests.support.models import FAILING_CONFIG, FAILING_MODEL, reference
+from tests.support.repository import renamed, write_model
 from tests.support.servers import SERVER_MODES, native_or_skip, start_server
 
 ADMIN_TOKEN = secrets.token_hex(20)
@@ -47,10 +48,7 @@ def small_repository(root: Path) -> Path:
     """``mlp`` from the examples and ``spare`` (y = x + 1) to load and unload."""
     shutil.copytree(EXAMPLE_MODELS / "mlp", root / "mlp",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    (root / "spare" / "1").mkdir(parents=True)
-    (root / "spare" / "config.pbtxt").write_text(
-        textwrap.dedent(FAILING_CONFIG).replace('"failing"', '"spare"'))
-    (root / "spare" / "1" / "model.py").write_text(FAILING_MODEL)
+    write_model(root, renamed(FAILING_CONFIG, "spare"), FAILING_MODEL)
     return root
 
 
@@ -409,11 +407,8 @@ def test_load_and_unload_refuse_names_that_leave_the_repository(server, name):
 def test_a_model_folder_linked_from_outside_the_repository_is_served(server, model_repository,
                                                                     tmp_path):
     """The operator's links are followed: model stores and volume mounts are laid out so."""
-    outside = tmp_path / "outside"
-    (outside / "1").mkdir(parents=True)
-    (outside / "config.pbtxt").write_text(
-        textwrap.dedent(FAILING_CONFIG).replace('"failing"', '"linked"'))
-    (outside / "1" / "model.py").write_text(FAILING_MODEL)
+    outside = write_model(tmp_path, renamed(FAILING_CONFIG, "linked"), FAILING_MODEL,
+                          folder="outside")
     link = model_repository / "linked"
     link.symlink_to(outside, target_is_directory=True)
     try:
@@ -430,10 +425,7 @@ def test_symlink_inside_the_repository_is_served(server, model_repository):
     """A link that stays inside (here into a hidden folder of the repository) is fine."""
     store = model_repository / ".store" / "alias"
     if not store.exists():
-        (store / "1").mkdir(parents=True)
-        (store / "config.pbtxt").write_text(
-            textwrap.dedent(FAILING_CONFIG).replace('"failing"', '"alias"'))
-        (store / "1" / "model.py").write_text(FAILING_MODEL)
+        write_model(store.parent, renamed(FAILING_CONFIG, "alias"), FAILING_MODEL)
     link = model_repository / "alias"
     link.symlink_to(store, target_is_directory=True)
     try:

@@ -16,7 +16,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import textwrap
 import urllib.request
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
 from server import cli
 from tests.support.harness import ServeProcess
+from tests.support.repository import model_config, tensor, with_parameters, write_model
 from tests.support.servers import SERVER_MODES, native_or_skip
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,21 +49,10 @@ NO_RETRY = RetryPolicy(max_attempts=1)
 
 # ``vec``: y = x over any length (limits are tried on it); ``fixed``: y = x + 1 over [256],
 # whose buffers do not fit a 4096-byte pool (the permissive pool allocates them outside).
-VEC_CONFIG = """
-name: "vec"
-backend: "pytorch"
-max_batch_size: 8
-input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]
-output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] } ]
-parameters { key: "warmup" value: { string_value: "false" } }
-"""
-FIXED_CONFIG = """
-name: "fixed"
-backend: "pytorch"
-max_batch_size: 8
-input [ { name: "X" data_type: TYPE_FP32 dims: [ 256 ] } ]
-output [ { name: "Y" data_type: TYPE_FP32 dims: [ 256 ] } ]
-"""
+VEC_CONFIG = model_config("vec", max_batch_size=8, input=[tensor("X", "FP32", [-1])],
+                          output=[tensor("Y", "FP32", [-1])], parameters={"warmup": "false"})
+FIXED_CONFIG = model_config("fixed", max_batch_size=8, input=[tensor("X", "FP32", [256])],
+                            output=[tensor("Y", "FP32", [256])])
 MODEL = """
 import torch
 
@@ -133,11 +122,7 @@ def free_port() -> int:
 
 def repository(root: Path) -> Path:
     for name, config, k in (("vec", VEC_CONFIG, "0"), ("fixed", FIXED_CONFIG, "1")):
-        (root / name / "1").mkdir(parents=True)
-        (root / name / "config.pbtxt").write_text(
-            textwrap.dedent(config)
-            + f'parameters {{ key: "k" value: {{ string_value: "{k}" }} }}\n')
-        (root / name / "1" / "model.py").write_text(MODEL)
+        write_model(root, with_parameters(config, k=k), MODEL)
     return root
 
 

@@ -7,32 +7,34 @@ and out), ``spare``; and ``reference``, an example model's own output computed h
 from __future__ import annotations
 
 import shutil
-import textwrap
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from tests.support import EXAMPLE_MODELS
+from protos.model_config_pb2 import ModelConfig
 from tests.support.polling import poll
+from tests.support.repository import model_config, renamed, tensor, with_parameters, write_model
 
-GATED_CONFIG = """
-name: "gated"
-backend: "pytorch"
-max_batch_size: 8
-input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]
-output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]
-dynamic_batching {
-  max_queue_delay_microseconds: 0
-  priority_levels: 2
-  default_priority_level: 2
-  default_queue_policy { max_queue_size: 16 }
-}
-instance_group [ { kind: KIND_CPU count: 1 } ]
-parameters { key: "max_inflight_batches" value: { string_value: "1" } }
-parameters { key: "warmup" value: { string_value: "false" } }
-parameters { key: "gate_dir" value: { string_value: "GATE_DIR" } }
-"""
+def xy_config(name: str, *, max_batch_size: int = 8, dynamic=None, kind: str | None = "KIND_CPU",
+              parameters=None) -> ModelConfig:
+    """``name`` with one FP32 [2] input INPUT__0 and output OUTPUT__0 (the tests' usual
+    shape), one instance of ``kind`` (None: no instance_group), no queue delay unless
+    ``dynamic`` says otherwise; ``parameters`` as ``model_config`` takes them."""
+    extra = {"instance_group": [{"kind": kind, "count": 1}]} if kind else {}
+    return model_config(
+        name, max_batch_size=max_batch_size, input=[tensor("INPUT__0", "FP32", [2])],
+        output=[tensor("OUTPUT__0", "FP32", [2])],
+        dynamic_batching=dynamic or {"max_queue_delay_microseconds": 0},
+        parameters=parameters, **extra)
+
+
+# GATE_DIR: the gate's folder, filled in by write_test_repository.
+GATED_CONFIG = xy_config("gated", dynamic={
+    "max_queue_delay_microseconds": 0, "priority_levels": 2, "default_priority_level": 2,
+    "default_queue_policy": {"max_queue_size": 16}},
+    parameters={"max_inflight_batches": "1", "warmup": "false", "gate_dir": "GATE_DIR"})
 
 GATED_MODEL = '''
 import time
@@ -63,15 +65,7 @@ def build_model(parameters):
     return Gated(parameters["gate_dir"])
 '''
 
-FAILING_CONFIG = """
-name: "failing"
-backend: "pytorch"
-max_batch_size: 8
-input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]
-output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]
-dynamic_batching { max_queue_delay_microseconds: 0 }
-instance_group [ { kind: KIND_CPU count: 1 } ]
-"""
+FAILING_CONFIG = xy_config("failing")
 
 FAILING_MODEL = '''
 import torch
@@ -88,7 +82,8 @@ def build_model(parameters):
     return Failing()
 '''
 
-WRONGBATCH_CONFIG = FAILING_CONFIG.replace('"failing"', '"wrongbatch"')
+# wrongbatch would fail its warm-up; it must load so that the server can report the error.
+WRONGBATCH_CONFIG = xy_config("wrongbatch", parameters={"warmup": "false"})
 WRONGBATCH_MODEL = '''
 import torch
 
@@ -105,11 +100,8 @@ def build_model(parameters):
 # A batch holding a 7 hangs until the file "unhang" appears in the gate folder (at most 120 s);
 # a 1-second execution timeout fails it first. Two batches in flight (one is the CPU default):
 # the timeout must also work with the assembler/compute thread pair.
-HANGING_CONFIG = FAILING_CONFIG.replace('"failing"', '"hanging"') + """
-parameters { key: "max_inflight_batches" value: { string_value: "2" } }
-parameters { key: "execution_timeout_ms" value: { string_value: "1000" } }
-parameters { key: "gate_dir" value: { string_value: "GATE_DIR" } }
-"""
+HANGING_CONFIG = xy_config("hanging", parameters={
+    "max_inflight_batches": "2", "execution_timeout_ms": "1000", "gate_dir": "GATE_DIR"})
 HANGING_MODEL = '''
 import time
 from pathlib import Path
@@ -135,7 +127,7 @@ def build_model(parameters):
 '''
 
 # A batch holding a 13 raises SystemExit, which no model should: the instance stops for good.
-FATAL_CONFIG = FAILING_CONFIG.replace('"failing"', '"fatal"')
+FATAL_CONFIG = xy_config("fatal")
 FATAL_MODEL = '''
 import torch
 
@@ -153,17 +145,10 @@ def build_model(parameters):
 
 NUMERIC_TYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32",
                  "INT64", "FP16", "FP32", "FP64", "BF16")
-TRITON_TYPES = {"BOOL": "TYPE_BOOL", "BF16": "TYPE_BF16"}
-ECHO_CONFIG = (
-    'name: "echo"\nbackend: "pytorch"\nmax_batch_size: 4\n'
-    + "".join(
-        f'input {{ name: "IN_{t}" data_type: {TRITON_TYPES.get(t, "TYPE_" + t)} dims: [ 3 ] }}\n'
-        for t in NUMERIC_TYPES)
-    + "".join(
-        f'output {{ name: "OUT_{t}" data_type: {TRITON_TYPES.get(t, "TYPE_" + t)} dims: [ 3 ] }}\n'
-        for t in NUMERIC_TYPES)
-    + "dynamic_batching { max_queue_delay_microseconds: 1000 }\n"
-)
+ECHO_CONFIG = model_config(
+    "echo", max_batch_size=4, input=[tensor(f"IN_{t}", t, [3]) for t in NUMERIC_TYPES],
+    output=[tensor(f"OUT_{t}", t, [3]) for t in NUMERIC_TYPES],
+    dynamic_batching={"max_queue_delay_microseconds": 1000})
 ECHO_MODEL = """
 import torch
 
@@ -179,14 +164,9 @@ def build_model(parameters):
     return Echo()
 """
 
-STRLEN_CONFIG = """
-name: "strlen"
-backend: "pytorch"
-max_batch_size: 8
-input [ { name: "TEXT" data_type: TYPE_STRING dims: [ 1 ] } ]
-output [ { name: "LENGTH" data_type: TYPE_INT64 dims: [ 1 ] } ]
-dynamic_batching { max_queue_delay_microseconds: 0 }
-"""
+STRLEN_CONFIG = model_config(
+    "strlen", max_batch_size=8, input=[tensor("TEXT", "BYTES", [1])],
+    output=[tensor("LENGTH", "INT64", [1])], dynamic_batching={"max_queue_delay_microseconds": 0})
 STRLEN_MODEL = '''
 import numpy as np
 import torch
@@ -206,19 +186,11 @@ def build_model(parameters):
 # BYTES in and out. A batch is released when it holds 4 rows (the long delay makes requests of
 # fewer rows wait for each other, so one batch is split per request). A batch whose first element
 # names a fault returns that fault instead, which must fail the batch.
-STRINGS_CONFIG = """
-name: "strings"
-backend: "pytorch"
-max_batch_size: 4
-input [ { name: "TEXT" data_type: TYPE_STRING dims: [ 2 ] } ]
-output [
-  { name: "UPPER" data_type: TYPE_STRING dims: [ 2 ] },
-  { name: "SWAPPED" data_type: TYPE_STRING dims: [ 2 ] },
-  { name: "JOINED" data_type: TYPE_STRING dims: [ 1 ] },
-  { name: "LENGTH" data_type: TYPE_INT64 dims: [ 2 ] }
-]
-dynamic_batching { max_queue_delay_microseconds: 10000000 }
-"""
+STRINGS_CONFIG = model_config(
+    "strings", max_batch_size=4, input=[tensor("TEXT", "BYTES", [2])],
+    output=[tensor("UPPER", "BYTES", [2]), tensor("SWAPPED", "BYTES", [2]),
+            tensor("JOINED", "BYTES", [1]), tensor("LENGTH", "INT64", [2])],
+    dynamic_batching={"max_queue_delay_microseconds": 10000000})
 STRINGS_MODEL = '''
 import numpy as np
 import torch
@@ -255,7 +227,7 @@ TEST_MODELS = {
     "echo": (ECHO_CONFIG, ECHO_MODEL),
     "strlen": (STRLEN_CONFIG, STRLEN_MODEL),
     "strings": (STRINGS_CONFIG, STRINGS_MODEL),
-    "spare": (FAILING_CONFIG.replace('"failing"', '"spare"'), FAILING_MODEL),
+    "spare": (renamed(FAILING_CONFIG, "spare"), FAILING_MODEL),
     "gated": (GATED_CONFIG, GATED_MODEL),
     "failing": (FAILING_CONFIG, FAILING_MODEL),
     "wrongbatch": (WRONGBATCH_CONFIG, WRONGBATCH_MODEL),
@@ -265,19 +237,15 @@ TEST_MODELS = {
 
 
 def write_test_repository(root: Path, gate_dir: Path) -> Path:
+    """The example models and ``TEST_MODELS`` in ``root``; models that take a gate get
+    ``gate_dir``."""
     for child in EXAMPLE_MODELS.iterdir():
         if child.is_dir() and (child / "config.pbtxt").exists():
             shutil.copytree(child, root / child.name, ignore=shutil.ignore_patterns("__pycache__"))
-    for name, (config, model) in TEST_MODELS.items():
-        (root / name / "1").mkdir(parents=True)
-        (root / name / "config.pbtxt").write_text(
-            textwrap.dedent(config).replace("GATE_DIR", str(gate_dir)))
-        (root / name / "1" / "model.py").write_text(model)
-    # wrongbatch would fail its warm-up; it must load so that the server can report the error.
-    (root / "wrongbatch" / "config.pbtxt").write_text(
-        textwrap.dedent(WRONGBATCH_CONFIG)
-        + 'parameters { key: "warmup" value: { string_value: "false" } }\n'
-    )
+    for config, model in TEST_MODELS.values():
+        if "gate_dir" in config.parameters:
+            config = with_parameters(config, gate_dir=gate_dir)
+        write_model(root, config, model)
     return root
 
 
