@@ -9,8 +9,10 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import grpc
 import pytest
 
+from protos import inference_pb2_grpc
 from tests.support.harness import RunningServer
 from tests.support.models import Gate, write_test_repository
 from tests.support.pki import make_pki
@@ -41,3 +43,16 @@ def server(request, model_repository, gate) -> RunningServer:
     yield running
     gate.open()
     running.stop()
+
+
+@pytest.fixture(scope="module")
+def channel(server):
+    """A channel to ``server``, one per test module."""
+    with grpc.insecure_channel(server.address) as ch:
+        yield ch
+
+
+@pytest.fixture(scope="module")
+def stub(channel):
+    """The KServe v2 stub on ``channel``."""
+    return inference_pb2_grpc.GRPCInferenceServiceStub(channel)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -20,7 +19,6 @@ import numpy as np
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
 
 from batcher import precision
 from batcher.buckets import BatchBuckets
@@ -28,12 +26,13 @@ from batcher.errors import ModelExecutionError, ResourceExhausted
 from batcher.memory import DevicePools, PoolSettings
 from batcher.metrics import BatcherMetrics
 from batcher.model import ServedModel
-from batcher.request import InferenceRequest
 from batcher.spec import BatchingConfig, ModelSpec, TensorSpec
 from clients import BatchgateError, Client
 from tests.support import EXAMPLE_MODELS
+from tests.support.batching import infer_x, unit_spec
 from tests.support.harness import ServeProcess
 from protos.model_config_pb2 import ModelConfig
+from tests.support.metrics import sample, scrape
 from tests.support.models import reference, xy_config
 from tests.support.polling import poll
 from tests.support.repository import copy_model, write_model
@@ -186,17 +185,6 @@ def config_parameters(address: str, model: str) -> dict[str, str]:
     with Client(address, timeout_s=30) as client:
         config = client.model_config(model)
     return {key: value.string_value for key, value in config.parameters.items()}
-
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    """Every sample of /metrics, parsed by prometheus_client: (name, sorted labels) -> value."""
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def sample(samples: dict, name: str, **labels: str) -> float | None:
-    return samples.get((name, tuple(sorted(labels.items()))))
 
 
 # -- buckets -----------------------------------------------------------------------------------
@@ -472,26 +460,15 @@ def test_graphs_on_cuda(tmp_path, log_dir):
 # -- the executor on its own (no server) -------------------------------------------------------
 
 
-def _spec(**fields) -> ModelSpec:
-    batching = BatchingConfig(max_batch_size=8, max_inflight_batches=fields.pop("inflight", 1))
-    return ModelSpec(name="unit", version="1", platform="test",
-                     inputs=(TensorSpec("x", "FP32", (2,)),),
-                     outputs=(TensorSpec("y", "FP32", (2,)),), batching=batching, **fields)
-
-
-async def _infer(model: ServedModel, x: np.ndarray) -> np.ndarray:
-    request = InferenceRequest([x], batch_size=x.shape[0])
-    return (await model.infer(request))["y"]
-
-
 async def test_an_output_that_is_the_input_buffer_is_copied_before_the_buffer_is_reused():
     # Identity: the model hands back the pooled batch buffer itself. With one batch in flight
     # the next batch reuses that buffer while the first answer may still be on its way out.
-    model = ServedModel(_spec(warmup=False), lambda x: x, pools=DevicePools(PoolSettings(1 << 20)))
+    model = ServedModel(unit_spec(warmup=False), lambda x: x,
+                        pools=DevicePools(PoolSettings(1 << 20)))
     model.start()
     try:
-        first = await _infer(model, np.full((3, 2), 1.0, np.float32))
-        second = await _infer(model, np.full((3, 2), 2.0, np.float32))
+        first = await infer_x(model, np.full((3, 2), 1.0, np.float32))
+        second = await infer_x(model, np.full((3, 2), 2.0, np.float32))
     finally:
         model.stop(5)
     np.testing.assert_array_equal(first, np.full((3, 2), 1.0, np.float32))
@@ -505,14 +482,14 @@ async def test_a_single_sample_out_of_memory_fails_with_resource_exhausted():
         return x
 
     registry = CollectorRegistry()
-    model = ServedModel(_spec(buckets=(1, 2, 4, 8)), never_fits,
+    model = ServedModel(unit_spec(buckets=(1, 2, 4, 8)), never_fits,
                         metrics=BatcherMetrics(registry))
     model.start()  # the warm-up's zeros fit
     try:
         with pytest.raises(ResourceExhausted, match="single sample"):
-            await _infer(model, np.ones((2, 2), np.float32))
+            await infer_x(model, np.ones((2, 2), np.float32))
         # The failure was the batch's, not the model's: it still answers what fits.
-        np.testing.assert_array_equal(await _infer(model, np.zeros((2, 2), np.float32)),
+        np.testing.assert_array_equal(await infer_x(model, np.zeros((2, 2), np.float32)),
                                       np.zeros((2, 2), np.float32))
     finally:
         model.stop(5)
@@ -524,7 +501,7 @@ async def test_pipelined_batches_with_staging_answer_every_request_on_the_cpu():
     registry = CollectorRegistry()
     metrics = BatcherMetrics(registry)
     pools = DevicePools(PoolSettings(1 << 20), metrics)
-    model = ServedModel(_spec(inflight=2, buckets=(2, 4, 8), input_staging="queue"),
+    model = ServedModel(unit_spec(inflight=2, buckets=(2, 4, 8), input_staging="queue"),
                         lambda x: x * 2 + 1, metrics=metrics, pools=pools)
     model.start()
     baseline = registry.get_sample_value("batchgate_pool_bytes_in_use", {"device": "cpu"})
@@ -532,7 +509,7 @@ async def test_pipelined_batches_with_staging_answer_every_request_on_the_cpu():
     xs = [rng.standard_normal((int(rng.integers(1, 9)), 2), dtype=np.float32)
           for _ in range(200)]
     try:
-        answers = await asyncio.gather(*(_infer(model, x) for x in xs))
+        answers = await asyncio.gather(*(infer_x(model, x) for x in xs))
     finally:
         model.stop(5)
     for x, y in zip(xs, answers):
@@ -614,18 +591,18 @@ async def test_after_a_timed_out_batch_the_instance_serves_on_fresh_buffers():
             x.fill_(-1.0)  # the late call scribbles on its inputs
         return x * 2
 
-    model = ServedModel(_spec(warmup=False, execution_timeout_ms=200), hangs_on_13,
+    model = ServedModel(unit_spec(warmup=False, execution_timeout_ms=200), hangs_on_13,
                         pools=DevicePools(PoolSettings(1 << 20)))
     model.start()
     try:
         with pytest.raises(ModelExecutionError, match="execution_timeout_ms=200"):
-            await _infer(model, np.full((2, 2), 13.0, np.float32))
-        np.testing.assert_array_equal(await _infer(model, np.ones((2, 2), np.float32)),
+            await infer_x(model, np.full((2, 2), 13.0, np.float32))
+        np.testing.assert_array_equal(await infer_x(model, np.ones((2, 2), np.float32)),
                                       np.full((2, 2), 2.0, np.float32))
         release.set()
         for value in (3.0, 4.0, 5.0):
             np.testing.assert_array_equal(
-                await _infer(model, np.full((2, 2), value, np.float32)),
+                await infer_x(model, np.full((2, 2), value, np.float32)),
                 np.full((2, 2), 2 * value, np.float32))
     finally:
         release.set()

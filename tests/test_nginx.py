@@ -31,6 +31,7 @@ from clients import BatchgateError, Client, RetryPolicy
 from tests.support import EXAMPLE_MODELS, ROOT
 from tests.support.harness import ServeProcess
 from tests.support.load import Load
+from tests.support.metrics import metrics_url, scrape, total
 from tests.support.polling import poll
 
 # The SDK's retries carry what a stopping or killed replica had in flight to the other one.
@@ -126,14 +127,8 @@ class Replica:
         return self
 
     def requests(self) -> float:
-        import urllib.request
-
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = urllib.request.urlopen(
-            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
-        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                   if s.name == "batchgate_requests_total" and s.labels.get("status") == "OK")
+        return total(scrape(metrics_url(self.metrics_port), timeout_s=5),
+                     "batchgate_requests_total", status="OK")
 
     def stop(self) -> int:
         return self.process.stop()

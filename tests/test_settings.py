@@ -16,7 +16,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -30,6 +29,7 @@ from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
 from server import cli
 from tests.support.harness import ServeProcess
+from tests.support.metrics import metrics_url, read_metrics, scrape
 from tests.support.repository import model_config, tensor, with_parameters, write_model
 from tests.support.servers import SERVER_MODES, native_or_skip
 
@@ -208,8 +208,7 @@ def test_the_network_flags(running):
     listening = _listening()
     assert listening[running.grpc_port] == {"127.0.0.1"}
     assert listening[running.metrics_port] == {"127.0.0.1"}
-    text = urllib.request.urlopen(f"http://127.0.0.1:{running.metrics_port}/metrics",
-                                  timeout=10).read().decode()
+    text = read_metrics(metrics_url(running.metrics_port))
     assert any(f.name == "batchgate_pool_bytes_reserved"
                for f in text_string_to_metric_families(text))
     # --no-reflection.
@@ -401,11 +400,7 @@ def _listening() -> dict[int, set[str]]:
 
 
 def _scrape(running: Running) -> dict:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{running.metrics_port}/metrics",
-                                  timeout=10).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}
-
+    return scrape(metrics_url(running.metrics_port))
 
 def test_the_device_pool_has_no_cap_by_default_and_a_cap_below_a_page_is_refused():
     from server.settings import Settings

@@ -24,7 +24,6 @@ import tempfile
 import textwrap
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -36,6 +35,8 @@ from server.settings import TOKEN_ENV, fields_for
 from server.metrics import ServerMetrics
 from server.multiproc_metrics import PREFIX, remove_abandoned
 from server.supervisor import RestartPolicy, Supervisor, SupervisorError
+from tests.support.metrics import Samples, metrics_url
+from tests.support.metrics import scrape as scrape_url
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -181,11 +182,8 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+def scrape(port: int) -> Samples:
+    return scrape_url(metrics_url(port))
 
 
 def standin_dir(tmp_path: Path) -> Path:

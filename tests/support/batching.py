@@ -45,7 +45,8 @@ def make_spec(dims=(2,), **batching) -> ModelSpec:
 
 
 def request(value: float, *, rows: int = 1, width: int = 2, **kwargs) -> InferenceRequest:
-    return InferenceRequest([np.full((rows, width), value, dtype=np.float32)], batch_size=rows, **kwargs)
+    return InferenceRequest([np.full((rows, width), value, dtype=np.float32)], batch_size=rows,
+                            **kwargs)
 
 
 async def hold_executor(model: ServedModel, fake: RecordingModel, **kwargs) -> asyncio.Task:
@@ -55,3 +56,18 @@ async def hold_executor(model: ServedModel, fake: RecordingModel, **kwargs) -> a
     blocker = asyncio.ensure_future(model.infer(request(-1.0, **kwargs)))
     await asyncio.get_running_loop().run_in_executor(None, fake.entered.wait, 10)
     return blocker
+
+
+def unit_spec(**fields) -> ModelSpec:
+    """A spec "unit": FP32 [2] in ``x``, out ``y``, batches of up to 8, ``inflight`` (default 1)
+    batches in flight; ``fields``: further ``ModelSpec`` fields."""
+    batching = BatchingConfig(max_batch_size=8, max_inflight_batches=fields.pop("inflight", 1))
+    return ModelSpec(name="unit", version="1", platform="test",
+                     inputs=(TensorSpec("x", "FP32", (2,)),),
+                     outputs=(TensorSpec("y", "FP32", (2,)),), batching=batching, **fields)
+
+
+async def infer_x(model: ServedModel, x: np.ndarray, timeout_s: float = 20) -> np.ndarray:
+    """``model``'s ``y`` for the one input ``x`` (its rows the batch)."""
+    request = InferenceRequest([x], batch_size=x.shape[0])
+    return (await asyncio.wait_for(model.infer(request), timeout_s))["y"]

@@ -25,12 +25,12 @@ import signal
 import subprocess
 import sys
 import threading
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tests.support import ROOT
+from tests.support.metrics import Samples, parse_samples, read_metrics, total
 
 MODES = ("native", "python", "single")
 START_TIMEOUT_S = 120.0
@@ -59,7 +59,8 @@ class ServeProcess:
     (``lines``) and every JSON one parsed (``events``). Children's lines (multi-process mode)
     carry a ``role``; ``wait_for`` and ``pids`` tell them apart from the server's own."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, tail_lines: int = 200) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None,
+                 tail_lines: int = 200) -> None:
         self.command = [sys.executable, "-m", "server.cli", *args]
         self.proc = subprocess.Popen(
             self.command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -199,19 +200,15 @@ class RunningServer:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
 
     def metrics_text(self) -> str:
-        with urllib.request.urlopen(self.metrics_url, timeout=10) as reply:
-            return reply.read().decode("utf-8")
+        return read_metrics(self.metrics_url)
+
+    def samples(self) -> Samples:
+        """Every sample of its ``/metrics``: (name, sorted labels) -> value."""
+        return parse_samples(self.metrics_text())
 
     def metric(self, name: str, **labels: str) -> float:
         """The sum of ``name``'s samples whose labels include ``labels``."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        total = 0.0
-        for family in text_string_to_metric_families(self.metrics_text()):
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                    total += sample.value
-        return total
+        return total(self.samples(), name, **labels)
 
     def queue_depth(self, model: str) -> float:
         return self.metric("batchgate_queue_depth", model=model)
@@ -251,8 +248,8 @@ def start_process(repository: Path, mode: str = "auto", *, frontends: int = 2,
                   extra_args: Sequence[str] = (), env: dict[str, str] | None = None,
                   models: Sequence[str] = (), timeout_s: float = START_TIMEOUT_S,
                   check_exit: bool = True) -> RunningServer:
-    """``batchgate serve`` of ``repository`` in ``mode`` (``MODES`` or "auto") on loopback, port 0 for
-    gRPC and metrics, JSON logs; ``extra_args``: further ``serve`` flags (later ones win);
+    """``batchgate serve`` of ``repository`` in ``mode`` (``MODES`` or "auto") on loopback, port
+    0 for gRPC and metrics, JSON logs; ``extra_args``: further ``serve`` flags (later ones win);
     ``env``: its whole environment (default: this process's). Returns once it logged
     ``serving`` (``ServerError`` with its log otherwise, the process killed), with ``models``
     among those it serves. ``check_exit``: whether ``stop()`` raises unless it exits 0."""
