@@ -18,12 +18,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import inference_pb2_grpc
 from tests.support import EXAMPLE_MODELS, ROOT
-from tests.support.harness import RunningServer, ServeProcess
+from tests.support.harness import RunningServer, ServeProcess, mode_args
+from tests.support.messages import infer_request
 from tests.support.models import GATED_CONFIG, GATED_MODEL
 from tests.support.polling import poll
 from tests.support.repository import with_parameters, write_model
 from tests.support.servers import SERVER_MODES, native_or_skip, start_in_mode
-from tests.support.messages import infer_request
 
 
 @pytest.mark.parametrize("mode", SERVER_MODES)
@@ -108,17 +108,13 @@ TRITONCLIENT_BURST = textwrap.dedent(f'''
         print(json.dumps(codes), flush=True)
 ''')
 DRAIN_ROUNDS = 4
-MODE_FLAGS = {
-    "single": ("--frontend", "python", "--frontends", "0"),
-    "python": ("--frontend", "python", "--frontends", "1", "--arena-bytes", str(256 << 20)),
-    "native": ("--frontend", "native", "--arena-bytes", str(256 << 20)),
-}
 
 
 def serve(mode: str, repository, *flags: str) -> ServeProcess:
     """``batchgate serve`` in ``mode`` as its own process, every port chosen by the system."""
+    arena = () if mode == "single" else ("--arena-bytes", str(256 << 20))
     return ServeProcess(
-        "serve", *MODE_FLAGS[mode], "--host", "127.0.0.1", "--grpc-port", "0",
+        "serve", *mode_args(mode, frontends=1), *arena, "--host", "127.0.0.1", "--grpc-port", "0",
         "--metrics-port", "0", "--model-repository", str(repository), "--log-format", "json",
         "--no-gc-freeze", *flags)
 

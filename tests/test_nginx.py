@@ -20,7 +20,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -160,20 +159,20 @@ class Nginx:
         return f"127.0.0.1:{self.port}"
 
     def wait_live(self, timeout_s: float = 30) -> None:
-        deadline = time.monotonic() + timeout_s
         with Client(self.address, timeout_s=2, retry=RetryPolicy(max_attempts=1)) as client:
-            while True:
+            def live() -> bool:
                 if self.proc.poll() is not None:
                     raise AssertionError(f"nginx exited {self.proc.returncode}: "
                                          f"{self.proc.stderr.read()} {self.error_log()}")
                 try:
-                    if client.server_live():
-                        return
+                    return client.server_live()
                 except BatchgateError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"nginx not live within {timeout_s} s: {self.error_log()}")
-                time.sleep(0.05)
+                    return False
+
+            try:
+                poll(live, timeout_s, "nginx live", interval_s=0.05)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}: {self.error_log()}") from None
 
     def error_log(self) -> str:
         path = self.dir / "error.log"

@@ -32,7 +32,7 @@ from server.auth import accepted_tokens, bearer_token
 from server.repository import ModelRepository
 from server.settings import Settings
 from tests.support import EXAMPLE_MODELS
-from tests.support.harness import ServeProcess
+from tests.support.harness import ServeProcess, start_process
 from tests.support.models import FAILING_CONFIG, FAILING_MODEL, reference
 from tests.support.repository import renamed, write_model
 from tests.support.servers import SERVER_MODES, native_or_skip, start_server
@@ -73,30 +73,19 @@ def secured(request, tmp_path_factory, pki):
     token_file = root / "infer-token"
     token_file.write_text(INFER_TOKEN + "\n")
     env = {**os.environ, "BATCHGATE_ADMIN_TOKEN": ADMIN_TOKEN}
-    processes = {"single": ["--frontend", "python", "--frontends", "0"],
-                 "python": ["--frontend", "python", "--frontends", "1",
-                            "--arena-bytes", str(64 << 20)],
-                 "native": ["--frontend", "native", "--arena-bytes", str(64 << 20)]}
+    arena = [] if request.param == "single" else ["--arena-bytes", str(64 << 20)]
     if request.param == "native":
         native_or_skip()
-    process = ServeProcess(
-        "serve", *processes[request.param],
-        "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0",
-        "--model-repository", str(repository),
+    running = start_process(repository, request.param, frontends=1, env=env, extra_args=[
+        *arena,
         "--tls-cert", str(pki["server_cert"]), "--tls-key", str(pki["server_key"]),
         "--tls-client-ca", str(pki["ca"]), "--infer-token-file", str(token_file),
-        "--log-level", "debug", "--log-format", "json", "--no-gc-freeze",
-        "--drain-timeout-s", "5", env=env)
-    try:
-        process.wait_for("serving")
-        listening = process.wait_for("listening")
-    except BaseException:
-        process.proc.kill()
-        raise
+        "--log-level", "debug", "--no-gc-freeze", "--drain-timeout-s", "5"])
+    listening = running.supervisor.wait_for("listening")
     assert (listening["tls"], listening["admin_token"], listening["infer_token"]) == (
         "mutual", True, True)
-    yield Secured(request.param, process, listening["grpc_port"], pki)
-    assert process.stop() == 0
+    yield Secured(request.param, running.supervisor, running.grpc_port, pki)
+    running.stop()  # fails unless it exits 0
 
 
 def code_of(call) -> grpc.StatusCode:

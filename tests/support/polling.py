@@ -8,9 +8,27 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+
+class _Tries(Generic[T]):
+    """``predicate`` against a deadline: ``held()`` calls it once and says whether it held
+    (its value kept in ``value``), raising ``AssertionError`` once the deadline has passed."""
+
+    def __init__(self, predicate: Callable[[], T], timeout_s: float, what: str) -> None:
+        self.predicate, self.timeout_s, self.what = predicate, timeout_s, what
+        self.deadline = time.monotonic() + timeout_s
+        self.value: T | None = None
+
+    def held(self) -> bool:
+        self.value = self.predicate()
+        if self.value:
+            return True
+        if time.monotonic() > self.deadline:
+            raise AssertionError(f"{self.what}: not reached within {self.timeout_s:g} s")
+        return False
 
 
 def poll(predicate: Callable[[], T], timeout_s: float = 30, what: str = "condition", *,
@@ -18,17 +36,13 @@ def poll(predicate: Callable[[], T], timeout_s: float = 30, what: str = "conditi
     """Call ``predicate`` until it returns something truthy, and return that; raise
     ``AssertionError`` naming ``what`` after ``timeout_s``. Between calls, ``step()`` runs if
     given (something that moves the state on, e.g. a request), else it sleeps ``interval_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not reached within {timeout_s:g} s")
+    tries = _Tries(predicate, timeout_s, what)
+    while not tries.held():
         if step is not None:
             step()
         else:
             time.sleep(interval_s)
+    return tries.value
 
 
 async def apoll(predicate: Callable[[], T], timeout_s: float = 10, what: str = "condition", *,
@@ -36,14 +50,10 @@ async def apoll(predicate: Callable[[], T], timeout_s: float = 10, what: str = "
                 step: Callable[[], Awaitable[object]] | None = None) -> T:
     """``poll`` for a coroutine: between calls it awaits ``step()`` if given, else yields to the
     event loop for ``interval_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not reached within {timeout_s:g} s")
+    tries = _Tries(predicate, timeout_s, what)
+    while not tries.held():
         if step is not None:
             await step()
         else:
             await asyncio.sleep(interval_s)
+    return tries.value
