@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -258,8 +259,9 @@ def start_process(repository: Path, mode: str = "auto", *, frontends: int = 2,
         "--metrics-port", "0", "--log-format", "json", "--model-repository", str(repository),
         *extra_args, env=env)
     try:
+        deadline = time.monotonic() + timeout_s
         listening = process.wait_for("listening", timeout_s)
-        serving = process.wait_for("serving", timeout_s)
+        serving = process.wait_for("serving", max(0.0, deadline - time.monotonic()))
         missing = sorted(set(models) - set(serving.get("models", [])))
         if missing:
             raise ServerError(f"the server is serving without {missing}; log:\n"
