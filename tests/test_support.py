@@ -3,8 +3,10 @@ server harness's failure path. The harness's working path is every other server 
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import itertools
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +73,30 @@ def test_a_server_that_cannot_start_raises_with_its_log(tmp_path):
     message = str(info.value)
     assert "exited" in message and "log:" in message
     assert str(tmp_path / "absent") in message, message
+
+
+def imported_test_modules(source: str) -> list[tuple[int, str]]:
+    """The modules of this package (``tests...``) that ``source`` imports, with their lines."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            targets = ([f"tests.{a.name}" for a in node.names] if node.module == "tests"
+                       else [node.module])
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            continue
+        found += [(node.lineno, t) for t in targets if t == "tests" or t.startswith("tests.")]
+    return found
+
+
+def test_test_modules_take_their_helpers_from_tests_support_only():
+    """Not from conftest (fixtures only) nor from one another."""
+    assert imported_test_modules("from tests import conftest\nimport tests.test_sdk\n"
+                                 "from tests.support.harness import ServeProcess") == [
+        (1, "tests.conftest"), (2, "tests.test_sdk"), (3, "tests.support.harness")]
+    offenders = [f"{path.name}:{line} {name}"
+                 for path in sorted(Path(__file__).parent.glob("test_*.py"))
+                 for line, name in imported_test_modules(path.read_text(encoding="utf-8"))
+                 if name != "tests.support" and not name.startswith("tests.support.")]
+    assert not offenders, offenders
