@@ -210,8 +210,8 @@ def test_requests_left_at_the_drain_timeout_get_unavailable(gated_only, gate, mo
     try:
         listening = server.wait_for("listening")
         server.wait_for("serving")
-        metrics = RunningServer(mode, listening["grpc_port"], listening["metrics_port"], gate,
-                                stop=None)
+        metrics = RunningServer(mode, listening["grpc_port"], listening["metrics_port"],
+                                supervisor=server)
         with grpc.insecure_channel(metrics.address) as channel:
             stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
             gate.close()
