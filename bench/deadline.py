@@ -38,7 +38,6 @@ import contextlib
 import dataclasses
 import json
 import re
-import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -49,12 +48,24 @@ from bench.loadgen.arrivals import Arrival
 from bench.serving import (
     CAPACITY_CONCURRENCY,
     DEFAULT_REPOSITORY,
+    RUN_ERRORS,
     BenchError,
-    ServerProcess,
     bench_step,
     closed_loop_capacity,
     machine,
+    scrape,
+    start_server,
     window_goodput,
+)
+from tests.support.harness import RunningServer
+from tests.support.repository import (
+    copy_model,
+    model_config,
+    read_config,
+    tensor,
+    with_parameters,
+    write_config,
+    write_model,
 )
 TARGET_FIXED_ATTAINMENT = 0.90
 TARGET_DEADLINE_ATTAINMENT = 0.99
@@ -64,17 +75,11 @@ JUDGED_WITHIN = 0.03
 
 # --synthetic: a model whose batch of n takes FIXED + PER_SAMPLE * n ms (sleeping, like a
 # GPU's kernel time: the GIL is free), so that batching, not the front end, sets capacity.
-SYNTHETIC_CONFIG = """
-name: "synthetic"
-backend: "pytorch"
-max_batch_size: 32
-input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 16 ] } ]
-output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 16 ] } ]
-dynamic_batching { max_queue_delay_microseconds: 0 }
-instance_group [ { count: 1 kind: KIND_CPU } ]
-parameters { key: "fixed_ms" value: { string_value: "FIXED" } }
-parameters { key: "per_sample_ms" value: { string_value: "PER_SAMPLE" } }
-"""
+SYNTHETIC_CONFIG = model_config(
+    "synthetic", max_batch_size=32, input=[tensor("INPUT__0", "FP32", [16])],
+    output=[tensor("OUTPUT__0", "FP32", [16])],
+    dynamic_batching={"max_queue_delay_microseconds": 0},
+    instance_group=[{"count": 1, "kind": "KIND_CPU"}])
 SYNTHETIC_MODEL = """
 import time
 
@@ -99,11 +104,8 @@ def build_model(parameters):
 @contextlib.contextmanager
 def synthetic_repository(fixed_ms: float, per_sample_ms: float) -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="bench-synthetic-") as scratch:
-        folder = Path(scratch) / "synthetic"
-        (folder / "1").mkdir(parents=True)
-        (folder / "config.pbtxt").write_text(
-            SYNTHETIC_CONFIG.replace("PER_SAMPLE", str(per_sample_ms)).replace("FIXED", str(fixed_ms)))
-        (folder / "1" / "model.py").write_text(SYNTHETIC_MODEL)
+        write_model(Path(scratch), with_parameters(
+            SYNTHETIC_CONFIG, fixed_ms=fixed_ms, per_sample_ms=per_sample_ms), SYNTHETIC_MODEL)
         yield Path(scratch)
 
 
@@ -147,27 +149,21 @@ def policy_repository(repository: Path, model: str, policy: Policy) -> Iterator[
     """A repository holding only ``model``, its config set to ``policy``."""
     source = repository / model
     with tempfile.TemporaryDirectory(prefix="bench-deadline-") as scratch:
-        target = Path(scratch) / model
-        shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
-        config = (target / "config.pbtxt").read_text()
-        config, found = re.subn(r"max_queue_delay_microseconds:\s*\d+",
-                                f"max_queue_delay_microseconds: {policy.delay_us}", config)
-        if not found:
-            raise BenchError(f"{source}/config.pbtxt: no max_queue_delay_microseconds to set")
-        config += "".join(
-            f'\nparameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
-            for key, value in policy.parameters.items())
-        (target / "config.pbtxt").write_text(config)
+        config = read_config(source)
+        if not config.HasField("dynamic_batching"):
+            raise BenchError(f"{source}/config.pbtxt: no dynamic_batching to set the delay of")
+        config.dynamic_batching.max_queue_delay_microseconds = policy.delay_us
+        target = copy_model(source, Path(scratch))
+        write_config(target, with_parameters(config, **policy.parameters))
         yield Path(scratch)
 
 
 @contextlib.contextmanager
 def serving(repository: Path, model: str, policy: Policy, server_args: list[str]
-            ) -> Iterator[ServerProcess]:
+            ) -> Iterator[RunningServer]:
     with policy_repository(repository, model, policy) as scratch:
-        server = ServerProcess(scratch, model, server_args)
+        server = start_server(scratch, "auto", model, server_args)
         try:
-            server.wait_serving()
             yield server
         finally:
             code = server.stop()
@@ -236,8 +232,8 @@ def run_load(args: argparse.Namespace, policy: Policy, load: float, capacity: fl
              seconds: float) -> Result:
     arrival = burst_arrival(load * capacity, on_s=args.on_s, off_s=args.off_s, peak=args.peak)
     with serving(args.model_repository, args.model, policy, args.server_arg) as server:
-        url = f"127.0.0.1:{server.grpc_port}"
-        before = server.scrape()
+        url = server.address
+        before = scrape(server, args.model)
         step, command, _, _ = bench_step(url, args.model, [
             "--rate", f"{arrival.rate_per_s:.3f}", "--arrival", "bursty",
             "--burst-on-s", f"{arrival.on_s:g}", "--burst-off-s", f"{arrival.off_s:g}",
@@ -246,8 +242,8 @@ def run_load(args: argparse.Namespace, policy: Policy, load: float, capacity: fl
             "--enforce-deadline", "both",
             "--warmup-s", f"{args.warmup_s:g}", "--duration-s", f"{seconds:g}",
             "--seed", str(args.seed), "--drain-timeout-s", "30",
-        ], f"http://127.0.0.1:{server.metrics_port}/metrics")
-        after = server.scrape()
+        ], server.metrics_url)
+        after = scrape(server, args.model)
     step["command"] = command
     result = Result(policy=policy.label(), load=load, arrival=arrival, step=step,
                     seconds=seconds, server=server_counts(before, after),
@@ -446,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
                 report = run(args)
         else:
             report = run(args)
-    except BenchError as exc:
+    except RUN_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(render(report))

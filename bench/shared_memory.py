@@ -17,26 +17,21 @@ import argparse
 import json
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
 from bench._perf_analyzer import DEFAULT_PERF_ANALYZER
-from bench.serving import MODE_ARGS, MODES, ServerProcess, Step, _choices, load_step, machine
+from bench.serving import MODES, Step, _choices, load_step, machine, start_server
 from server import native
+from tests.support.repository import model_config, tensor, write_model
 
 MODEL = "image"
-CONFIG = """
-name: "image"
-backend: "pytorch"
-max_batch_size: 8
-input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 3, 224, 224 ] } ]
-output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 10 ] } ]
-dynamic_batching { max_queue_delay_microseconds: 0 }
-instance_group [ { kind: KIND_CPU count: 1 } ]
-parameters { key: "INTRA_OP_THREAD_COUNT" value: { string_value: "1" } }
-"""
+CONFIG = model_config(
+    MODEL, max_batch_size=8, input=[tensor("INPUT__0", "FP32", [3, 224, 224])],
+    output=[tensor("OUTPUT__0", "FP32", [10])],
+    dynamic_batching={"max_queue_delay_microseconds": 0},
+    instance_group=[{"kind": "KIND_CPU", "count": 1}], parameters={"INTRA_OP_THREAD_COUNT": "1"})
 MODULE = """
 import torch
 
@@ -62,9 +57,7 @@ TRANSPORTS = {"grpc": (), "system shared memory": (
 
 
 def write_repository(root: Path) -> Path:
-    (root / MODEL / "1").mkdir(parents=True)
-    (root / MODEL / "config.pbtxt").write_text(textwrap.dedent(CONFIG))
-    (root / MODEL / "1" / "model.py").write_text(MODULE)
+    write_model(root, CONFIG, MODULE)
     return root
 
 
@@ -78,14 +71,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 modes[mode] = {"skipped": native.unavailable_reason()}
                 continue
             _say(f"{mode}: starting the server ...")
-            server = ServerProcess(repository, MODEL, [*MODE_ARGS[mode], "--shared-memory"])
+            server = start_server(repository, mode, MODEL, ["--shared-memory"])
             rows: dict[str, Step] = {}
             try:
-                server.wait_serving()
                 for transport, perf_args in TRANSPORTS.items():
                     _say(f"{mode}: perf_analyzer, {transport}, concurrency {args.concurrency}, "
                          f"{args.seconds:g} s ...")
-                    rows[transport] = load_step(server, "perf_analyzer", args.concurrency,
+                    rows[transport] = load_step(server, MODEL, "perf_analyzer", args.concurrency,
                                                 args.seconds, args, perf_args)
             finally:
                 exit_code = server.stop()

@@ -13,7 +13,6 @@ import json
 import re
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -23,24 +22,21 @@ import pytest
 
 from bench.loadgen import arrivals, cli, driver, plan, scrape, workload
 from bench.loadgen.report import LAYOUT, layout_problems
-from tests.conftest import EXAMPLE_MODELS, FAILING_CONFIG, FAILING_MODEL, start_server
+from tests.support import EXAMPLE_MODELS
+from tests.support.models import FAILING_CONFIG, FAILING_MODEL
+from tests.support.repository import model_config, tensor, write_model
+from tests.support.servers import start_server
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SERVICE_S = 0.05
 
-SLOW_CONFIG = """
-name: "slow"
-backend: "pytorch"
-max_batch_size: 0
-input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]
-output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]
-instance_group [ { kind: KIND_CPU count: 1 } ]
-parameters { key: "warmup" value: { string_value: "false" } }
-# The bench's own deadline accounting is under test: admission control would refuse some of
-# these requests at the door (RESOURCE_EXHAUSTED) instead of letting them expire.
-parameters { key: "admission" value: { string_value: "false" } }
-"""
+# admission off: the bench's own deadline accounting is under test, and admission control would
+# refuse some of these requests at the door (RESOURCE_EXHAUSTED) instead of letting them expire.
+SLOW_CONFIG = model_config(
+    "slow", max_batch_size=0, input=[tensor("INPUT__0", "FP32", [2])],
+    output=[tensor("OUTPUT__0", "FP32", [2])], instance_group=[{"kind": "KIND_CPU", "count": 1}],
+    parameters={"warmup": "false", "admission": "false"})
 SLOW_MODEL = f'''
 import time
 
@@ -62,11 +58,8 @@ def build_model(parameters):
 
 def _repository(root: Path) -> Path:
     (root / "mlp").symlink_to(EXAMPLE_MODELS / "mlp", target_is_directory=True)
-    for name, config, model in (("slow", SLOW_CONFIG, SLOW_MODEL),
-                                ("failing", FAILING_CONFIG, FAILING_MODEL)):
-        (root / name / "1").mkdir(parents=True)
-        (root / name / "config.pbtxt").write_text(textwrap.dedent(config))
-        (root / name / "1" / "model.py").write_text(model)
+    write_model(root, SLOW_CONFIG, SLOW_MODEL)
+    write_model(root, FAILING_CONFIG, FAILING_MODEL)
     return root
 
 

@@ -1,6 +1,6 @@
 """BYTES outputs from a Python model, through tritonclient (PyPI), in every server mode.
 
-The ``strings`` test model (tests/conftest.py) takes BYTES and returns BYTES three ways (a
+The ``strings`` test model (tests/support/models.py) takes BYTES and returns BYTES three ways (a
 numpy object array, a list of rows of bytes, a list of str) beside an INT64 tensor; a batch
 whose first element names a fault returns that fault. tritonclient cannot share a process with
 our ``protos`` (both register package ``inference``), so its calls run in a subprocess that
@@ -35,6 +35,7 @@ from batcher.spec import BatchingConfig, ModelSpec, TensorSpec
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
 from server.codec import bytes_encoding, bytes_row_offsets
+from tests.support.repository import model_config, renamed, tensor, write_config
 
 OUTPUTS = ("UPPER", "SWAPPED", "JOINED", "LENGTH")
 FAULTS = ("int", "float", "short", "unbatched", "object")
@@ -185,16 +186,9 @@ def test_bad_bytes_outputs_fail_their_batch_saying_what_the_model_returned(answe
 
 # -- refused at load ------------------------------------------------------------------------------
 
-ARTIFACT_CONFIG = """
-name: "NAME"
-backend: "pytorch"
-max_batch_size: 4
-input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]
-output [
-  { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 2 ] },
-  { name: "LABEL" data_type: TYPE_STRING dims: [ 1 ] }
-]
-"""
+ARTIFACT_CONFIG = model_config(
+    "artifact", max_batch_size=4, input=[tensor("INPUT__0", "FP32", [2])],
+    output=[tensor("OUTPUT__0", "FP32", [2]), tensor("LABEL", "BYTES", [1])])
 
 
 class _Double(torch.nn.Module):
@@ -203,8 +197,8 @@ class _Double(torch.nn.Module):
 
 
 def _write_artifact(folder: Path, kind: str) -> None:
-    (folder / "1").mkdir(parents=True, exist_ok=True)
-    (folder / "config.pbtxt").write_text(ARTIFACT_CONFIG.replace("NAME", folder.name))
+    write_config(folder, renamed(ARTIFACT_CONFIG, folder.name))
+    (folder / "1").mkdir(exist_ok=True)
     module = _Double().eval()
     if kind == "model.pt":
         with warnings.catch_warnings():  # torch's deprecation of TorchScript

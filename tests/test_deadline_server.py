@@ -15,6 +15,8 @@ Each refusal is counted under its reason in ``/metrics`` (parsed with prometheus
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 import numpy as np
 import pytest
@@ -22,25 +24,22 @@ import pytest
 from clients import BatchgateError, Client, RetryPolicy
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
-from tests.conftest import Gate, poll
-from tests.test_server import infer_request, output
+from protos.model_config_pb2 import ModelConfig
+from tests.support.messages import infer_request, output
+from tests.support.models import Gate, xy_config
+from tests.support.polling import poll
+from tests.support.repository import write_model
 
 BATCH_S = 0.1
 
-SLOW_CONFIG = """
-name: "NAME"
-backend: "pytorch"
-max_batch_size: 1
-input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]
-output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]
-dynamic_batching { max_queue_delay_microseconds: 0 }
-instance_group [ { kind: KIND_CPU count: 1 } ]
-parameters { key: "max_inflight_batches" value: { string_value: "1" } }
-parameters { key: "batch_policy" value: { string_value: "POLICY" } }
-parameters { key: "slo_ms" value: { string_value: "60000" } }
-parameters { key: "gate_dir" value: { string_value: "GATE_DIR" } }
-parameters { key: "batch_s" value: { string_value: "BATCH_S" } }
-"""
+
+
+def slow_config(name: str, policy: str, gate_dir: Path) -> ModelConfig:
+    """One request per batch, one batch at a time, under ``policy``; a long SLO."""
+    return xy_config(name, max_batch_size=1, parameters={
+        "max_inflight_batches": "1", "batch_policy": policy, "slo_ms": "60000",
+        "gate_dir": gate_dir, "batch_s": BATCH_S})
+
 
 SLOW_MODEL = '''
 import time
@@ -79,12 +78,7 @@ def slow(server, model_repository, tmp_path_factory) -> dict[str, Gate]:
     with Client(server.address, timeout_s=120, retry=RetryPolicy(max_attempts=1)) as client:
         for name, policy in (("slow_fifo", "fifo"), ("slow_deadline", "deadline")):
             gate = Gate(tmp_path_factory.mktemp(name))
-            folder = model_repository / name
-            (folder / "1").mkdir(parents=True, exist_ok=True)
-            config = (SLOW_CONFIG.replace("NAME", name).replace("POLICY", policy)
-                      .replace("GATE_DIR", str(gate.dir)).replace("BATCH_S", str(BATCH_S)))
-            (folder / "config.pbtxt").write_text(config)
-            (folder / "1" / "model.py").write_text(SLOW_MODEL)
+            write_model(model_repository, slow_config(name, policy, gate.dir), SLOW_MODEL)
             client.load_model(name)
             gates[name] = gate
     yield gates

@@ -17,9 +17,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import inference_pb2_grpc
-from tests.conftest import (EXAMPLE_MODELS, ROOT, SERVER_MODES, TEST_MODELS, RunningServer,
-                            ServeProcess, native_or_skip, poll, start_in_mode)
-from tests.test_server import infer_request
+from tests.support import EXAMPLE_MODELS, ROOT
+from tests.support.harness import RunningServer, ServeProcess, mode_args
+from tests.support.messages import infer_request
+from tests.support.models import GATED_CONFIG, GATED_MODEL
+from tests.support.polling import poll
+from tests.support.repository import with_parameters, write_model
+from tests.support.servers import SERVER_MODES, native_or_skip, start_in_mode
 
 
 @pytest.mark.parametrize("mode", SERVER_MODES)
@@ -104,17 +108,13 @@ TRITONCLIENT_BURST = textwrap.dedent(f'''
         print(json.dumps(codes), flush=True)
 ''')
 DRAIN_ROUNDS = 4
-MODE_FLAGS = {
-    "single": ("--frontend", "python", "--frontends", "0"),
-    "python": ("--frontend", "python", "--frontends", "1", "--arena-bytes", str(256 << 20)),
-    "native": ("--frontend", "native", "--arena-bytes", str(256 << 20)),
-}
 
 
 def serve(mode: str, repository, *flags: str) -> ServeProcess:
     """``batchgate serve`` in ``mode`` as its own process, every port chosen by the system."""
+    arena = () if mode == "single" else ("--arena-bytes", str(256 << 20))
     return ServeProcess(
-        "serve", *MODE_FLAGS[mode], "--host", "127.0.0.1", "--grpc-port", "0",
+        "serve", *mode_args(mode, frontends=1), *arena, "--host", "127.0.0.1", "--grpc-port", "0",
         "--metrics-port", "0", "--model-repository", str(repository), "--log-format", "json",
         "--no-gc-freeze", *flags)
 
@@ -196,11 +196,7 @@ def test_drain_ends_open_streams_with_unavailable(mlp_only, mode):
 @pytest.fixture
 def gated_only(tmp_path, gate):
     """A repository of the ``gated`` test model alone."""
-    config, model = TEST_MODELS["gated"]
-    (tmp_path / "gated" / "1").mkdir(parents=True)
-    (tmp_path / "gated" / "config.pbtxt").write_text(
-        textwrap.dedent(config).replace("GATE_DIR", str(gate.dir)))
-    (tmp_path / "gated" / "1" / "model.py").write_text(model)
+    write_model(tmp_path, with_parameters(GATED_CONFIG, gate_dir=gate.dir), GATED_MODEL)
     return tmp_path
 
 
@@ -214,8 +210,8 @@ def test_requests_left_at_the_drain_timeout_get_unavailable(gated_only, gate, mo
     try:
         listening = server.wait_for("listening")
         server.wait_for("serving")
-        metrics = RunningServer(mode, listening["grpc_port"], listening["metrics_port"], gate,
-                                stop=None)
+        metrics = RunningServer(mode, listening["grpc_port"], listening["metrics_port"],
+                                supervisor=server)
         with grpc.insecure_channel(metrics.address) as channel:
             stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
             gate.close()

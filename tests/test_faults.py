@@ -19,8 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from batcher.watchdog import ExecutionTimeout, TimedRunner, TooManyHungCalls
 from protos import inference_pb2 as pb
-from protos import inference_pb2_grpc
-from tests.conftest import poll
+from tests.support.polling import poll
 
 WAIT_S = 60
 
@@ -72,17 +71,6 @@ def test_too_many_hung_calls_stop_the_runner():
 
 
 # -- through the server ---------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def channel(server):
-    with grpc.insecure_channel(server.address) as ch:
-        yield ch
-
-
-@pytest.fixture(scope="module")
-def stub(channel):
-    return inference_pb2_grpc.GRPCInferenceServiceStub(channel)
 
 
 def request_for(model: str, x: np.ndarray) -> pb.ModelInferRequest:

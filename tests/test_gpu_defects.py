@@ -6,7 +6,6 @@ completes, the messages torch raises); what only a GPU can show is marked ``cuda
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import types
 import weakref
@@ -28,24 +27,13 @@ from batcher.model import ServedModel
 from batcher.request import QUEUED, TAKEN, InferenceRequest
 from batcher.spec import BatchingConfig, ModelSpec, TensorSpec
 from batcher.staging import Block, InputStager
+from tests.support.batching import infer_x, unit_spec
 from server.executor_process import pin_arena
 
 CUDA = torch.cuda.is_available()
 ILLEGAL_ADDRESS = ("CUDA error: an illegal memory access was encountered\n"
                    "CUDA kernel errors might be asynchronously reported at some other API call")
 CUBLAS_ALLOC = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
-
-
-def _spec(**fields) -> ModelSpec:
-    batching = BatchingConfig(max_batch_size=8, max_inflight_batches=fields.pop("inflight", 1))
-    return ModelSpec(name="unit", version="1", platform="test",
-                     inputs=(TensorSpec("x", "FP32", (2,)),),
-                     outputs=(TensorSpec("y", "FP32", (2,)),), batching=batching, **fields)
-
-
-async def _infer(model: ServedModel, x: np.ndarray) -> np.ndarray:
-    request = InferenceRequest([x], batch_size=x.shape[0])
-    return (await asyncio.wait_for(model.infer(request), 20))["y"]
 
 
 # -- out of memory -----------------------------------------------------------------------------
@@ -67,12 +55,12 @@ async def test_the_out_of_memory_split_runs_after_the_failed_forward_is_released
             alive_while_halves_ran.append(held[-1]() is not None)
         return x * 2
 
-    model = ServedModel(_spec(buckets=(1, 2, 4, 8)), forward,
+    model = ServedModel(unit_spec(buckets=(1, 2, 4, 8)), forward,
                         pools=DevicePools(PoolSettings(1 << 20)))
     model.start()
     try:
         x = np.arange(8, dtype=np.float32).reshape(4, 2) + 1
-        np.testing.assert_array_equal(await _infer(model, x), x * 2)
+        np.testing.assert_array_equal(await infer_x(model, x), x * 2)
     finally:
         model.stop(5)
     # Both halves ran, and neither while the failed call's frame (its activations) was alive.
@@ -87,11 +75,11 @@ async def test_a_cublas_allocation_failure_is_split_like_out_of_memory():
             raise RuntimeError(CUBLAS_ALLOC)
         return x + 1
 
-    model = ServedModel(_spec(buckets=(1, 2, 4, 8)), forward, metrics=BatcherMetrics(registry))
+    model = ServedModel(unit_spec(buckets=(1, 2, 4, 8)), forward, metrics=BatcherMetrics(registry))
     model.start()
     try:
         x = np.ones((4, 2), np.float32)
-        np.testing.assert_array_equal(await _infer(model, x), x + 1)
+        np.testing.assert_array_equal(await infer_x(model, x), x + 1)
     finally:
         model.stop(5)
     assert registry.get_sample_value("batchgate_oom_events_total", {"model": "unit"}) == 1
@@ -124,15 +112,15 @@ async def test_a_sticky_cuda_error_stops_the_instance_and_tells_the_process(monk
             raise RuntimeError(ILLEGAL_ADDRESS)
         return x
 
-    model = ServedModel(_spec(warmup=False), forward, on_failed=failed.append)
+    model = ServedModel(unit_spec(warmup=False), forward, on_failed=failed.append)
     model.start()
     try:
         with pytest.raises(ModelExecutionError, match="unusable"):
-            await _infer(model, np.full((1, 2), 13.0, np.float32))
+            await infer_x(model, np.full((1, 2), 13.0, np.float32))
         assert lost and "illegal memory access" in lost[0]
         assert not model.ready and failed
         with pytest.raises(ModelUnavailable):
-            await _infer(model, np.ones((1, 2), np.float32))
+            await infer_x(model, np.ones((1, 2), np.float32))
     finally:
         model.stop(5)
 
@@ -158,11 +146,11 @@ async def test_a_sticky_error_reported_by_the_device_late_stops_the_instance(mon
         return outputs
 
     monkeypatch.setattr(Executor, "_launch", launch_that_fails_on_the_device)
-    model = ServedModel(_spec(warmup=False), lambda x: x)
+    model = ServedModel(unit_spec(warmup=False), lambda x: x)
     model.start()
     try:
         with pytest.raises(ModelExecutionError, match="unusable"):
-            await _infer(model, np.full((1, 2), 13.0, np.float32))
+            await infer_x(model, np.full((1, 2), 13.0, np.float32))
         assert lost and not model.ready
     finally:
         model.stop(5)
@@ -198,18 +186,18 @@ async def test_execution_timeout_covers_the_wait_for_the_device(monkeypatch):
         return outputs
 
     monkeypatch.setattr(Executor, "_launch", launch_with_device_work)
-    model = ServedModel(_spec(warmup=False, execution_timeout_ms=200), lambda x: x * 2,
+    model = ServedModel(unit_spec(warmup=False, execution_timeout_ms=200), lambda x: x * 2,
                         pools=DevicePools(PoolSettings(1 << 20)))
     model.start()
     try:
         with pytest.raises(ModelExecutionError, match="execution_timeout_ms=200.*still running"):
-            await _infer(model, np.full((2, 2), 13.0, np.float32))
-        np.testing.assert_array_equal(await _infer(model, np.ones((2, 2), np.float32)),
+            await infer_x(model, np.full((2, 2), 13.0, np.float32))
+        np.testing.assert_array_equal(await infer_x(model, np.ones((2, 2), np.float32)),
                                       np.full((2, 2), 2.0, np.float32))
         hung.finish()  # the late work ends: its inputs go back with the next batch
         for value in (3.0, 4.0):
             np.testing.assert_array_equal(
-                await _infer(model, np.full((2, 2), value, np.float32)),
+                await infer_x(model, np.full((2, 2), value, np.float32)),
                 np.full((2, 2), 2 * value, np.float32))
         assert model.ready
     finally:

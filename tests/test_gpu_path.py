@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import shutil
-import textwrap
 import threading
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -22,7 +19,6 @@ import numpy as np
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
 
 from batcher import precision
 from batcher.buckets import BatchBuckets
@@ -30,32 +26,26 @@ from batcher.errors import ModelExecutionError, ResourceExhausted
 from batcher.memory import DevicePools, PoolSettings
 from batcher.metrics import BatcherMetrics
 from batcher.model import ServedModel
-from batcher.request import InferenceRequest
 from batcher.spec import BatchingConfig, ModelSpec, TensorSpec
 from clients import BatchgateError, Client
-from tests.conftest import (
-    EXAMPLE_MODELS,
-    SERVER_MODES,
-    ServeProcess,
-    poll,
-    reference,
-    start_multiprocess_server,
-    start_server,
-)
+from tests.support import EXAMPLE_MODELS
+from tests.support.batching import infer_x, unit_spec
+from tests.support.harness import ServeProcess
+from protos.model_config_pb2 import ModelConfig
+from tests.support.metrics import sample, scrape
+from tests.support.models import reference, xy_config
+from tests.support.polling import poll
+from tests.support.repository import copy_model, write_model
+from tests.support.servers import SERVER_MODES, start_multiprocess_server, start_server
 
 CUDA = torch.cuda.is_available()
 
-SMALL_CONFIG = """
-name: "NAME"
-backend: "pytorch"
-max_batch_size: 8
-input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]
-output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]
-dynamic_batching { max_queue_delay_microseconds: 0 }
-instance_group [ { kind: KIND_CPU count: 1 } ]
-parameters { key: "log_dir" value: { string_value: "LOG_DIR" } }
-parameters { key: "log_name" value: { string_value: "NAME" } }
-"""
+
+
+def small_config(name: str, log_dir: Path, kind: str = "KIND_CPU", **params: str) -> ModelConfig:
+    """An FP32 [2] model that logs to ``log_dir``/``name``, with ``params``."""
+    return xy_config(name, kind=kind, parameters={"log_dir": log_dir, "log_name": name, **params})
+
 
 # y = 3x; appends each batch's row count (padding included) to log_dir/NAME.
 RECORDER_MODEL = '''
@@ -148,24 +138,8 @@ def build_model(parameters):
 '''
 
 
-def _params(**params: str) -> str:
-    return "".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n'
-                   for k, v in params.items())
-
-
-def _write(root: Path, name: str, config: str, model: str, log_dir: Path) -> None:
-    (root / name / "1").mkdir(parents=True)
-    text = textwrap.dedent(config).replace("NAME", name).replace("LOG_DIR", str(log_dir))
-    (root / name / "config.pbtxt").write_text(text)
-    (root / name / "1" / "model.py").write_text(model)
-
-
 def _mlp(root: Path, name: str, **params: str) -> None:
-    shutil.copytree(EXAMPLE_MODELS / "mlp", root / name,
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    config = root / name / "config.pbtxt"
-    config.write_text(config.read_text().replace('name: "mlp"', f'name: "{name}"')
-                      + _params(**params))
+    copy_model(EXAMPLE_MODELS / "mlp", root, name, params)
 
 
 def write_gpu_repository(root: Path, log_dir: Path) -> Path:
@@ -173,12 +147,11 @@ def write_gpu_repository(root: Path, log_dir: Path) -> Path:
     _mlp(root, "mlp_bf16", precision="amp-bf16")
     _mlp(root, "mlp_fp16w", precision="fp16-weights")
     _mlp(root, "mlp_graphs", buckets="1,8,64", cuda_graphs="true")
-    _write(root, "recorder", SMALL_CONFIG + _params(buckets="1,2,4,8"), RECORDER_MODEL, log_dir)
-    _write(root, "oom", SMALL_CONFIG + _params(buckets="pow2"), OOM_MODEL, log_dir)
-    _write(root, "staged", SMALL_CONFIG + _params(input_staging="queue", max_inflight_batches="1"),
-           GATED_MODEL, log_dir)
-    _write(root, "overflow", SMALL_CONFIG + _params(precision="fp16-weights"), OVERFLOW_MODEL,
-           log_dir)
+    write_model(root, small_config("recorder", log_dir, buckets="1,2,4,8"), RECORDER_MODEL)
+    write_model(root, small_config("oom", log_dir, buckets="pow2"), OOM_MODEL)
+    write_model(root, small_config("staged", log_dir, input_staging="queue",
+                                   max_inflight_batches="1"), GATED_MODEL)
+    write_model(root, small_config("overflow", log_dir, precision="fp16-weights"), OVERFLOW_MODEL)
     return root
 
 
@@ -212,17 +185,6 @@ def config_parameters(address: str, model: str) -> dict[str, str]:
     with Client(address, timeout_s=30) as client:
         config = client.model_config(model)
     return {key: value.string_value for key, value in config.parameters.items()}
-
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    """Every sample of /metrics, parsed by prometheus_client: (name, sorted labels) -> value."""
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def sample(samples: dict, name: str, **labels: str) -> float | None:
-    return samples.get((name, tuple(sorted(labels.items()))))
 
 
 # -- buckets -----------------------------------------------------------------------------------
@@ -342,7 +304,7 @@ TINY_POOL = 64 * 1024  # the small models fit; the mlp's 64-row buffers do not
 
 
 def _tiny_repository(root: Path, log_dir: Path) -> Path:
-    _write(root, "small", SMALL_CONFIG, RECORDER_MODEL, log_dir)
+    write_model(root, small_config("small", log_dir), RECORDER_MODEL)
     _mlp(root, "big")
     return root
 
@@ -498,26 +460,15 @@ def test_graphs_on_cuda(tmp_path, log_dir):
 # -- the executor on its own (no server) -------------------------------------------------------
 
 
-def _spec(**fields) -> ModelSpec:
-    batching = BatchingConfig(max_batch_size=8, max_inflight_batches=fields.pop("inflight", 1))
-    return ModelSpec(name="unit", version="1", platform="test",
-                     inputs=(TensorSpec("x", "FP32", (2,)),),
-                     outputs=(TensorSpec("y", "FP32", (2,)),), batching=batching, **fields)
-
-
-async def _infer(model: ServedModel, x: np.ndarray) -> np.ndarray:
-    request = InferenceRequest([x], batch_size=x.shape[0])
-    return (await model.infer(request))["y"]
-
-
 async def test_an_output_that_is_the_input_buffer_is_copied_before_the_buffer_is_reused():
     # Identity: the model hands back the pooled batch buffer itself. With one batch in flight
     # the next batch reuses that buffer while the first answer may still be on its way out.
-    model = ServedModel(_spec(warmup=False), lambda x: x, pools=DevicePools(PoolSettings(1 << 20)))
+    model = ServedModel(unit_spec(warmup=False), lambda x: x,
+                        pools=DevicePools(PoolSettings(1 << 20)))
     model.start()
     try:
-        first = await _infer(model, np.full((3, 2), 1.0, np.float32))
-        second = await _infer(model, np.full((3, 2), 2.0, np.float32))
+        first = await infer_x(model, np.full((3, 2), 1.0, np.float32))
+        second = await infer_x(model, np.full((3, 2), 2.0, np.float32))
     finally:
         model.stop(5)
     np.testing.assert_array_equal(first, np.full((3, 2), 1.0, np.float32))
@@ -531,14 +482,14 @@ async def test_a_single_sample_out_of_memory_fails_with_resource_exhausted():
         return x
 
     registry = CollectorRegistry()
-    model = ServedModel(_spec(buckets=(1, 2, 4, 8)), never_fits,
+    model = ServedModel(unit_spec(buckets=(1, 2, 4, 8)), never_fits,
                         metrics=BatcherMetrics(registry))
     model.start()  # the warm-up's zeros fit
     try:
         with pytest.raises(ResourceExhausted, match="single sample"):
-            await _infer(model, np.ones((2, 2), np.float32))
+            await infer_x(model, np.ones((2, 2), np.float32))
         # The failure was the batch's, not the model's: it still answers what fits.
-        np.testing.assert_array_equal(await _infer(model, np.zeros((2, 2), np.float32)),
+        np.testing.assert_array_equal(await infer_x(model, np.zeros((2, 2), np.float32)),
                                       np.zeros((2, 2), np.float32))
     finally:
         model.stop(5)
@@ -550,7 +501,7 @@ async def test_pipelined_batches_with_staging_answer_every_request_on_the_cpu():
     registry = CollectorRegistry()
     metrics = BatcherMetrics(registry)
     pools = DevicePools(PoolSettings(1 << 20), metrics)
-    model = ServedModel(_spec(inflight=2, buckets=(2, 4, 8), input_staging="queue"),
+    model = ServedModel(unit_spec(inflight=2, buckets=(2, 4, 8), input_staging="queue"),
                         lambda x: x * 2 + 1, metrics=metrics, pools=pools)
     model.start()
     baseline = registry.get_sample_value("batchgate_pool_bytes_in_use", {"device": "cpu"})
@@ -558,7 +509,7 @@ async def test_pipelined_batches_with_staging_answer_every_request_on_the_cpu():
     xs = [rng.standard_normal((int(rng.integers(1, 9)), 2), dtype=np.float32)
           for _ in range(200)]
     try:
-        answers = await asyncio.gather(*(_infer(model, x) for x in xs))
+        answers = await asyncio.gather(*(infer_x(model, x) for x in xs))
     finally:
         model.stop(5)
     for x, y in zip(xs, answers):
@@ -588,9 +539,8 @@ def test_staging_from_the_pinned_arena_on_cuda(tmp_path):
     log_dir = tmp_path / "logs"
     log_dir.mkdir()
     repository = tmp_path / "models"
-    _write(repository, "staged",
-           SMALL_CONFIG.replace("KIND_CPU", "KIND_GPU") + _params(max_inflight_batches="1"),
-           GATED_MODEL, log_dir)
+    write_model(repository, small_config("staged", log_dir, "KIND_GPU", max_inflight_batches="1"),
+                GATED_MODEL)
     running = start_multiprocess_server(repository)
     try:
         params = config_parameters(running.address, "staged")
@@ -641,18 +591,18 @@ async def test_after_a_timed_out_batch_the_instance_serves_on_fresh_buffers():
             x.fill_(-1.0)  # the late call scribbles on its inputs
         return x * 2
 
-    model = ServedModel(_spec(warmup=False, execution_timeout_ms=200), hangs_on_13,
+    model = ServedModel(unit_spec(warmup=False, execution_timeout_ms=200), hangs_on_13,
                         pools=DevicePools(PoolSettings(1 << 20)))
     model.start()
     try:
         with pytest.raises(ModelExecutionError, match="execution_timeout_ms=200"):
-            await _infer(model, np.full((2, 2), 13.0, np.float32))
-        np.testing.assert_array_equal(await _infer(model, np.ones((2, 2), np.float32)),
+            await infer_x(model, np.full((2, 2), 13.0, np.float32))
+        np.testing.assert_array_equal(await infer_x(model, np.ones((2, 2), np.float32)),
                                       np.full((2, 2), 2.0, np.float32))
         release.set()
         for value in (3.0, 4.0, 5.0):
             np.testing.assert_array_equal(
-                await _infer(model, np.full((2, 2), value, np.float32)),
+                await infer_x(model, np.full((2, 2), value, np.float32)),
                 np.full((2, 2), 2 * value, np.float32))
     finally:
         release.set()

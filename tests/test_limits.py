@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import textwrap
 import tracemalloc
 from pathlib import Path
 
@@ -24,24 +23,18 @@ from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
 from server.codec import RequestLimits, decode_request
 from server.errors import MAX_MESSAGE_BYTES, status_of
-from tests.conftest import SERVER_MODES, start_multiprocess_server, start_server
+from tests.support.repository import model_config, tensor, write_model
+from tests.support.servers import SERVER_MODES, start_multiprocess_server, start_server
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_ELEMENTS = 1000
 MAX_REQUEST_BYTES = 6000
 MAX_MESSAGE = 64 * 1024
 
-PAIR_CONFIG = """
-name: "pair"
-backend: "pytorch"
-max_batch_size: 4
-input [ { name: "A" data_type: TYPE_FP32 dims: [ -1 ] },
-        { name: "B" data_type: TYPE_FP32 dims: [ -1 ] } ]
-output [ { name: "A2" data_type: TYPE_FP32 dims: [ -1 ] },
-         { name: "B2" data_type: TYPE_FP32 dims: [ -1 ] } ]
-dynamic_batching { max_queue_delay_microseconds: 0 }
-parameters { key: "warmup" value: { string_value: "false" } }
-"""
+PAIR_CONFIG = model_config(
+    "pair", max_batch_size=4, input=[tensor("A", "FP32", [-1]), tensor("B", "FP32", [-1])],
+    output=[tensor("A2", "FP32", [-1]), tensor("B2", "FP32", [-1])],
+    dynamic_batching={"max_queue_delay_microseconds": 0}, parameters={"warmup": "false"})
 PAIR_MODEL = """
 import torch
 
@@ -163,9 +156,7 @@ def test_limit_settings_are_checked():
 @pytest.fixture(scope="module", params=SERVER_MODES)
 def limited(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("limited")
-    (root / "pair" / "1").mkdir(parents=True)
-    (root / "pair" / "config.pbtxt").write_text(textwrap.dedent(PAIR_CONFIG))
-    (root / "pair" / "1" / "model.py").write_text(PAIR_MODEL)
+    write_model(root, PAIR_CONFIG, PAIR_MODEL)
     if request.param == "single":
         running = start_server(root, max_tensor_elements=MAX_ELEMENTS,
                                max_request_bytes=MAX_REQUEST_BYTES, max_message_bytes=MAX_MESSAGE)

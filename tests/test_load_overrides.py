@@ -18,20 +18,14 @@ import pytest
 
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
-from tests.conftest import SERVER_MODES, start_in_mode
+from tests.support.models import xy_config
+from tests.support.repository import write_model
+from tests.support.servers import SERVER_MODES, start_in_mode
 
 MAX_FILES_BYTES = 4096
 TIMEOUT_S = 60
 
-PLUS_CONFIG = """
-name: "plus"
-backend: "pytorch"
-max_batch_size: 8
-input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]
-output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]
-dynamic_batching { max_queue_delay_microseconds: 0 }
-instance_group [ { kind: KIND_CPU count: 1 } ]
-"""
+PLUS_CONFIG = xy_config("plus")
 PLUS_MODEL = """
 import torch
 
@@ -116,9 +110,7 @@ TRITONCLIENT_SCRIPT = textwrap.dedent('''
 @pytest.fixture(scope="module", params=SERVER_MODES)
 def server(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"overrides-{request.param}")
-    (root / "plus" / "1").mkdir(parents=True)
-    (root / "plus" / "config.pbtxt").write_text(PLUS_CONFIG)
-    (root / "plus" / "1" / "model.py").write_text(PLUS_MODEL)
+    write_model(root, PLUS_CONFIG, PLUS_MODEL)
     if request.param == "single":
         running = start_in_mode("single", root, max_load_files_bytes=MAX_FILES_BYTES)
     else:

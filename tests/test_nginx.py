@@ -20,7 +20,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -28,7 +27,11 @@ import pytest
 import yaml
 
 from clients import BatchgateError, Client, RetryPolicy
-from tests.conftest import EXAMPLE_MODELS, ROOT, Load, ServeProcess, poll
+from tests.support import EXAMPLE_MODELS, ROOT
+from tests.support.harness import ServeProcess
+from tests.support.load import Load
+from tests.support.metrics import metrics_url, scrape, total
+from tests.support.polling import poll
 
 # The SDK's retries carry what a stopping or killed replica had in flight to the other one.
 RETRY = RetryPolicy(max_attempts=8, initial_backoff_s=0.02, max_backoff_s=0.5)
@@ -123,14 +126,8 @@ class Replica:
         return self
 
     def requests(self) -> float:
-        import urllib.request
-
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = urllib.request.urlopen(
-            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
-        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                   if s.name == "batchgate_requests_total" and s.labels.get("status") == "OK")
+        return total(scrape(metrics_url(self.metrics_port), timeout_s=5),
+                     "batchgate_requests_total", status="OK")
 
     def stop(self) -> int:
         return self.process.stop()
@@ -162,20 +159,20 @@ class Nginx:
         return f"127.0.0.1:{self.port}"
 
     def wait_live(self, timeout_s: float = 30) -> None:
-        deadline = time.monotonic() + timeout_s
         with Client(self.address, timeout_s=2, retry=RetryPolicy(max_attempts=1)) as client:
-            while True:
+            def live() -> bool:
                 if self.proc.poll() is not None:
                     raise AssertionError(f"nginx exited {self.proc.returncode}: "
                                          f"{self.proc.stderr.read()} {self.error_log()}")
                 try:
-                    if client.server_live():
-                        return
+                    return client.server_live()
                 except BatchgateError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"nginx not live within {timeout_s} s: {self.error_log()}")
-                time.sleep(0.05)
+                    return False
+
+            try:
+                poll(live, timeout_s, "nginx live", interval_s=0.05)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}: {self.error_log()}") from None
 
     def error_log(self) -> str:
         path = self.dir / "error.log"

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from clients import AsyncClient, BatchgateError, Client, RetryPolicy
-from tests import conftest
+from tests.support import models
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +17,7 @@ def client(server):
 
 
 def reference(server, model: str, x: np.ndarray) -> np.ndarray:
-    return conftest.reference(model, x)
+    return models.reference(model, x)
 
 
 def test_infer_matches_the_model(server, client):

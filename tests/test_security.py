@@ -31,16 +31,11 @@ from protos import inference_pb2_grpc, wire_pb2
 from server.auth import accepted_tokens, bearer_token
 from server.repository import ModelRepository
 from server.settings import Settings
-from tests.conftest import (
-    EXAMPLE_MODELS,
-    FAILING_CONFIG,
-    FAILING_MODEL,
-    SERVER_MODES,
-    ServeProcess,
-    native_or_skip,
-    reference,
-    start_server,
-)
+from tests.support import EXAMPLE_MODELS
+from tests.support.harness import ServeProcess, start_process
+from tests.support.models import FAILING_CONFIG, FAILING_MODEL, reference
+from tests.support.repository import renamed, write_model
+from tests.support.servers import SERVER_MODES, native_or_skip, start_server
 
 ADMIN_TOKEN = secrets.token_hex(20)
 INFER_TOKEN = secrets.token_urlsafe(24)
@@ -53,10 +48,7 @@ def small_repository(root: Path) -> Path:
     """``mlp`` from the examples and ``spare`` (y = x + 1) to load and unload."""
     shutil.copytree(EXAMPLE_MODELS / "mlp", root / "mlp",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    (root / "spare" / "1").mkdir(parents=True)
-    (root / "spare" / "config.pbtxt").write_text(
-        textwrap.dedent(FAILING_CONFIG).replace('"failing"', '"spare"'))
-    (root / "spare" / "1" / "model.py").write_text(FAILING_MODEL)
+    write_model(root, renamed(FAILING_CONFIG, "spare"), FAILING_MODEL)
     return root
 
 
@@ -81,30 +73,19 @@ def secured(request, tmp_path_factory, pki):
     token_file = root / "infer-token"
     token_file.write_text(INFER_TOKEN + "\n")
     env = {**os.environ, "BATCHGATE_ADMIN_TOKEN": ADMIN_TOKEN}
-    processes = {"single": ["--frontend", "python", "--frontends", "0"],
-                 "python": ["--frontend", "python", "--frontends", "1",
-                            "--arena-bytes", str(64 << 20)],
-                 "native": ["--frontend", "native", "--arena-bytes", str(64 << 20)]}
+    arena = [] if request.param == "single" else ["--arena-bytes", str(64 << 20)]
     if request.param == "native":
         native_or_skip()
-    process = ServeProcess(
-        "serve", *processes[request.param],
-        "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0",
-        "--model-repository", str(repository),
+    running = start_process(repository, request.param, frontends=1, env=env, extra_args=[
+        *arena,
         "--tls-cert", str(pki["server_cert"]), "--tls-key", str(pki["server_key"]),
         "--tls-client-ca", str(pki["ca"]), "--infer-token-file", str(token_file),
-        "--log-level", "debug", "--log-format", "json", "--no-gc-freeze",
-        "--drain-timeout-s", "5", env=env)
-    try:
-        process.wait_for("serving")
-        listening = process.wait_for("listening")
-    except BaseException:
-        process.proc.kill()
-        raise
+        "--log-level", "debug", "--no-gc-freeze", "--drain-timeout-s", "5"])
+    listening = running.supervisor.wait_for("listening")
     assert (listening["tls"], listening["admin_token"], listening["infer_token"]) == (
         "mutual", True, True)
-    yield Secured(request.param, process, listening["grpc_port"], pki)
-    assert process.stop() == 0
+    yield Secured(request.param, running.supervisor, running.grpc_port, pki)
+    running.stop()  # fails unless it exits 0
 
 
 def code_of(call) -> grpc.StatusCode:
@@ -415,11 +396,8 @@ def test_load_and_unload_refuse_names_that_leave_the_repository(server, name):
 def test_a_model_folder_linked_from_outside_the_repository_is_served(server, model_repository,
                                                                     tmp_path):
     """The operator's links are followed: model stores and volume mounts are laid out so."""
-    outside = tmp_path / "outside"
-    (outside / "1").mkdir(parents=True)
-    (outside / "config.pbtxt").write_text(
-        textwrap.dedent(FAILING_CONFIG).replace('"failing"', '"linked"'))
-    (outside / "1" / "model.py").write_text(FAILING_MODEL)
+    outside = write_model(tmp_path, renamed(FAILING_CONFIG, "linked"), FAILING_MODEL,
+                          folder="outside")
     link = model_repository / "linked"
     link.symlink_to(outside, target_is_directory=True)
     try:
@@ -436,10 +414,7 @@ def test_symlink_inside_the_repository_is_served(server, model_repository):
     """A link that stays inside (here into a hidden folder of the repository) is fine."""
     store = model_repository / ".store" / "alias"
     if not store.exists():
-        (store / "1").mkdir(parents=True)
-        (store / "config.pbtxt").write_text(
-            textwrap.dedent(FAILING_CONFIG).replace('"failing"', '"alias"'))
-        (store / "1" / "model.py").write_text(FAILING_MODEL)
+        write_model(store.parent, renamed(FAILING_CONFIG, "alias"), FAILING_MODEL)
     link = model_repository / "alias"
     link.symlink_to(store, target_is_directory=True)
     try:

@@ -14,39 +14,15 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
-from tests.conftest import NUMERIC_TYPES, poll, reference
+from tests.support.messages import infer_request, output
+from tests.support.metrics import scrape as scrape_url
+from tests.support.models import NUMERIC_TYPES, reference
+from tests.support.polling import poll
 
 BF16 = "BF16"
-
-
-@pytest.fixture(scope="module")
-def channel(server):
-    with grpc.insecure_channel(server.address) as ch:
-        yield ch
-
-
-@pytest.fixture(scope="module")
-def stub(channel):
-    return inference_pb2_grpc.GRPCInferenceServiceStub(channel)
-
-
-def infer_request(model: str, arrays: dict[str, np.ndarray], datatype: str = "FP32", **kw):
-    req = pb.ModelInferRequest(model_name=model, **kw)
-    for name, array in arrays.items():
-        req.inputs.add(name=name, datatype=datatype, shape=array.shape)
-        req.raw_input_contents.append(array.tobytes())
-    return req
-
-
-def output(response: pb.ModelInferResponse, name: str, dtype=np.float32) -> np.ndarray:
-    for tensor, raw in zip(response.outputs, response.raw_output_contents):
-        if tensor.name == name:
-            return np.frombuffer(raw, dtype=dtype).reshape(tuple(tensor.shape))
-    raise KeyError(name)
 
 
 def mlp_reference(server, x: np.ndarray) -> np.ndarray:
@@ -54,15 +30,7 @@ def mlp_reference(server, x: np.ndarray) -> np.ndarray:
 
 
 def scrape(server) -> dict:
-    import urllib.request
-
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = (sample.name, tuple(sorted(sample.labels.items())))
-            samples[key] = samples.get(key, 0.0) + sample.value
-    return samples
+    return scrape_url(server.metrics_url)
 
 
 def metric(samples: dict, name: str, **labels) -> float:

@@ -16,8 +16,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import textwrap
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -30,7 +28,10 @@ from clients import BatchgateError, Client, RetryPolicy
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
 from server import cli
-from tests.conftest import SERVER_MODES, ServeProcess, native_or_skip
+from tests.support.harness import ServeProcess
+from tests.support.metrics import metrics_url, read_metrics, scrape
+from tests.support.repository import model_config, tensor, with_parameters, write_model
+from tests.support.servers import SERVER_MODES, native_or_skip
 
 ROOT = Path(__file__).resolve().parent.parent
 ADMIN_TOKEN = "admin-" + "a" * 26
@@ -48,21 +49,10 @@ NO_RETRY = RetryPolicy(max_attempts=1)
 
 # ``vec``: y = x over any length (limits are tried on it); ``fixed``: y = x + 1 over [256],
 # whose buffers do not fit a 4096-byte pool (the permissive pool allocates them outside).
-VEC_CONFIG = """
-name: "vec"
-backend: "pytorch"
-max_batch_size: 8
-input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]
-output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] } ]
-parameters { key: "warmup" value: { string_value: "false" } }
-"""
-FIXED_CONFIG = """
-name: "fixed"
-backend: "pytorch"
-max_batch_size: 8
-input [ { name: "X" data_type: TYPE_FP32 dims: [ 256 ] } ]
-output [ { name: "Y" data_type: TYPE_FP32 dims: [ 256 ] } ]
-"""
+VEC_CONFIG = model_config("vec", max_batch_size=8, input=[tensor("X", "FP32", [-1])],
+                          output=[tensor("Y", "FP32", [-1])], parameters={"warmup": "false"})
+FIXED_CONFIG = model_config("fixed", max_batch_size=8, input=[tensor("X", "FP32", [256])],
+                            output=[tensor("Y", "FP32", [256])])
 MODEL = """
 import torch
 
@@ -132,11 +122,7 @@ def free_port() -> int:
 
 def repository(root: Path) -> Path:
     for name, config, k in (("vec", VEC_CONFIG, "0"), ("fixed", FIXED_CONFIG, "1")):
-        (root / name / "1").mkdir(parents=True)
-        (root / name / "config.pbtxt").write_text(
-            textwrap.dedent(config)
-            + f'parameters {{ key: "k" value: {{ string_value: "{k}" }} }}\n')
-        (root / name / "1" / "model.py").write_text(MODEL)
+        write_model(root, with_parameters(config, k=k), MODEL)
     return root
 
 
@@ -222,8 +208,7 @@ def test_the_network_flags(running):
     listening = _listening()
     assert listening[running.grpc_port] == {"127.0.0.1"}
     assert listening[running.metrics_port] == {"127.0.0.1"}
-    text = urllib.request.urlopen(f"http://127.0.0.1:{running.metrics_port}/metrics",
-                                  timeout=10).read().decode()
+    text = read_metrics(metrics_url(running.metrics_port))
     assert any(f.name == "batchgate_pool_bytes_reserved"
                for f in text_string_to_metric_families(text))
     # --no-reflection.
@@ -415,11 +400,7 @@ def _listening() -> dict[int, set[str]]:
 
 
 def _scrape(running: Running) -> dict:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{running.metrics_port}/metrics",
-                                  timeout=10).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}
-
+    return scrape(metrics_url(running.metrics_port))
 
 def test_the_device_pool_has_no_cap_by_default_and_a_cap_below_a_page_is_refused():
     from server.settings import Settings

@@ -24,7 +24,6 @@ import tempfile
 import textwrap
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -36,6 +35,9 @@ from server.settings import TOKEN_ENV, fields_for
 from server.metrics import ServerMetrics
 from server.multiproc_metrics import PREFIX, remove_abandoned
 from server.supervisor import RestartPolicy, Supervisor, SupervisorError
+from tests.support.metrics import Samples, metrics_url
+from tests.support.polling import poll
+from tests.support.metrics import scrape as scrape_url
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -163,16 +165,6 @@ class LogSink:
         return self.events()
 
 
-def wait_until(predicate, timeout_s: float = 15, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -181,11 +173,8 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+def scrape(port: int) -> Samples:
+    return scrape_url(metrics_url(port))
 
 
 def standin_dir(tmp_path: Path) -> Path:
@@ -313,11 +302,11 @@ def test_one_scrape_sums_every_process_under_the_single_process_names(make_super
 
     before = pids(supervisor)
     os.kill(before[("frontend", 0)], signal.SIGKILL)
-    wait_until(lambda: pids(supervisor)[("frontend", 0)] is None, what="the exit to be seen")
+    poll(lambda: pids(supervisor)[("frontend", 0)] is None, what="the exit to be seen")
     samples = scrape(supervisor.metrics_port)
     assert samples[("batchgate_queue_depth", model)] == 2  # the dead process's gauge is gone
     assert samples[("batchgate_requests_total", (("model", "standin"), ("status", "OK")))] == 2
-    after = wait_until(lambda: ready_pids(supervisor), what="the restart")
+    after = poll(lambda: ready_pids(supervisor), what="the restart")
     assert after[("frontend", 0)] != before[("frontend", 0)]
     samples = scrape(supervisor.metrics_port)
     # Counters keep the dead process's counts: they never go backwards.
@@ -332,7 +321,7 @@ def test_a_killed_front_end_is_restarted_and_the_others_are_left_alone(make_supe
     supervisor.start()
     before = pids(supervisor)
     os.kill(before[("frontend", 1)], signal.SIGKILL)
-    after = wait_until(
+    after = poll(
         lambda: (p := ready_pids(supervisor)) and p[("frontend", 1)] != before[("frontend", 1)]
         and p, what="front end 1 to be restarted")
     assert after[("frontend", 0)] == before[("frontend", 0)]
@@ -349,7 +338,7 @@ def test_a_killed_executor_is_restarted_and_front_ends_keep_running(make_supervi
     supervisor.start()
     before = pids(supervisor)
     os.kill(before[("executor", None)], signal.SIGKILL)
-    after = wait_until(
+    after = poll(
         lambda: (p := ready_pids(supervisor)) and p[("executor", None)] != before[("executor", None)]
         and p, what="the executor to be restarted")
     assert [after[("frontend", i)] for i in (0, 1)] == [before[("frontend", i)] for i in (0, 1)]
@@ -508,7 +497,7 @@ def test_a_killed_supervisor_takes_its_children_along(tmp_path):
         assert len(children) == 3 and all(alive(pid) for pid in children)
         driver.proc.kill()
         driver.proc.wait(10)
-        wait_until(lambda: not any(alive(pid) for pid in children), 10,
+        poll(lambda: not any(alive(pid) for pid in children), 10,
                    "the children to die with the supervisor")
     finally:
         driver.close()
