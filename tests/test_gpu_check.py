@@ -1,4 +1,4 @@
-"""`bench/gpu_check.py` as it is run: a real process, here without a GPU, on one when there is."""
+"""`python -m bench.gpu_check` as it is run: a real process, here without a GPU, on one when there is."""
 
 from __future__ import annotations
 
@@ -11,13 +11,12 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "bench" / "gpu_check.py"
 CUDA = torch.cuda.is_available()
 
 
 def run_check(*args: str, timeout_s: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout_s)
+    return subprocess.run([sys.executable, "-m", "bench.gpu_check", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout_s)
 
 
 @pytest.mark.skipif(CUDA, reason="a CUDA device is present: test_full_run_on_cuda covers it")
