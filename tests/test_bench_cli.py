@@ -23,7 +23,9 @@ import pytest
 
 from bench.loadgen import arrivals, cli, driver, plan, scrape, workload
 from bench.loadgen.report import LAYOUT, layout_problems
-from tests.conftest import EXAMPLE_MODELS, FAILING_CONFIG, FAILING_MODEL, start_server
+from tests.support import EXAMPLE_MODELS
+from tests.support.models import FAILING_CONFIG, FAILING_MODEL
+from tests.support.servers import start_server
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

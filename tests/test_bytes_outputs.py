@@ -1,6 +1,6 @@
 """BYTES outputs from a Python model, through tritonclient (PyPI), in every server mode.
 
-The ``strings`` test model (tests/conftest.py) takes BYTES and returns BYTES three ways (a
+The ``strings`` test model (tests/support/models.py) takes BYTES and returns BYTES three ways (a
 numpy object array, a list of rows of bytes, a list of str) beside an INT64 tensor; a batch
 whose first element names a fault returns that fault. tritonclient cannot share a process with
 our ``protos`` (both register package ``inference``), so its calls run in a subprocess that

@@ -13,7 +13,7 @@ import numpy as np
 
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
-from tests.conftest import ServeProcess
+from tests.support.harness import ServeProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 

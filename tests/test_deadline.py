@@ -30,7 +30,7 @@ from batcher.profile import LatencyProfile, size_classes
 from batcher.queue import ModelQueue
 from batcher.request import QUEUED, REMOVED
 from batcher.spec import BatchingConfig
-from tests.conftest import poll
+from tests.support.polling import poll
 from tests.test_batcher import (
     RecordingModel,
     hold_executor,

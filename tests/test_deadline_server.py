@@ -22,7 +22,8 @@ import pytest
 from clients import BatchgateError, Client, RetryPolicy
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
-from tests.conftest import Gate, poll
+from tests.support.models import Gate
+from tests.support.polling import poll
 from tests.test_server import infer_request, output
 
 BATCH_S = 0.1

@@ -17,8 +17,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import inference_pb2_grpc
-from tests.conftest import (EXAMPLE_MODELS, ROOT, SERVER_MODES, TEST_MODELS, RunningServer,
-                            ServeProcess, native_or_skip, poll, start_in_mode)
+from tests.support import EXAMPLE_MODELS, ROOT
+from tests.support.harness import RunningServer, ServeProcess
+from tests.support.models import TEST_MODELS
+from tests.support.polling import poll
+from tests.support.servers import SERVER_MODES, native_or_skip, start_in_mode
 from tests.test_server import infer_request
 
 

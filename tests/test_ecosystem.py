@@ -18,7 +18,8 @@ import pytest
 
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
-from tests.conftest import PERF_ANALYZER, perf_analyzer_unavailable, reference
+from tests.support.models import reference
+from tests.support.tools import PERF_ANALYZER, perf_analyzer_unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from batcher.watchdog import ExecutionTimeout, TimedRunner, TooManyHungCalls
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
-from tests.conftest import poll
+from tests.support.polling import poll
 
 WAIT_S = 60
 

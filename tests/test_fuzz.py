@@ -33,7 +33,8 @@ from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
 from batcher.errors import quoted
 from server.errors import INTERNAL_MESSAGE
-from tests.conftest import NUMERIC_TYPES, Load
+from tests.support.load import Load
+from tests.support.models import NUMERIC_TYPES
 
 EXAMPLES = int(os.environ.get("BATCHGATE_FUZZ_EXAMPLES", "100"))
 RANDOM = os.environ.get("BATCHGATE_FUZZ_RANDOM") == "1"

@@ -33,15 +33,11 @@ from batcher.model import ServedModel
 from batcher.request import InferenceRequest
 from batcher.spec import BatchingConfig, ModelSpec, TensorSpec
 from clients import BatchgateError, Client
-from tests.conftest import (
-    EXAMPLE_MODELS,
-    SERVER_MODES,
-    ServeProcess,
-    poll,
-    reference,
-    start_multiprocess_server,
-    start_server,
-)
+from tests.support import EXAMPLE_MODELS
+from tests.support.harness import ServeProcess
+from tests.support.models import reference
+from tests.support.polling import poll
+from tests.support.servers import SERVER_MODES, start_multiprocess_server, start_server
 
 CUDA = torch.cuda.is_available()
 

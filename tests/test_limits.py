@@ -24,7 +24,7 @@ from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
 from server.codec import RequestLimits, decode_request
 from server.errors import MAX_MESSAGE_BYTES, status_of
-from tests.conftest import SERVER_MODES, start_multiprocess_server, start_server
+from tests.support.servers import SERVER_MODES, start_multiprocess_server, start_server
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_ELEMENTS = 1000

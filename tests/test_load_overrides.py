@@ -18,7 +18,7 @@ import pytest
 
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
-from tests.conftest import SERVER_MODES, start_in_mode
+from tests.support.servers import SERVER_MODES, start_in_mode
 
 MAX_FILES_BYTES = 4096
 TIMEOUT_S = 60

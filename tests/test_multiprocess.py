@@ -14,7 +14,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import pytest
 
 from clients import Client, RetryPolicy
-from tests.conftest import Load, poll, start_multiprocess_server
+from tests.support.load import Load
+from tests.support.polling import poll
+from tests.support.servers import start_multiprocess_server
 
 
 def dev_shm() -> set[str]:
@@ -25,7 +27,7 @@ def dev_shm() -> set[str]:
 def mlp_only(tmp_path):
     import shutil
 
-    from tests.conftest import EXAMPLE_MODELS
+    from tests.support import EXAMPLE_MODELS
 
     shutil.copytree(EXAMPLE_MODELS / "mlp", tmp_path / "mlp",
                     ignore=shutil.ignore_patterns("__pycache__"))

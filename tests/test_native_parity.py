@@ -32,7 +32,9 @@ from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
 from server import native
 from server.shared_memory import OFF_MESSAGE
-from tests.conftest import NUMERIC_TYPES, Load, native_or_skip, start_in_mode
+from tests.support.load import Load
+from tests.support.models import NUMERIC_TYPES
+from tests.support.servers import native_or_skip, start_in_mode
 
 MODES = ("single", "python", "native", "native-asan")
 SANITIZED = native.ROOT / "build" / "native-asan" / "batchgate-frontend"

@@ -28,7 +28,10 @@ import pytest
 import yaml
 
 from clients import BatchgateError, Client, RetryPolicy
-from tests.conftest import EXAMPLE_MODELS, ROOT, Load, ServeProcess, poll
+from tests.support import EXAMPLE_MODELS, ROOT
+from tests.support.harness import ServeProcess
+from tests.support.load import Load
+from tests.support.polling import poll
 
 # The SDK's retries carry what a stopping or killed replica had in flight to the other one.
 RETRY = RetryPolicy(max_attempts=8, initial_backoff_s=0.02, max_backoff_s=0.5)

@@ -31,16 +31,10 @@ from protos import inference_pb2_grpc, wire_pb2
 from server.auth import accepted_tokens, bearer_token
 from server.repository import ModelRepository
 from server.settings import Settings
-from tests.conftest import (
-    EXAMPLE_MODELS,
-    FAILING_CONFIG,
-    FAILING_MODEL,
-    SERVER_MODES,
-    ServeProcess,
-    native_or_skip,
-    reference,
-    start_server,
-)
+from tests.support import EXAMPLE_MODELS
+from tests.support.harness import ServeProcess
+from tests.support.models import FAILING_CONFIG, FAILING_MODEL, reference
+from tests.support.servers import SERVER_MODES, native_or_skip, start_server
 
 ADMIN_TOKEN = secrets.token_hex(20)
 INFER_TOKEN = secrets.token_urlsafe(24)

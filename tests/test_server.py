@@ -18,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
-from tests.conftest import NUMERIC_TYPES, poll, reference
+from tests.support.models import NUMERIC_TYPES, reference
+from tests.support.polling import poll
 
 BF16 = "BF16"
 

@@ -30,7 +30,8 @@ from clients import BatchgateError, Client, RetryPolicy
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
 from server import cli
-from tests.conftest import SERVER_MODES, ServeProcess, native_or_skip
+from tests.support.harness import ServeProcess
+from tests.support.servers import SERVER_MODES, native_or_skip
 
 ROOT = Path(__file__).resolve().parent.parent
 ADMIN_TOKEN = "admin-" + "a" * 26

@@ -24,13 +24,9 @@ import pytest
 
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
-from tests.conftest import (
-    PERF_ANALYZER,
-    SERVER_MODES,
-    perf_analyzer_unavailable,
-    poll,
-    start_in_mode,
-)
+from tests.support.polling import poll
+from tests.support.servers import SERVER_MODES, start_in_mode
+from tests.support.tools import PERF_ANALYZER, perf_analyzer_unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
 
