@@ -30,10 +30,11 @@ figure there too:
 (c) throughput: the example encoder, a bigger encoder (d_model 512, 6 layers, sequence 128) and
     ResNet-50 (if torchvision imports; random weights), fp32, amp-fp16 and amp-fp16 replayed as
     one CUDA graph in a tight in-process loop at batch ``THROUGHPUT_BATCH``, then amp-fp16
-    eager and amp-fp16 with CUDA graphs per bucket through the whole gateway (in-process
-    ``Gateway`` on port 0, a temporary model repository, the SDK's AsyncClient from
-    ``LOAD_PROCESSES`` processes at ``LOAD_CONCURRENCY`` requests in flight in all, one sample
-    per request): gateway samples/s / in-process samples/s of the same path.
+    eager and amp-fp16 with CUDA graphs per bucket through the whole gateway (the harness's
+    in-thread server, ``tests.support.harness.start_in_thread``, on port 0 over a temporary
+    model repository; ``bench.loadgen``'s closed loop from ``LOAD_PROCESSES`` spawned workers
+    at ``LOAD_CONCURRENCY`` requests in flight in all, one sample per request, after
+    ``LOAD_WARMUP_S`` of warm-up): gateway samples/s / in-process samples/s of the same path.
 (d) host-to-device time on the critical path, for an mlp batch of 64 and a cnn batch of 32,
     timed with CUDA events against the forward: the batch's copy after it closes from pageable
     memory (a one-process server's request bytes) and from pinned memory (the shared arena),
@@ -77,8 +78,8 @@ alone, (a), (b)'s server trace and (d) need protobuf >= 6.33 too (the generated 
 torch 2.11 (the GPU machines') and 2.13 (CI) both have.
 
 The modules, one a section: ``correctness`` (a); ``memory``, ``pool_trace`` and
-``server_trace`` (b); ``throughput``, ``gateway`` and ``load`` (c; the load is
-``bench.loadgen``'s); ``nvml`` (e); ``h2d`` and ``gather`` (d); ``cuda_tests`` (t). Shared:
+``server_trace`` (b); ``throughput`` and ``load`` (c: the server is ``tests.support.harness``'s
+in-thread one, the load ``bench.loadgen``'s); ``nvml`` (e); ``h2d`` and ``gather`` (d); ``cuda_tests`` (t). Shared:
 ``report`` (rows, the table, budgets), ``machine`` (what the run was on), ``children`` (child
 processes), ``samples`` (inputs and model helpers); ``run`` ties them together.
 """

@@ -14,7 +14,7 @@ import numpy as np
 
 from bench.gpu_check.machine import tf32_flags
 from bench.gpu_check.report import ERROR, FAIL, PASS, Budget, Report, chain
-from bench.gpu_check.samples import ROOT, has_convolutions, random_array, tensors_of
+from bench.gpu_check.samples import ROOT, has_convolutions, random_array
 
 EXAMPLE_MODELS = ("mlp", "cnn", "encoder")
 
@@ -120,6 +120,7 @@ def correctness_case(spec: Any, module: Any, reference: Any, sizes: list[int], t
     on the CPU alone. CUDA graphs that were asked for but not captured fail the row."""
     import torch
 
+    from batcher.forward import unpack_outputs
     from batcher.model import ServedModel
     from batcher.request import InferenceRequest
 
@@ -149,7 +150,8 @@ def correctness_case(spec: Any, module: Any, reference: Any, sizes: list[int], t
     finite = True
     for arrays, answer in zip(requests_arrays, answers):
         with torch.inference_mode():
-            expected = tensors_of(reference(*[torch.from_numpy(a.copy()) for a in arrays]))
+            expected = unpack_outputs(reference(*[torch.from_numpy(a.copy()) for a in arrays]),
+                                      spec.outputs, spec.name)
         for out_spec, want in zip(spec.outputs, expected):
             want = want.float().numpy()
             got = np.asarray(answer[out_spec.name], dtype=np.float32)

@@ -18,7 +18,7 @@ def section_pytest(report: Report, budget: Budget) -> None:
         report.add("t", "pytest -m cuda", "pytest is not installed here (carry its wheels)", SKIP)
         return
     timeout = budget.left()
-    # The test that runs this script is left out: it would run this section again.
+    # The test that runs this check is left out: it would run this section again.
     # Only the files that hold cuda tests: the others need packages the machine may lack.
     files = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "tests").glob("test_*.py")
                    if "mark.cuda" in path.read_text())

@@ -66,14 +66,6 @@ def synchronize(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
-def tensors_of(returned: Any) -> list[Any]:
-    if isinstance(returned, dict):
-        return list(returned.values())
-    if isinstance(returned, (tuple, list)):
-        return list(returned)
-    return [returned]
-
-
 def has_convolutions(module: Any) -> bool:
     # A traced module's submodules are ScriptModules that keep the eager class name here.
     return any((getattr(m, "original_name", "") or type(m).__name__).startswith("Conv")

@@ -14,13 +14,13 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bench.gpu_check.gateway import RunningGateway
 from bench.gpu_check.load import ClosedLoop, closed_loop
 from bench.gpu_check.machine import torchvision_problem
 from bench.gpu_check.nvml import NvmlSampler, busy_summary
 from bench.gpu_check.report import ERROR, INFO, SKIP, Budget, Report, chain
 from bench.gpu_check.samples import (ROOT, TOKEN_IDS_HIGH, autocast_for, build_from_source,
                                      random_tensor, synchronize)
+from tests.support.harness import RunningServer, start_in_thread
 
 THROUGHPUT_BATCH = 64
 INPROCESS_SECONDS = 2.0
@@ -293,9 +293,11 @@ def section_throughput(report: Report, budget: Budget, settings: ThroughputSetti
 def gateway_load(report: Report, budget: Budget, settings: ThroughputSettings, repository: Path,
                  served: list[tuple[ThroughputModel, str, float]],
                  nvml: NvmlSampler | None) -> None:
-    running = RunningGateway(repository)
+    # The whole server (``server.app.Gateway``) on a thread here: its models' statistics and
+    # load reports are read directly, the load comes from other processes.
+    running = start_in_thread(repository, timeout_s=max(budget.left(), 10), metrics_port=None,
+                              gc_freeze=True)
     try:
-        running.start(timeout_s=max(budget.left(), 10))
         states = {e.name: e for e in running.gateway.repository.index()}
         for model, check, inprocess in served:
             entry = states.get(model.name)
@@ -315,7 +317,7 @@ def gateway_load(report: Report, budget: Budget, settings: ThroughputSettings, r
         running.stop()
 
 
-def one_load(report: Report, settings: ThroughputSettings, running: RunningGateway,
+def one_load(report: Report, settings: ThroughputSettings, running: RunningServer,
              model: ThroughputModel, inprocess_amp: float, check: str,
              nvml: NvmlSampler | None) -> None:
     served_model = running.gateway.repository.get(model.name)
