@@ -49,13 +49,16 @@ from bench.loadgen.arrivals import Arrival
 from bench.serving import (
     CAPACITY_CONCURRENCY,
     DEFAULT_REPOSITORY,
+    RUN_ERRORS,
     BenchError,
-    ServerProcess,
     bench_step,
     closed_loop_capacity,
     machine,
+    scrape,
+    start_server,
     window_goodput,
 )
+from tests.support.harness import RunningServer
 TARGET_FIXED_ATTAINMENT = 0.90
 TARGET_DEADLINE_ATTAINMENT = 0.99
 # The verdict's load must give the fixed delay 87-90 % attainment: at or just past its 90 %
@@ -163,11 +166,10 @@ def policy_repository(repository: Path, model: str, policy: Policy) -> Iterator[
 
 @contextlib.contextmanager
 def serving(repository: Path, model: str, policy: Policy, server_args: list[str]
-            ) -> Iterator[ServerProcess]:
+            ) -> Iterator[RunningServer]:
     with policy_repository(repository, model, policy) as scratch:
-        server = ServerProcess(scratch, model, server_args)
+        server = start_server(scratch, "auto", model, server_args)
         try:
-            server.wait_serving()
             yield server
         finally:
             code = server.stop()
@@ -236,8 +238,8 @@ def run_load(args: argparse.Namespace, policy: Policy, load: float, capacity: fl
              seconds: float) -> Result:
     arrival = burst_arrival(load * capacity, on_s=args.on_s, off_s=args.off_s, peak=args.peak)
     with serving(args.model_repository, args.model, policy, args.server_arg) as server:
-        url = f"127.0.0.1:{server.grpc_port}"
-        before = server.scrape()
+        url = server.address
+        before = scrape(server, args.model)
         step, command, _, _ = bench_step(url, args.model, [
             "--rate", f"{arrival.rate_per_s:.3f}", "--arrival", "bursty",
             "--burst-on-s", f"{arrival.on_s:g}", "--burst-off-s", f"{arrival.off_s:g}",
@@ -246,8 +248,8 @@ def run_load(args: argparse.Namespace, policy: Policy, load: float, capacity: fl
             "--enforce-deadline", "both",
             "--warmup-s", f"{args.warmup_s:g}", "--duration-s", f"{seconds:g}",
             "--seed", str(args.seed), "--drain-timeout-s", "30",
-        ], f"http://127.0.0.1:{server.metrics_port}/metrics")
-        after = server.scrape()
+        ], server.metrics_url)
+        after = scrape(server, args.model)
     step["command"] = command
     result = Result(policy=policy.label(), load=load, arrival=arrival, step=step,
                     seconds=seconds, server=server_counts(before, after),
@@ -446,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
                 report = run(args)
         else:
             report = run(args)
-    except BenchError as exc:
+    except RUN_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(render(report))

@@ -28,17 +28,17 @@ from typing import Any
 
 from bench._perf_analyzer import (
     DEFAULT_PERF_ANALYZER,
-    PerfAnalyzerError,
     run_perf_analyzer,
 )
 from bench.serving import (
     DEFAULT_REPOSITORY,
+    RUN_ERRORS,
     BenchError,
-    ServerProcess,
     machine,
     machine_busy_s,
     process_cpu_s,
     single_model_repository,
+    start_server,
 )
 
 CONCURRENCY = 64
@@ -103,10 +103,9 @@ def run_pa(url: str, model: str, seconds: float, perf_analyzer: Path) -> dict[st
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     rounds = []
     with single_model_repository(args.model_repository.resolve(), args.model) as repository:
-        server = ServerProcess(repository, args.model, args.server_arg)
+        server = start_server(repository, "auto", args.model, args.server_arg)
         try:
-            server.wait_serving()
-            url = f"127.0.0.1:{server.grpc_port}"
+            url = server.address
             for index in range(args.rounds):
                 pa_first = index % 2 == 0
                 results = {}
@@ -192,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds must be >= 1 and --seconds > 0")
     try:
         report = measure(args)
-    except (BenchError, PerfAnalyzerError) as exc:
+    except RUN_ERRORS as exc:
         print(f"bench.loadgen_vs_pa: {exc}", file=sys.stderr)
         return 1
     print(render(report))

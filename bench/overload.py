@@ -37,12 +37,13 @@ from typing import Any
 from bench.serving import (
     CAPACITY_CONCURRENCY,
     DEFAULT_REPOSITORY,
+    RUN_ERRORS,
     BenchError,
-    ServerProcess,
     bench_step,
     closed_loop_capacity,
     machine,
     single_model_repository,
+    start_server,
     window_goodput,
 )
 
@@ -60,11 +61,9 @@ def measure(repository: Path, model: str, parameters: dict[str, str] | None,
             options: argparse.Namespace, capacity: float | None) -> dict[str, Any]:
     """Capacity (unless given) and the overload step against one server."""
     with single_model_repository(repository, model, parameters) as serving:
-        server = ServerProcess(serving, model, [])
+        server = start_server(serving, "auto", model)
         try:
-            server.wait_serving()
-            url = f"127.0.0.1:{server.grpc_port}"
-            metrics_url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+            url, metrics_url = server.address, server.metrics_url
             seconds = ["--warmup-s", "2", "--duration-s", f"{options.seconds:g}"]
             result: dict[str, Any] = {}
             if capacity is None:
@@ -161,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             with_admission = measure(options.model_repository, options.model, None, options, None)
             without = measure(options.model_repository, options.model, {"admission": "false"},
                               options, with_admission["capacity_per_s"])
-    except BenchError as exc:
+    except RUN_ERRORS as exc:
         print(f"bench.overload: {exc}", file=sys.stderr)
         return 1
     report = {

@@ -30,23 +30,18 @@ Figures (ratios within one run):
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import dataclasses
 import json
 import os
 import platform
-import queue
 import re
 import resource
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -63,6 +58,7 @@ from bench._perf_analyzer import (
 )
 from protos import inference_pb2, inference_pb2_grpc
 from server import native
+from tests.support.harness import MODES, RunningServer, ServerError, start_process
 
 __all__ = ["PerfRow", "main", "parse_metrics", "parse_perf_analyzer_csv"]
 
@@ -72,12 +68,6 @@ HIGH_CONCURRENCY = 64
 CEILING_BATCH = 64
 THREADS = 1
 
-MODES = ("native", "python", "single")
-MODE_ARGS = {
-    "native": ["--frontend", "native"],
-    "python": ["--frontend", "python", "--frontends", "2"],
-    "single": ["--frontend", "python", "--frontends", "0"],
-}
 LOAD_GENERATORS = ("bench", "perf_analyzer")
 
 
@@ -99,12 +89,15 @@ TARGETS = {
 }
 
 SERVER_START_TIMEOUT_S = 120.0
-SERVER_STOP_TIMEOUT_S = 60.0
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class BenchError(RuntimeError):
     pass
+
+
+# What a benchmark's main reports as a failed run rather than a traceback.
+RUN_ERRORS = (BenchError, ServerError, PerfAnalyzerError)
 
 
 # -- the machine -------------------------------------------------------------------------------
@@ -227,92 +220,25 @@ def measure_inprocess(repository: Path, model: str, seconds: float) -> dict[int,
 # -- the server --------------------------------------------------------------------------------
 
 
-class ServerProcess:
-    """``server.cli serve`` as a subprocess; its stderr JSON lines are read on a thread."""
+def model_config(server: RunningServer, model: str) -> Any:
+    """``model``'s configuration as the server reports it."""
+    with grpc.insecure_channel(server.address) as channel:
+        stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
+        reply = stub.ModelConfig(inference_pb2.ModelConfigRequest(name=model), timeout=10)
+    return reply.config
 
-    def __init__(self, repository: Path, model: str, extra_args: list[str]) -> None:
-        self.command = [
-            sys.executable, "-m", "server.cli", "serve", "--grpc-port", "0", "--metrics-port", "0",
-            "--host", "127.0.0.1", "--log-format", "json", "--model-repository", str(repository),
-            *extra_args,
-        ]
-        self.model = model
-        self.grpc_port = 0
-        self.metrics_port = 0
-        self.tail: collections.deque[str] = collections.deque(maxlen=50)
-        self._events: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self.process = subprocess.Popen(
-            self.command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, text=True,
-        )
-        self._reader = threading.Thread(target=self._read_stderr, name="server-stderr", daemon=True)
-        self._reader.start()
 
-    @property
-    def pid(self) -> int:
-        return self.process.pid
+def scrape(server: RunningServer, model: str) -> dict[str, float]:
+    """``model``'s ``batchgate_*`` samples from the server's ``/metrics``: name -> value."""
+    return parse_metrics(server.metrics_text(), model)
 
-    def _read_stderr(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            self.tail.append(line.rstrip())
-            with contextlib.suppress(ValueError):
-                event = json.loads(line)
-                if isinstance(event, dict):
-                    self._events.put(event)
-        self._events.put(None)
 
-    def wait_serving(self, timeout_s: float = SERVER_START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise BenchError(f"the server did not report 'serving' within {timeout_s:g} s")
-            try:
-                event = self._events.get(timeout=left)
-            except queue.Empty:
-                continue
-            if event is None:
-                raise BenchError(f"the server exited while starting:\n{self.log_tail()}")
-            if "role" in event:  # a child process's line (multi-process mode)
-                continue
-            if event.get("event") == "listening":
-                self.grpc_port = int(event["grpc_port"])
-                self.metrics_port = int(event["metrics_port"])
-            elif event.get("event") == "serving":
-                if self.model not in event.get("models", []):
-                    raise BenchError(f"the server is serving without {self.model!r}:\n{self.log_tail()}")
-                if not (self.grpc_port and self.metrics_port):
-                    raise BenchError("the server reported 'serving' before its ports")
-                return
-
-    def stop(self, timeout_s: float = SERVER_STOP_TIMEOUT_S) -> int:
-        """SIGTERM, then the exit status (the server is killed if it does not stop in time)."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._reader.join(5)
-        return self.process.returncode
-
-    def log_tail(self, lines: int = 20) -> str:
-        return "\n".join(list(self.tail)[-lines:])
-
-    def model_config(self) -> Any:
-        with grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}") as channel:
-            stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
-            reply = stub.ModelConfig(inference_pb2.ModelConfigRequest(name=self.model), timeout=10)
-        return reply.config
-
-    def scrape(self) -> dict[str, float]:
-        """The model's ``batchgate_*`` samples from ``/metrics``: name -> value."""
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as reply:
-            text = reply.read().decode("utf-8")
-        return parse_metrics(text, self.model)
+def start_server(repository: Path, mode: str, model: str,
+                 extra_args: list[str] | tuple[str, ...] = ()) -> RunningServer:
+    """The server of ``repository`` in ``mode`` as its own process, serving ``model``; its exit
+    status is the caller's to check."""
+    return start_process(repository, mode, extra_args=extra_args, models=[model],
+                         timeout_s=SERVER_START_TIMEOUT_S, check_exit=False)
 
 
 _SAMPLE = re.compile(r'^(batchgate_\w+)\{([^}]*)\}\s+(\S+)$')
@@ -532,11 +458,10 @@ def run_bench_cli(url: str, model: str, concurrency: int, seconds: float,
     return PerfRun(row=row, stability_percentage=0.0, wall_s=wall_s, cpu_s=cpu_s, command=command)
 
 
-def load_step(server: ServerProcess, load_generator: str, concurrency: int, seconds: float,
-              args: argparse.Namespace, perf_args: tuple[str, ...] = ()) -> Step:
-    """One closed-loop step; ``perf_args``: further perf_analyzer flags."""
-    name = server.model
-    url = f"127.0.0.1:{server.grpc_port}"
+def load_step(server: RunningServer, name: str, load_generator: str, concurrency: int,
+              seconds: float, args: argparse.Namespace, perf_args: tuple[str, ...] = ()) -> Step:
+    """One closed-loop step on model ``name``; ``perf_args``: further perf_analyzer flags."""
+    url = server.address
 
     def cpu() -> tuple[dict[str, float], dict[str, float]]:
         roles = process_tree(server.pid)
@@ -547,7 +472,7 @@ def load_step(server: ServerProcess, load_generator: str, concurrency: int, seco
         threads = thread_cpu_s(frontends[0]) if len(frontends) == 1 else {}
         return by_role, threads
 
-    before, (cpu_before, threads_before), busy_before = server.scrape(), cpu(), machine_busy_s()
+    before, (cpu_before, threads_before), busy_before = scrape(server, name), cpu(), machine_busy_s()
     if load_generator == "perf_analyzer":
         perf = run_perf_analyzer(
             url=url, model=name, concurrency=concurrency,
@@ -555,9 +480,8 @@ def load_step(server: ServerProcess, load_generator: str, concurrency: int, seco
             extra_args=perf_args,
         )
     else:
-        perf = run_bench_cli(url, name, concurrency, seconds,
-                             f"http://127.0.0.1:{server.metrics_port}/metrics")
-    after, (cpu_after, threads_after), busy_after = server.scrape(), cpu(), machine_busy_s()
+        perf = run_bench_cli(url, name, concurrency, seconds, server.metrics_url)
+    after, (cpu_after, threads_after), busy_after = scrape(server, name), cpu(), machine_busy_s()
 
     def delta(key: str) -> float:
         return after.get(key, 0.0) - before.get(key, 0.0)
@@ -604,18 +528,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 _say(f"{mode}: skipped: {modes[mode]['skipped']}")
                 continue
             _say(f"{mode}: starting the server ...")
-            server = ServerProcess(serving_repository, args.model,
-                                   [*MODE_ARGS[mode], *args.server_arg])
+            server = start_server(serving_repository, mode, args.model, args.server_arg)
             steps: dict[str, list[Step]] = {}
             try:
-                server.wait_serving()
-                config = server.model_config()
+                config = model_config(server, args.model)
                 for generator in args.load_generators:
                     steps[generator] = []
                     for concurrency in (1, HIGH_CONCURRENCY):
                         _say(f"{mode}: {generator} at concurrency {concurrency}, {seconds:g} s ...")
-                        steps[generator].append(load_step(server, generator, concurrency,
-                                                          seconds, args))
+                        steps[generator].append(load_step(server, args.model, generator,
+                                                          concurrency, seconds, args))
             except BaseException:
                 server.stop()
                 raise
@@ -834,7 +756,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--seconds-per-step must be > 0, got {args.seconds_per_step}")
     try:
         report = run(args)
-    except (BenchError, PerfAnalyzerError) as exc:
+    except RUN_ERRORS as exc:
         print(f"bench.serving: {exc}", file=sys.stderr)
         return 1
     # JSON keys are strings: render reads the report as it is written.

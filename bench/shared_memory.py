@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._perf_analyzer import DEFAULT_PERF_ANALYZER
-from bench.serving import MODE_ARGS, MODES, ServerProcess, Step, _choices, load_step, machine
+from bench.serving import MODES, Step, _choices, load_step, machine, start_server
 from server import native
 
 MODEL = "image"
@@ -78,14 +78,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 modes[mode] = {"skipped": native.unavailable_reason()}
                 continue
             _say(f"{mode}: starting the server ...")
-            server = ServerProcess(repository, MODEL, [*MODE_ARGS[mode], "--shared-memory"])
+            server = start_server(repository, mode, MODEL, ["--shared-memory"])
             rows: dict[str, Step] = {}
             try:
-                server.wait_serving()
                 for transport, perf_args in TRANSPORTS.items():
                     _say(f"{mode}: perf_analyzer, {transport}, concurrency {args.concurrency}, "
                          f"{args.seconds:g} s ...")
-                    rows[transport] = load_step(server, "perf_analyzer", args.concurrency,
+                    rows[transport] = load_step(server, MODEL, "perf_analyzer", args.concurrency,
                                                 args.seconds, args, perf_args)
             finally:
                 exit_code = server.stop()

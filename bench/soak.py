@@ -47,7 +47,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.inprocess import load as load_inprocess
-from bench.serving import ROOT, ServerProcess
+from bench.serving import ROOT, start_server
 from clients import AsyncClient, BatchgateError, RetryPolicy
 
 MAX_SECONDS = 600.0  # the issue bounds the soak to 10 minutes
@@ -270,10 +270,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     repository = Path(args.model_repository)
     refs = references(repository)
     extra = ["--frontends", str(args.frontends), "--drain-timeout-s", "10"]
-    server = ServerProcess(repository, "mlp", extra)
+    server = start_server(repository, "auto", "mlp", extra)
     try:
-        server.wait_serving()
-        address = f"127.0.0.1:{server.grpc_port}"
+        address = server.address
         rss: list[tuple[float, int]] = []
         started = time.monotonic()
         warm_rss: list[int] = []
@@ -297,8 +296,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         final_rss = rss_bytes(server.pid)
         exit_code = server.stop()
     finally:
-        if server.process.poll() is None:
-            server.stop()
+        server.stop()  # at once if the run failed; else it has already stopped
     base = warm_rss[0] if warm_rss else (rss[0][1] if rss else final_rss)
     growth = (final_rss - base) / base if base else 0.0
     count_problems = compare_counts(tally, before, after)

@@ -12,7 +12,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
 from prometheus_client import CollectorRegistry
 
 from batcher.errors import (
@@ -25,50 +24,9 @@ from batcher.errors import (
 from batcher.metrics import BatcherMetrics
 from batcher.model import ServedModel
 from batcher.queue import ModelQueue
-from batcher.request import InferenceRequest
-from batcher.spec import BatchingConfig, ModelSpec, QueuePolicy, TensorSpec
-
-
-class RecordingModel:
-    """y = 2x; records each batch's first column; waits on ``gate`` when one is set."""
-
-    def __init__(self) -> None:
-        self.batches: list[list[float]] = []
-        self.gate: threading.Event | None = None
-        self.entered = threading.Event()
-        self.fail_on: float | None = None
-        self.lock = threading.Lock()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        with self.lock:
-            self.batches.append(x[:, 0].tolist())
-        self.entered.set()
-        if self.gate is not None:
-            self.gate.wait(10)
-        if self.fail_on is not None and bool((x[:, 0] == self.fail_on).any()):
-            raise RuntimeError("poisoned input")
-        return x * 2
-
-
-def make_spec(dims=(2,), **batching) -> ModelSpec:
-    batching.setdefault("max_batch_size", 8)
-    return ModelSpec(
-        name="fake", version="1", platform="test",
-        inputs=(TensorSpec("x", "FP32", dims),), outputs=(TensorSpec("y", "FP32", dims),),
-        batching=BatchingConfig(**batching), warmup=False,
-    )
-
-
-def request(value: float, *, rows: int = 1, width: int = 2, **kwargs) -> InferenceRequest:
-    return InferenceRequest([np.full((rows, width), value, dtype=np.float32)], batch_size=rows, **kwargs)
-
-
-async def wait_until(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached before the deadline")
-        await asyncio.sleep(0.001)
+from batcher.spec import BatchingConfig, ModelSpec, QueuePolicy
+from tests.support.batching import RecordingModel, hold_executor, make_spec, request
+from tests.support.polling import apoll
 
 
 @pytest.fixture
@@ -96,15 +54,6 @@ def served(registry):
         model.stop(drain_timeout_s=5)
 
 
-async def hold_executor(model: ServedModel, fake: RecordingModel, **kwargs) -> asyncio.Task:
-    """Occupy the only executor with a batch that waits on the gate."""
-    fake.gate = threading.Event()
-    model._test_gate = fake.gate
-    blocker = asyncio.ensure_future(model.infer(request(-1.0, **kwargs)))
-    await asyncio.get_running_loop().run_in_executor(None, fake.entered.wait, 10)
-    return blocker
-
-
 async def test_outputs_match_each_request(served):
     fake = RecordingModel()
     model = served(make_spec(max_queue_delay_us=20_000), fake)
@@ -122,9 +71,9 @@ async def test_priority_levels_run_high_first(served):
                              max_inflight_batches=1), fake)
     blocker = await hold_executor(model, fake)
     low = [asyncio.ensure_future(model.infer(request(10.0 + i, priority=2))) for i in range(3)]
-    await wait_until(lambda: model.queue_depth == 3)
+    await apoll(lambda: model.queue_depth == 3)
     high = [asyncio.ensure_future(model.infer(request(20.0 + i, priority=1))) for i in range(3)]
-    await wait_until(lambda: model.queue_depth == 6)
+    await apoll(lambda: model.queue_depth == 6)
     fake.gate.set()
     await asyncio.gather(blocker, *low, *high)
     order = [b[0] for b in fake.batches[1:]]
@@ -144,7 +93,7 @@ async def test_queue_full_is_refused_at_once(served, registry):
     model = served(spec, fake)
     blocker = await hold_executor(model, fake)
     queued = [asyncio.ensure_future(model.infer(request(float(i)))) for i in range(2)]
-    await wait_until(lambda: model.queue_depth == 2)
+    await apoll(lambda: model.queue_depth == 2)
     with pytest.raises(QueueFull, match="max_queue_size 2"):
         await model.infer(request(9.0))
     assert registry.get_sample_value(
@@ -199,7 +148,7 @@ async def test_cancellation_leaves_the_queue(served, registry):
     model = served(make_spec(max_batch_size=1, max_inflight_batches=1), fake)
     blocker = await hold_executor(model, fake)
     waiting = asyncio.ensure_future(model.infer(request(7.0)))
-    await wait_until(lambda: model.queue_depth == 1)
+    await apoll(lambda: model.queue_depth == 1)
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
@@ -251,9 +200,9 @@ async def test_two_batches_in_flight_per_instance(served):
     blocker = await hold_executor(model, fake)
     second = asyncio.ensure_future(model.infer(request(2.0)))
     # The assembler takes the second batch while the first still computes.
-    await wait_until(lambda: model.queue_depth == 0 and model.stats.snapshot().execution_count == 0)
+    await apoll(lambda: model.queue_depth == 0 and model.stats.snapshot().execution_count == 0)
     third = asyncio.ensure_future(model.infer(request(3.0)))
-    await wait_until(lambda: model.queue_depth == 1)
+    await apoll(lambda: model.queue_depth == 1)
     fake.gate.set()
     await asyncio.gather(blocker, second, third)
 
@@ -264,10 +213,10 @@ async def test_stop_drains_queued_requests_and_refuses_new_ones(served):
     model.start()
     blocker = await hold_executor(model, fake)
     queued = asyncio.ensure_future(model.infer(request(4.0)))
-    await wait_until(lambda: model.queue_depth == 1)
+    await apoll(lambda: model.queue_depth == 1)
     loop = asyncio.get_running_loop()
     stopping = loop.run_in_executor(None, model.stop, 10)
-    await wait_until(lambda: not model._accepting)
+    await apoll(lambda: not model._accepting)
     with pytest.raises(ModelUnavailable):
         await model.infer(request(5.0))
     fake.gate.set()
@@ -330,10 +279,10 @@ async def test_busy_executor_forms_only_full_batches_early(served):
     model = served(make_spec(max_batch_size=8, max_inflight_batches=2), fake)
     blocker = await hold_executor(model, fake)
     first = [asyncio.ensure_future(model.infer(request(10.0 + i))) for i in range(3)]
-    await wait_until(lambda: model.queue_depth == 3)
+    await apoll(lambda: model.queue_depth == 3)
     rest = [asyncio.ensure_future(model.infer(request(20.0 + i))) for i in range(5)]
     # Eight samples make a full batch: it is assembled while the first batch still runs.
-    await wait_until(lambda: model.queue_depth == 0)
+    await apoll(lambda: model.queue_depth == 0)
     assert len(fake.batches) == 1
     fake.gate.set()
     await asyncio.gather(blocker, *first, *rest)
@@ -345,7 +294,7 @@ async def test_partial_batch_waits_for_the_running_one_and_takes_all(served):
     model = served(make_spec(max_batch_size=8, max_inflight_batches=2), fake)
     blocker = await hold_executor(model, fake)
     queued = [asyncio.ensure_future(model.infer(request(10.0 + i))) for i in range(5)]
-    await wait_until(lambda: model.queue_depth == 5)
+    await apoll(lambda: model.queue_depth == 5)
     fake.gate.set()
     await asyncio.gather(blocker, *queued)
     assert fake.batches[1:] == [[10.0, 11.0, 12.0, 13.0, 14.0]]

@@ -30,14 +30,8 @@ from batcher.profile import LatencyProfile, size_classes
 from batcher.queue import ModelQueue
 from batcher.request import QUEUED, REMOVED
 from batcher.spec import BatchingConfig
-from tests.support.polling import poll
-from tests.test_batcher import (
-    RecordingModel,
-    hold_executor,
-    make_spec,
-    request,
-    wait_until,
-)
+from tests.support.polling import apoll, poll
+from tests.support.batching import RecordingModel, hold_executor, make_spec, request
 
 NOW = 100.0
 
@@ -605,7 +599,7 @@ async def test_admission_refuses_with_resource_exhausted_and_counts_rejected(ser
                    profile_of({1: 3.0}, max_batch=1))
     blocker = await hold_executor(model, fake)
     queued = asyncio.ensure_future(model.infer(request(1.0)))
-    await wait_until(lambda: model.queue_depth == 1)
+    await apoll(lambda: model.queue_depth == 1)
     # The running batch (less the moment it has run), the queued one, then its own: done in
     # about 9 s, 5 s left (alone, 3 s would fit: the queue is to blame, so a retry elsewhere
     # may succeed).
@@ -636,7 +630,7 @@ async def test_admission_counts_a_batch_in_flight_by_its_size_less_what_it_has_r
     # its own size it leaves at most 0.5 s, and the request's own batch takes 0.5 s (0.6 s
     # under fifo, which expects the blocker's arrival rate to add one more to it).
     queued = asyncio.ensure_future(model.infer(request(1.0, timeout_us=5_000_000)))
-    await wait_until(lambda: model.queue_depth == 1 or queued.done())
+    await apoll(lambda: model.queue_depth == 1 or queued.done())
     assert failures(registry, "rejected") == 0
     fake.gate.set()
     await blocker
@@ -723,9 +717,9 @@ async def test_admission_can_be_disabled(served):
                    profile_of({1: 10.0}, max_batch=1))
     blocker = await hold_executor(model, fake)
     queued = asyncio.ensure_future(model.infer(request(1.0)))
-    await wait_until(lambda: model.queue_depth == 1)
+    await apoll(lambda: model.queue_depth == 1)
     admitted = asyncio.ensure_future(model.infer(request(2.0, timeout_us=60_000_000)))
-    await wait_until(lambda: model.queue_depth == 2)
+    await apoll(lambda: model.queue_depth == 2)
     fake.gate.set()
     await asyncio.gather(blocker, queued, admitted)
 
@@ -746,7 +740,7 @@ async def test_a_queued_request_that_became_infeasible_never_runs(served, regist
                    fake, profile)
     blocker = await hold_executor(model, fake)
     doomed = asyncio.ensure_future(model.infer(request(1.0, timeout_us=30_000_000)))
-    await wait_until(lambda: model.queue_depth == 1)  # admitted: nothing measured yet
+    await apoll(lambda: model.queue_depth == 1)  # admitted: nothing measured yet
     profile.record(1, 100.0)  # now the model is known to take 100 s a batch
     fake.gate.set()
     await blocker
@@ -840,7 +834,7 @@ async def test_requests_left_when_a_drain_times_out_are_counted_unavailable(regi
     model.start()
     running = await hold_executor(model, fake)
     queued = asyncio.ensure_future(model.infer(request(4.0)))
-    await wait_until(lambda: model.queue_depth == 1)
+    await apoll(lambda: model.queue_depth == 1)
     await asyncio.get_running_loop().run_in_executor(None, model.stop, 0.05)
     with pytest.raises(ModelUnavailable):
         await queued
@@ -956,7 +950,7 @@ async def test_served_models_with_a_weight_take_turns_and_are_metered(served, re
     results = await asyncio.gather(*(model.infer(request(float(i))) for i in range(5)))
     assert [float(r["y"][0, 0]) for r in results] == [2.0 * i for i in range(5)]
     # Charged when the turn ends, just after the answers went out.
-    await wait_until(lambda: (registry.get_sample_value(
+    await apoll(lambda: (registry.get_sample_value(
         "batchgate_device_share_seconds_total", {"model": "fake", "device": "cpu"}) or 0) > 0)
 
 

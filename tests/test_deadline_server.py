@@ -24,7 +24,7 @@ from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
 from tests.support.models import Gate
 from tests.support.polling import poll
-from tests.test_server import infer_request, output
+from tests.support.messages import infer_request, output
 
 BATCH_S = 0.1
 

@@ -22,7 +22,7 @@ from tests.support.harness import RunningServer, ServeProcess
 from tests.support.models import TEST_MODELS
 from tests.support.polling import poll
 from tests.support.servers import SERVER_MODES, native_or_skip, start_in_mode
-from tests.test_server import infer_request
+from tests.support.messages import infer_request
 
 
 @pytest.mark.parametrize("mode", SERVER_MODES)

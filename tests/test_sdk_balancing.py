@@ -1,13 +1,11 @@
 """Client-side balancing in the SDK: health-aware round robin and resolved names.
 
-Real grpc.aio servers on loopback (FakeInference from test_sdk.py, which counts the attempts each
-server gets); a server here can be stopped and started again on the same port.
+Real grpc.aio servers on loopback (tests.support.fake_server, which counts the attempts each server
+gets); a server here can be stopped and started again on the same port.
 """
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 
 import grpc
@@ -16,8 +14,9 @@ import pytest
 
 from clients import AsyncClient, BatchgateError, Client, InferRequest, RetryPolicy
 from clients._endpoints import EndpointPool, resolve_dns
-from protos import inference_pb2, inference_pb2_grpc
-from tests.test_sdk import FakeInference
+from protos import inference_pb2
+from tests.support.fake_server import FakeServer
+from tests.support.polling import apoll, poll
 
 RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.05, jitter=0)
 # Reconnect quickly once a stopped server is back (gRPC's default first backoff is 1 s).
@@ -25,57 +24,12 @@ FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.max_reconnec
 X = {"x": np.ones(1, dtype=np.float32)}
 
 
-class Server:
-    """A FakeInference grpc.aio server on its own loop and thread; `port=0` picks a free port."""
-
-    def __init__(self, label: str, port: int = 0) -> None:
-        self.servicer = FakeInference(label)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"server-{label}")
-        self._thread.start()
-        self._server, self.port = self._run(self._start(port))
-        self.address = f"127.0.0.1:{self.port}"
-
-    def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=10)
-
-    async def _start(self, port: int):
-        server = grpc.aio.server()
-        inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, server)
-        bound = server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        return server, bound
-
-    @property
-    def attempts(self) -> int:
-        return self.servicer.attempts["echo"]
-
-    def stop(self) -> None:
-        if self._loop.is_closed():
-            return
-        self._run(self._server.stop(None))
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        self._loop.close()
-
-
 @pytest.fixture
 def pair():
-    servers = [Server("a"), Server("b")]
+    servers = [FakeServer("a", health=False), FakeServer("b", health=False)]
     yield servers
     for server in servers:
         server.stop()
-
-
-def poll(condition, timeout_s: float = 10.0, step=None) -> None:
-    """Call `step` (if any) until `condition()` holds; fail after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        if step is not None:
-            step()
-        else:
-            time.sleep(0.01)
 
 
 def served_by(client: Client) -> str:
@@ -154,7 +108,7 @@ def test_a_stopped_server_is_skipped_then_gets_traffic_again_once_restarted(pair
         for _ in range(20):
             assert served_by(c) == "a"  # no error surfaces while b is down
         assert a.attempts == 21
-        restarted = Server("b2", port=port)
+        restarted = FakeServer("b2", port=port, health=False)
         pair.append(restarted)
         poll(lambda: restarted.attempts > 0, step=lambda: c.infer("echo", X))
         poll(lambda: c._pool.unhealthy() == [], step=lambda: c.infer("echo", X))
@@ -276,10 +230,8 @@ async def test_async_client_balances_and_follows_the_resolver(pair):
         assert b.attempts == 1
         answer[:] = [b.address]
         b.servicer.unavailable_left["echo"] = 0
-        deadline = time.monotonic() + 10
-        while c.addresses != [b.address]:
-            assert time.monotonic() < deadline
-            await c.infer("echo", X)
+        await apoll(lambda: c.addresses == [b.address], 10, "the pool moved to b",
+                    step=lambda: c.infer("echo", X))
         result = await c.infer_result("echo", X)
         assert result.parameters["served_by"] == "b"
         # A stream picks its address when first read.

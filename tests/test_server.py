@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
+from tests.support.messages import infer_request, output
 from tests.support.models import NUMERIC_TYPES, reference
 from tests.support.polling import poll
 
@@ -33,21 +34,6 @@ def channel(server):
 @pytest.fixture(scope="module")
 def stub(channel):
     return inference_pb2_grpc.GRPCInferenceServiceStub(channel)
-
-
-def infer_request(model: str, arrays: dict[str, np.ndarray], datatype: str = "FP32", **kw):
-    req = pb.ModelInferRequest(model_name=model, **kw)
-    for name, array in arrays.items():
-        req.inputs.add(name=name, datatype=datatype, shape=array.shape)
-        req.raw_input_contents.append(array.tobytes())
-    return req
-
-
-def output(response: pb.ModelInferResponse, name: str, dtype=np.float32) -> np.ndarray:
-    for tensor, raw in zip(response.outputs, response.raw_output_contents):
-        if tensor.name == name:
-            return np.frombuffer(raw, dtype=dtype).reshape(tuple(tensor.shape))
-    raise KeyError(name)
 
 
 def mlp_reference(server, x: np.ndarray) -> np.ndarray:

@@ -2,8 +2,9 @@
 
 - ``start_process(repository, mode)``: ``python -m server.cli serve`` as its own process, in
   mode "native" (the supervisor, an executor process and the native front end), "python" (the
-  supervisor, an executor process and ``frontends`` Python front-end processes) or "single"
-  (one process, ``--frontends 0``); its JSON log lines are parsed on a thread.
+  supervisor, an executor process and ``frontends`` Python front-end processes), "single"
+  (one process, ``--frontends 0``) or "auto" (the server's own choice: no mode flags); its
+  JSON log lines are parsed on a thread.
 - ``start_in_thread(repository)``: ``server.app.Gateway`` on a thread of this process, on its
   own event loop (settings overridable); what ``--frontends 0`` runs, without a process.
 
@@ -41,14 +42,16 @@ class ServerError(RuntimeError):
 
 
 def mode_args(mode: str, frontends: int = 2) -> list[str]:
-    """The ``serve`` flags that select ``mode`` (one of ``MODES``)."""
+    """The ``serve`` flags that select ``mode`` (one of ``MODES``, or "auto": none)."""
+    if mode == "auto":
+        return []
     if mode == "native":
         return ["--frontend", "native"]
     if mode == "python":
         return ["--frontend", "python", "--frontends", str(frontends)]
     if mode == "single":
         return ["--frontend", "python", "--frontends", "0"]
-    raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    raise ValueError(f"mode must be auto or one of {', '.join(MODES)}; got {mode!r}")
 
 
 class ServeProcess:
@@ -140,7 +143,8 @@ class ServeProcess:
 class RunningServer:
     """A server under test or benchmark, started by ``start_process`` or ``start_in_thread``.
 
-    ``mode``: "native", "python" or "single" (``MODES``; an in-thread server is "single").
+    ``mode``: "native", "python", "single" (``MODES``; an in-thread server is "single") or
+    "auto" (a process in the mode the server chose).
     ``supervisor``: the ``ServeProcess`` (processes only); ``gateway``/``loop``/``thread``: the
     in-thread server's own."""
 
@@ -159,7 +163,8 @@ class RunningServer:
 
     @property
     def multiprocess(self) -> bool:
-        return self.mode in ("native", "python")
+        """Whether it runs an executor process of its own (native and python modes)."""
+        return self.supervisor is not None and bool(self.supervisor.pids("executor"))
 
     @property
     def in_thread(self) -> bool:
@@ -242,11 +247,11 @@ class RunningServer:
         self.stop()
 
 
-def start_process(repository: Path, mode: str = "native", *, frontends: int = 2,
+def start_process(repository: Path, mode: str = "auto", *, frontends: int = 2,
                   extra_args: Sequence[str] = (), env: dict[str, str] | None = None,
                   models: Sequence[str] = (), timeout_s: float = START_TIMEOUT_S,
                   check_exit: bool = True) -> RunningServer:
-    """``batchgate serve`` of ``repository`` in ``mode`` (``MODES``) on loopback, port 0 for
+    """``batchgate serve`` of ``repository`` in ``mode`` (``MODES`` or "auto") on loopback, port 0 for
     gRPC and metrics, JSON logs; ``extra_args``: further ``serve`` flags (later ones win);
     ``env``: its whole environment (default: this process's). Returns once it logged
     ``serving`` (``ServerError`` with its log otherwise, the process killed), with ``models``

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -32,8 +32,10 @@ def poll(predicate: Callable[[], T], timeout_s: float = 30, what: str = "conditi
 
 
 async def apoll(predicate: Callable[[], T], timeout_s: float = 10, what: str = "condition", *,
-                interval_s: float = 0.001) -> T:
-    """``poll`` for a coroutine: yields to the event loop between calls."""
+                interval_s: float = 0.001,
+                step: Callable[[], Awaitable[object]] | None = None) -> T:
+    """``poll`` for a coroutine: between calls it awaits ``step()`` if given, else yields to the
+    event loop for ``interval_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
@@ -41,4 +43,7 @@ async def apoll(predicate: Callable[[], T], timeout_s: float = 10, what: str = "
             return value
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not reached within {timeout_s:g} s")
-        await asyncio.sleep(interval_s)
+        if step is not None:
+            await step()
+        else:
+            await asyncio.sleep(interval_s)
