@@ -86,7 +86,8 @@ def test_full_run_on_cuda(tmp_path):
 
 @pytest.mark.slow
 def test_cpu_mode_runs_the_gateway_throughput_harness(tmp_path):
-    # Section (c)'s code (temporary repository, in-process Gateway, load-generator processes)
+    # Section (c)'s code (temporary repository, the harness's in-thread server, bench.loadgen's
+    # worker processes)
     # is the most involved part of the GPU run: prove it here, small, on the CPU.
     out = tmp_path / "out.json"
     result = run_check("--cpu", "--sections", "c", "--json", str(out), timeout_s=120)
@@ -95,7 +96,7 @@ def test_cpu_mode_runs_the_gateway_throughput_harness(tmp_path):
     rows = {row["check"]: row for row in json.loads(out.read_text())["rows"]}
     gateway = rows["encoder gateway amp-bf16 c8"]
     assert gateway["status"] == "INFO", gateway
-    assert gateway["data"]["errors"] == 0
+    assert gateway["data"]["errors"] == 0 and gateway["data"]["errors_by_status"] == {}
     assert gateway["data"]["requests_ok"] > 0
     assert gateway["data"]["ratio_vs_inprocess"] > 0
     assert rows["encoder in-process b8 amp-bf16+graphs"]["status"] == "SKIP"

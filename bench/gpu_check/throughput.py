@@ -8,7 +8,6 @@ import dataclasses
 import shutil
 import sys
 import tempfile
-import textwrap
 import time
 import traceback
 from pathlib import Path
@@ -186,6 +185,11 @@ def inprocess_graph_rate(module: Any, model: ThroughputModel, settings: Throughp
 
 def write_model(repository: Path, model: ThroughputModel, settings: ThroughputSettings,
                 graphs: bool = False) -> Path:
+    """``repository/<name>/1/model.py`` and its config.pbtxt, written from a ``ModelConfig``."""
+    from google.protobuf import text_format
+
+    from protos import model_config_pb2 as mc
+
     folder = repository / model.name
     (folder / "1").mkdir(parents=True)
     target = folder / "1" / "model.py"
@@ -193,22 +197,22 @@ def write_model(repository: Path, model: ThroughputModel, settings: ThroughputSe
         shutil.copyfile(model.source, target)
     else:
         target.write_text(model.source)
-    datatype = {"int64": "TYPE_INT64", "float32": "TYPE_FP32"}[model.input_dtype]
-    kind = "KIND_GPU" if settings.device.startswith("cuda") else "KIND_CPU"
-    (folder / "config.pbtxt").write_text(textwrap.dedent(f"""\
-        name: "{model.name}"
-        backend: "pytorch"
-        max_batch_size: {settings.batch}
-        input [ {{ name: "INPUT__0" data_type: {datatype} dims: [ {", ".join(map(str, model.input_dims))} ] }} ]
-        output [ {{ name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ {", ".join(map(str, model.output_dims))} ] }} ]
-        dynamic_batching {{
-          preferred_batch_size: [ {settings.batch} ]
-          max_queue_delay_microseconds: {GATEWAY_QUEUE_DELAY_US}
-        }}
-        instance_group [ {{ kind: {kind} count: 1 }} ]
-        parameters {{ key: "precision" value: {{ string_value: "{settings.precision}" }} }}
-        parameters {{ key: "cuda_graphs" value: {{ string_value: "{str(graphs).lower()}" }} }}
-        """))
+    config = mc.ModelConfig(
+        name=model.name, backend="pytorch", max_batch_size=settings.batch,
+        input=[mc.ModelInput(name="INPUT__0", dims=model.input_dims,
+                             data_type={"int64": mc.TYPE_INT64,
+                                        "float32": mc.TYPE_FP32}[model.input_dtype])],
+        output=[mc.ModelOutput(name="OUTPUT__0", data_type=mc.TYPE_FP32,
+                               dims=model.output_dims)],
+        dynamic_batching=mc.ModelDynamicBatching(
+            preferred_batch_size=[settings.batch],
+            max_queue_delay_microseconds=GATEWAY_QUEUE_DELAY_US),
+        instance_group=[mc.ModelInstanceGroup(
+            count=1, kind=(mc.ModelInstanceGroup.KIND_GPU if settings.device.startswith("cuda")
+                           else mc.ModelInstanceGroup.KIND_CPU))])
+    config.parameters["precision"].string_value = settings.precision
+    config.parameters["cuda_graphs"].string_value = str(graphs).lower()
+    (folder / "config.pbtxt").write_text(text_format.MessageToString(config))
     return target
 
 
