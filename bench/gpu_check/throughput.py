@@ -11,15 +11,16 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from bench.gpu_check.load import ClosedLoop, closed_loop
 from bench.gpu_check.machine import torchvision_problem
 from bench.gpu_check.nvml import NvmlSampler, busy_summary
 from bench.gpu_check.report import ERROR, INFO, SKIP, Budget, Report, chain
 from bench.gpu_check.samples import (ROOT, TOKEN_IDS_HIGH, autocast_for, build_from_source,
                                      random_tensor, synchronize)
-from tests.support.harness import RunningServer, start_in_thread
+
+if TYPE_CHECKING:
+    from tests.support.harness import RunningServer
 
 THROUGHPUT_BATCH = 64
 INPROCESS_SECONDS = 2.0
@@ -297,6 +298,8 @@ def section_throughput(report: Report, budget: Budget, settings: ThroughputSetti
 def gateway_load(report: Report, budget: Budget, settings: ThroughputSettings, repository: Path,
                  served: list[tuple[ThroughputModel, str, float]],
                  nvml: NvmlSampler | None) -> None:
+    from tests.support.harness import start_in_thread
+
     # The whole server (``server.app.Gateway``) on a thread here: its models' statistics and
     # load reports are read directly, the load comes from other processes.
     running = start_in_thread(repository, timeout_s=max(budget.left(), 10), metrics_port=None,
@@ -324,6 +327,9 @@ def gateway_load(report: Report, budget: Budget, settings: ThroughputSettings, r
 def one_load(report: Report, settings: ThroughputSettings, running: RunningServer,
              model: ThroughputModel, inprocess_amp: float, check: str,
              nvml: NvmlSampler | None) -> None:
+    # grpcio is needed from here on only: the other sections run without it.
+    from bench.gpu_check.load import ClosedLoop, closed_loop
+
     served_model = running.gateway.repository.get(model.name)
     load = ClosedLoop(concurrency=settings.concurrency, processes=settings.processes,
                       seconds=settings.load_s, warmup_s=settings.warmup_s,
