@@ -1,4 +1,5 @@
-"""`python -m bench.gpu_check` as it is run: a real process, here without a GPU, on one when there is."""
+"""`python -m bench.gpu_check` as it is run: a real process, without a GPU here, on one where there
+is one."""
 
 from __future__ import annotations
 

@@ -78,10 +78,11 @@ alone, (a), (b)'s server trace and (d) need protobuf >= 6.33 too (the generated 
 torch 2.11 (the GPU machines') and 2.13 (CI) both have.
 
 The modules, one a section: ``correctness`` (a); ``memory``, ``pool_trace`` and
-``server_trace`` (b); ``throughput`` and ``load`` (c: the server is ``tests.support.harness``'s
-in-thread one, the load ``bench.loadgen``'s); ``nvml`` (e); ``h2d`` and ``gather`` (d); ``cuda_tests`` (t). Shared:
-``report`` (rows, the table, budgets), ``machine`` (what the run was on), ``children`` (child
-processes), ``samples`` (inputs and model helpers); ``run`` ties them together.
+``server_trace`` (b); ``throughput``, ``workloads``, ``inprocess`` and ``load`` (c: the server
+is ``tests.support.harness``'s in-thread one, the load ``bench.loadgen``'s); ``nvml`` (e);
+``h2d`` and ``gather`` (d); ``cuda_tests`` (t). Shared: ``report`` (rows, the table, budgets),
+``machine`` (what the run was on), ``children`` (child processes), ``samples`` (inputs and
+model helpers); ``run`` ties them together.
 """
 
 from bench.gpu_check.pool_trace import pool_trace_figure

@@ -108,7 +108,8 @@ def run_section(report: Report, section: str, budget_s: float,
     info: dict[str, Any] = {"budget_s": budget_s}
     report.sections[section] = info
     if report.elapsed() >= SOFT_LIMIT_S:
-        report.add(section, "section", f"not run: the run passed its {SOFT_LIMIT_S:.0f} s limit", SKIP)
+        report.add(section, "section", f"not run: the run passed its {SOFT_LIMIT_S:.0f} s limit",
+                   SKIP)
     else:
         try:
             body(report, Budget(report, budget_s))

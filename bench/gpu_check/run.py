@@ -23,7 +23,8 @@ from bench.gpu_check.machine import ensure_structlog, machine_facts, print_machi
 from bench.gpu_check.memory import section_memory
 from bench.gpu_check.pool_trace import alloc_replay_main
 from bench.gpu_check.server_trace import server_trace_main
-from bench.gpu_check.throughput import CPU_THROUGHPUT, GPU_THROUGHPUT, section_throughput
+from bench.gpu_check.throughput import section_throughput
+from bench.gpu_check.workloads import CPU_THROUGHPUT, GPU_THROUGHPUT
 from bench.gpu_check.report import ERROR, HARD_LIMIT_S, SKIP, Report, run_section, say
 
 # Time budgets (seconds): the whole run must stay well under 8 minutes.
