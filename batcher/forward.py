@@ -35,6 +35,34 @@ from batcher.tensors import bytes_tensor
 log = structlog.get_logger(__name__)
 
 
+def unpack_outputs(returned: Any, outputs: Sequence[TensorSpec], model: str) -> list[Any]:
+    """What a model's forward returned, as one value per declared output, in ``outputs``' order.
+
+    The one rule for every caller (serving, the precision check, the GPU check): a tensor (or
+    numpy array) is the one output; a tuple or list holds the outputs in declared order (extra
+    trailing values are dropped, too few is an error); a dict is keyed by output name (a missing
+    name is an error, other keys are ignored). Anything else is an error. Errors are
+    ``ModelExecutionError`` naming ``model``. The values are not checked here (their batch
+    dimension, a BYTES output's shape: ``ModelForward.outputs_of``).
+    """
+    if isinstance(returned, (torch.Tensor, np.ndarray)):
+        returned = (returned,)
+    if isinstance(returned, dict):
+        missing = [o.name for o in outputs if o.name not in returned]
+        if missing:
+            raise ModelExecutionError(f"model '{model}' returned a dict without outputs {missing}")
+        return [returned[o.name] for o in outputs]
+    if isinstance(returned, (tuple, list)):
+        if len(returned) < len(outputs):
+            raise ModelExecutionError(
+                f"model '{model}' returned {len(returned)} outputs, "
+                f"its configuration declares {len(outputs)}")
+        return list(returned[: len(outputs)])
+    raise ModelExecutionError(
+        f"model '{model}' returned {type(returned).__name__}, "
+        "expected a tensor, a tuple of tensors or a dict of tensors")
+
+
 class ModelForward:
     """One instance's model call (see the module docstring)."""
 
@@ -105,24 +133,7 @@ class ModelForward:
 
     def outputs_of(self, returned: Any, rows: int) -> list[torch.Tensor]:
         specs = self._output_specs
-        if isinstance(returned, (torch.Tensor, np.ndarray)):
-            returned = (returned,)
-        if isinstance(returned, dict):
-            missing = [o.name for o in specs if o.name not in returned]
-            if missing:
-                raise ModelExecutionError(
-                    f"model '{self._spec.name}' returned a dict without outputs {missing}")
-            tensors = [returned[o.name] for o in specs]
-        elif isinstance(returned, (tuple, list)):
-            if len(returned) < len(specs):
-                raise ModelExecutionError(
-                    f"model '{self._spec.name}' returned {len(returned)} outputs, "
-                    f"its configuration declares {len(specs)}")
-            tensors = list(returned[: len(specs)])
-        else:
-            raise ModelExecutionError(
-                f"model '{self._spec.name}' returned {type(returned).__name__}, "
-                "expected a tensor, a tuple of tensors or a dict of tensors")
+        tensors = unpack_outputs(returned, specs, self._spec.name)
         for i in self._bytes_outputs:
             tensors[i] = self._bytes_output(tensors[i], specs[i], rows)
         for tensor, o in zip(tensors, specs):

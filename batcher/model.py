@@ -66,6 +66,7 @@ from batcher.errors import (
 )
 from batcher.batch import ExecutorPlan, Outcome, Slot
 from batcher.executor import Executor
+from batcher.forward import unpack_outputs
 from batcher.tensors import TORCH_DTYPES, to_torch
 from batcher.memory import DevicePools
 from batcher.metrics import BatcherMetrics, ModelMetrics
@@ -261,10 +262,7 @@ class ServedModel:
                    for a, t in zip(arrays, self._spec.inputs)]
         with torch.inference_mode(), precisions.autocast(precision, device.type):
             returned = module(*precisions.cast_inputs(tensors, precision))
-        if isinstance(returned, torch.Tensor):
-            returned = [returned]
-        elif isinstance(returned, dict):
-            returned = [returned[o.name] for o in self._spec.outputs]
+        returned = unpack_outputs(returned, self._spec.outputs, self._spec.name)
         # BYTES outputs have no precision: the check compares the numeric ones.
         return [t for t, o in zip(returned, self._spec.outputs) if o.datatype != "BYTES"]
 

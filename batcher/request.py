@@ -17,6 +17,13 @@ REMOVED = 2
 DONE = 3
 
 
+def batch_shape_key(shapes: Sequence[tuple[int, ...]], *, batching: bool) -> tuple:
+    """The key of the requests that may share a batch: only requests with equal keys do. It is
+    the inputs' shapes (in the model's input order) without their batch dimension where the
+    model batches, the whole shapes where it does not."""
+    return tuple(s[1:] for s in shapes) if batching else tuple(shapes)
+
+
 class InferenceRequest:
     """Inputs in the model's input order, each with its batch dimension first (when batching).
 
@@ -63,9 +70,9 @@ class InferenceRequest:
         self.deadline = deadline
         self.timeout_us = timeout_us
         self.requested_outputs = tuple(requested_outputs) if requested_outputs else None
-        # Only requests with equal non-batch shapes share a batch.
         self.shape_key = (
-            shape_key if shape_key is not None else tuple(a.shape[1:] for a in self.inputs)
+            shape_key if shape_key is not None
+            else batch_shape_key([a.shape for a in self.inputs], batching=True)
         )
         self.arrival = time.monotonic()
         self.enqueued = 0.0

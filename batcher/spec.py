@@ -2,8 +2,9 @@
 
 These are plain dataclasses, free of protobuf and gRPC: ``server/repository.py`` builds them from a
 ``config.pbtxt``; tests build them directly. Datatypes use the KServe v2 strings ("FP32", "BF16",
-...). BF16 has no numpy type, so a BF16 tensor travels through the batcher as ``uint16`` holding
-the raw bfloat16 bits and becomes ``torch.bfloat16`` only at the executor.
+...) of ``protos/datatypes.py``. BF16 has no numpy type, so a BF16 tensor travels through the
+batcher as ``uint16`` holding the raw bfloat16 bits and becomes ``torch.bfloat16`` only at the
+executor.
 """
 
 from __future__ import annotations
@@ -13,28 +14,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-# KServe v2 datatype -> numpy dtype (little-endian, as on the wire).
-NUMPY_DTYPES: Mapping[str, np.dtype] = {
-    "BOOL": np.dtype(np.bool_),
-    "UINT8": np.dtype("<u1"),
-    "UINT16": np.dtype("<u2"),
-    "UINT32": np.dtype("<u4"),
-    "UINT64": np.dtype("<u8"),
-    "INT8": np.dtype("<i1"),
-    "INT16": np.dtype("<i2"),
-    "INT32": np.dtype("<i4"),
-    "INT64": np.dtype("<i8"),
-    "FP16": np.dtype("<f2"),
-    "FP32": np.dtype("<f4"),
-    "FP64": np.dtype("<f8"),
-    "BF16": np.dtype("<u2"),  # raw bfloat16 bits
-    "BYTES": np.dtype(object),
-}
-
-# Bytes per element on the wire; BYTES is variable-length.
-ELEMENT_SIZES: Mapping[str, int] = {
-    name: dtype.itemsize for name, dtype in NUMPY_DTYPES.items() if name != "BYTES"
-}
+# The datatype table, also known here by the modules that read a spec's datatypes.
+from protos.datatypes import ELEMENT_SIZES, NUMPY_DTYPES  # noqa: F401
 
 # How a model runs: fp32; autocast to fp16 or bf16 (weights stay fp32); or fp16 weights (the
 # module converted with .half(), floating inputs cast to fp16).

@@ -8,20 +8,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from protos.datatypes import FIXED_DTYPES
+
+# Datatype -> torch dtype, for the fixed-size datatypes (torch has no string tensor): numpy's
+# own counterpart for each, except BF16, which the host holds as uint16 bits.
 TORCH_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "UINT8": torch.uint8,
-    "UINT16": torch.uint16,
-    "UINT32": torch.uint32,
-    "UINT64": torch.uint64,
-    "INT8": torch.int8,
-    "INT16": torch.int16,
-    "INT32": torch.int32,
-    "INT64": torch.int64,
-    "FP16": torch.float16,
-    "FP32": torch.float32,
-    "FP64": torch.float64,
-    "BF16": torch.bfloat16,
+    name: torch.bfloat16 if name == "BF16" else torch.from_numpy(np.empty(0, dtype)).dtype
+    for name, dtype in FIXED_DTYPES.items()
 }
 
 

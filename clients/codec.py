@@ -17,64 +17,14 @@ import numpy as np
 
 from clients.errors import BatchgateError
 from protos import inference_pb2
-
-# Keyed by dtype *name* so that byte order does not matter here (it is fixed at encoding) and so
-# that ml_dtypes' bfloat16 is recognised without importing ml_dtypes.
-_DATATYPE_BY_DTYPE_NAME = {
-    "bool": "BOOL",
-    "uint8": "UINT8",
-    "uint16": "UINT16",
-    "uint32": "UINT32",
-    "uint64": "UINT64",
-    "int8": "INT8",
-    "int16": "INT16",
-    "int32": "INT32",
-    "int64": "INT64",
-    "float16": "FP16",
-    "float32": "FP32",
-    "float64": "FP64",
-    "bfloat16": "BF16",
-}
-
-# The wire is little-endian whatever the host is.
-WIRE_DTYPES: dict[str, np.dtype] = {
-    "BOOL": np.dtype("|b1"),
-    "UINT8": np.dtype("|u1"),
-    "UINT16": np.dtype("<u2"),
-    "UINT32": np.dtype("<u4"),
-    "UINT64": np.dtype("<u8"),
-    "INT8": np.dtype("|i1"),
-    "INT16": np.dtype("<i2"),
-    "INT32": np.dtype("<i4"),
-    "INT64": np.dtype("<i8"),
-    "FP16": np.dtype("<f2"),
-    "FP32": np.dtype("<f4"),
-    "FP64": np.dtype("<f8"),
-    "BF16": np.dtype("<u2"),
-}
-
-# Typed `contents` field and the numpy dtype protobuf's repeated field holds, per datatype. The
-# narrow integers travel widened; FP16 and BF16 have no typed field.
-_CONTENTS_FIELDS = {
-    "BOOL": ("bool_contents", np.bool_),
-    "INT8": ("int_contents", np.int32),
-    "INT16": ("int_contents", np.int32),
-    "INT32": ("int_contents", np.int32),
-    "INT64": ("int64_contents", np.int64),
-    "UINT8": ("uint_contents", np.uint32),
-    "UINT16": ("uint_contents", np.uint32),
-    "UINT32": ("uint_contents", np.uint32),
-    "UINT64": ("uint64_contents", np.uint64),
-    "FP32": ("fp32_contents", np.float32),
-    "FP64": ("fp64_contents", np.float64),
-}
+from protos.datatypes import CONTENTS_FIELDS, DATATYPE_BY_DTYPE_NAME, FIXED_DTYPES
 
 InferInputTensor = inference_pb2.ModelInferRequest.InferInputTensor
 
 
 def datatype_of(array: np.ndarray) -> str:
     """The protocol datatype string for a numpy array's dtype ("FP32", "BOOL", ...)."""
-    datatype = _DATATYPE_BY_DTYPE_NAME.get(array.dtype.name)
+    datatype = DATATYPE_BY_DTYPE_NAME.get(array.dtype.name)
     if datatype is None:
         raise ValueError(
             "unsupported dtype: the SDK sends bool, (u)int8..64, float16/32/64 and bfloat16 "
@@ -106,7 +56,7 @@ def encode_input(
             f"input {name!r}: datatype {datatype} does not fit a {given_dtype} array (only a "
             f"uint16 array of bit patterns may be sent as BF16); got {datatype}"
         )
-    wire_dtype = WIRE_DTYPES[datatype]
+    wire_dtype = FIXED_DTYPES[datatype]
     if array.dtype != wire_dtype:
         array = array.astype(wire_dtype)
     tensor = InferInputTensor(name=name, datatype=datatype, shape=array.shape)
@@ -143,7 +93,7 @@ def _checked_shape(output) -> tuple[tuple[int, ...], int]:
 
 
 def _wire_dtype(output) -> np.dtype:
-    dtype = WIRE_DTYPES.get(output.datatype)
+    dtype = FIXED_DTYPES.get(output.datatype)
     if dtype is None:
         raise BatchgateError(
             grpc.StatusCode.UNIMPLEMENTED,
@@ -182,7 +132,7 @@ def decode_outputs(response: inference_pb2.ModelInferResponse) -> dict[str, np.n
 
 
 def _decode_contents(output, dtype: np.dtype, count: int) -> np.ndarray:
-    field = _CONTENTS_FIELDS.get(output.datatype)
+    field = CONTENTS_FIELDS.get(output.datatype)
     if field is None:
         raise _malformed(f"output {output.name!r} is {output.datatype}, which travels only raw")
     field_name, field_dtype = field

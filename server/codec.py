@@ -24,25 +24,12 @@ from collections.abc import Mapping
 import numpy as np
 
 from batcher.errors import InvalidRequest, NotSupported, ResourceExhausted, quoted, quoted_list
-from batcher.request import InferenceRequest
-from batcher.spec import ELEMENT_SIZES, NUMPY_DTYPES, ModelSpec, TensorSpec
+from batcher.request import InferenceRequest, batch_shape_key
+from batcher.spec import ModelSpec, TensorSpec
 from protos import inference_pb2 as pb
+from protos.datatypes import CONTENTS_FIELDS, ELEMENT_SIZES, NUMPY_DTYPES
 from server.shared_memory import OFF_MESSAGE, Placed, Placement
 
-# Typed contents field per datatype, and the numpy type that field holds.
-TYPED_FIELDS: Mapping[str, tuple[str, np.dtype]] = {
-    "BOOL": ("bool_contents", np.dtype(np.bool_)),
-    "INT8": ("int_contents", np.dtype(np.int32)),
-    "INT16": ("int_contents", np.dtype(np.int32)),
-    "INT32": ("int_contents", np.dtype(np.int32)),
-    "INT64": ("int64_contents", np.dtype(np.int64)),
-    "UINT8": ("uint_contents", np.dtype(np.uint32)),
-    "UINT16": ("uint_contents", np.dtype(np.uint32)),
-    "UINT32": ("uint_contents", np.dtype(np.uint32)),
-    "UINT64": ("uint64_contents", np.dtype(np.uint64)),
-    "FP32": ("fp32_contents", np.dtype(np.float32)),
-    "FP64": ("fp64_contents", np.dtype(np.float64)),
-}
 SHARED_MEMORY_KEYS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
 _LENGTH = struct.Struct("<I")
 # Dimensions of a shape quoted in a message; the rest is summarised.
@@ -253,7 +240,6 @@ def decode_request(
                       for t in spec.inputs]
     else:
         shape_list = [a.shape for a in ordered]
-    shape_key = tuple(s[1:] for s in shape_list) if batching else tuple(shape_list)
     cls = PlacedRequest if placements or output_placements else InferenceRequest
     request = cls(
         ordered,
@@ -263,7 +249,7 @@ def decode_request(
         deadline=deadline,
         timeout_us=timeout_us,
         requested_outputs=requested,
-        shape_key=shape_key,
+        shape_key=batch_shape_key(shape_list, batching=batching),
     )
     if cls is PlacedRequest:
         request.input_placements = tuple(placements.get(t.name) for t in spec.inputs)
@@ -427,7 +413,7 @@ def _from_contents(model: str, tspec: TensorSpec, shape: tuple, count: int,
         array = np.empty(count, dtype=object)
         array[:] = list(values)
         return array.reshape(shape)
-    typed = TYPED_FIELDS.get(datatype)
+    typed = CONTENTS_FIELDS.get(datatype)
     if typed is None:
         raise InvalidRequest(
             f"model '{model}': input '{tspec.name}' is {datatype}, which has no typed contents "

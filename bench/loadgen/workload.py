@@ -19,25 +19,12 @@ import numpy as np
 
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
+from protos.datatypes import FIXED_DTYPES
 
 # Random data sets per model: a server that caches by content still sees varied requests.
 DATA_VARIANTS = 4
 BYTES_ELEMENT_LENGTH = 8
 
-NUMPY_DTYPES: Mapping[str, np.dtype] = {
-    "BOOL": np.dtype(np.bool_),
-    "UINT8": np.dtype(np.uint8),
-    "UINT16": np.dtype(np.uint16),
-    "UINT32": np.dtype(np.uint32),
-    "UINT64": np.dtype(np.uint64),
-    "INT8": np.dtype(np.int8),
-    "INT16": np.dtype(np.int16),
-    "INT32": np.dtype(np.int32),
-    "INT64": np.dtype(np.int64),
-    "FP16": np.dtype(np.float16),
-    "FP32": np.dtype(np.float32),
-    "FP64": np.dtype(np.float64),
-}
 _LENGTH = struct.Struct("<I")
 
 
@@ -236,7 +223,7 @@ def _array_bytes(spec: InputSpec, array: np.ndarray) -> bytes:
                               for v in array.reshape(-1)])
     if spec.datatype == "BF16":
         return _bf16(array.astype(np.float32))
-    dtype = NUMPY_DTYPES.get(spec.datatype)
+    dtype = FIXED_DTYPES.get(spec.datatype)
     if dtype is None:
         raise WorkloadError(f"input {spec.name!r}: datatype {spec.datatype} is not supported")
     if array.dtype != dtype:
@@ -255,7 +242,7 @@ def random_bytes(datatype: str, shape: Sequence[int], rng: np.random.Generator,
         return _bytes_tensor([row.tobytes() for row in letters])
     if datatype == "BF16":
         return _bf16(rng.standard_normal(count, dtype=np.float32))
-    dtype = NUMPY_DTYPES.get(datatype)
+    dtype = FIXED_DTYPES.get(datatype)
     if dtype is None:
         raise WorkloadError(f"datatype {datatype!r} is not supported")
     if dtype.kind == "f":

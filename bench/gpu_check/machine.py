@@ -1,0 +1,170 @@
+"""What the run was on: the machine, its packages, which parts of the project import here, and
+the structlog stand-in for a machine without its wheel."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import platform
+import subprocess
+import sys
+from typing import Any
+
+from bench.gpu_check.report import Report, say, summary
+
+
+PACKAGES = ("numpy", "grpcio", "protobuf", "structlog", "grpcio-health-checking",
+            "grpcio-reflection", "prometheus-client", "torchvision", "nvidia-ml-py")
+
+
+def package_versions() -> dict[str, str]:
+    from importlib import metadata
+
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "missing"
+    return versions
+
+
+def ensure_structlog() -> str:
+    """Import structlog, or install a stand-in that logs through ``logging`` (said so)."""
+    try:
+        import structlog  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        try:
+            from server.logs import configure_logging
+
+            configure_logging("warning", "console")  # keep the server's info lines off the tail
+        except Exception as exc:  # the check still runs with structlog's defaults
+            return f"structlog set-up failed ({summary(exc)})"
+        return ""
+    import logging
+    import types
+
+    class StandInLogger:
+        def __init__(self, name: str = "") -> None:
+            self._log = logging.getLogger(name)
+
+        def _emit(self, level: int, event: str, exc_info: Any = None, **fields: Any) -> None:
+            self._log.log(level, "%s %s", event, fields, exc_info=exc_info)
+
+        def debug(self, event: str, **fields: Any) -> None:
+            self._emit(logging.DEBUG, event, **fields)
+
+        def info(self, event: str, **fields: Any) -> None:
+            self._emit(logging.INFO, event, **fields)
+
+        def warning(self, event: str, **fields: Any) -> None:
+            self._emit(logging.WARNING, event, **fields)
+
+        def error(self, event: str, **fields: Any) -> None:
+            self._emit(logging.ERROR, event, **fields)
+
+        def exception(self, event: str, **fields: Any) -> None:
+            fields.setdefault("exc_info", True)
+            self._emit(logging.ERROR, event, **fields)
+
+    stand_in = types.ModuleType("structlog")
+    stand_in.get_logger = StandInLogger  # type: ignore[attr-defined]
+    sys.modules["structlog"] = stand_in
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    return "structlog missing: a stand-in logger is used (carry its wheel, see the docstring)"
+
+
+def project_imports() -> dict[str, str]:
+    """Which parts of the project import here: 'ok' or the error."""
+    found = {}
+    for module in ("batcher.model", "server.model_config", "server.app", "clients"):
+        try:
+            importlib.import_module(module)
+            found[module] = "ok"
+        except Exception as exc:
+            found[module] = summary(exc)
+    return found
+
+
+def machine_facts(device: str) -> dict[str, Any]:
+    import torch
+
+    facts: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cpus": os.cpu_count(),
+        "packages": package_versions(),
+    }
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(0)
+        facts.update(
+            gpu=torch.cuda.get_device_name(0),
+            capability=f"{props.major}.{props.minor}",
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            multiprocessors=props.multi_processor_count,
+            driver=driver_version(),
+            cudnn=torch.backends.cudnn.version(),
+            tf32=tf32_flags(),
+            alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        )
+    return facts
+
+
+def tf32_flags() -> dict[str, bool | None]:
+    """Whether fp32 matmuls / cuDNN convolutions may run in TF32 (None: could not tell)."""
+    import warnings
+
+    import torch
+
+    flags: dict[str, bool | None] = {}
+    for key, read in (("matmul", lambda: torch.backends.cuda.matmul.allow_tf32),
+                      ("cudnn", lambda: torch.backends.cudnn.allow_tf32)):
+        with warnings.catch_warnings(), contextlib.suppress(Exception):
+            warnings.simplefilter("ignore")  # newer torch nudges towards fp32_precision
+            flags[key] = bool(read())
+        flags.setdefault(key, None)
+    return flags
+
+
+def driver_version() -> str:
+    with contextlib.suppress(Exception):
+        import pynvml
+
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    with contextlib.suppress(Exception):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=15)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip().splitlines()[0]
+    return "unknown"
+
+
+def print_machine(report: Report) -> None:
+    m = report.machine
+    say("machine: " + ", ".join(
+        f"{key} {m[key]}" for key in ("gpu", "capability", "gpu_memory_gib", "driver", "torch",
+                                      "torch_cuda", "cudnn", "python", "cpus") if key in m))
+    if "tf32" in m:
+        say(f"tf32 allowed: matmul {m['tf32']['matmul']}, cudnn {m['tf32']['cudnn']}; "
+            f"PYTORCH_CUDA_ALLOC_CONF={m['alloc_conf']!r}")
+    say("packages: " + ", ".join(f"{k} {v}" for k, v in m["packages"].items()))
+    if m.get("structlog_note"):
+        say(m["structlog_note"])
+    say("imports: " + ", ".join(f"{k} {v}" for k, v in m.get("imports", {}).items()))
+
+
+def torchvision_problem() -> str:
+    """Why ResNet-50 cannot be built here ("" when torchvision imports)."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception as exc:  # a torchvision built for another torch fails here too
+        return f"torchvision does not import ({summary(exc, 100)})"
+    return ""
+
