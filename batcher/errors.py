@@ -85,3 +85,18 @@ def quoted(text: str) -> str:
 def quoted_list(names) -> str:
     """A list of names for a message: ``['a', 'b']``, each one ``quoted``."""
     return "[" + ", ".join(quoted(name) for name in names) + "]"
+
+
+
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """The first line of the exception's message, cut at ``limit`` characters ("" for none)."""
+    lines = str(exc).strip().splitlines()
+    first = lines[0].strip() if lines else ""
+    return first if len(first) <= limit else first[: limit - 3] + "..."
+
+
+def exception_summary(exc: BaseException, limit: int = 200) -> str:
+    """The exception's type and the first line of its message: enough to act on, no traceback
+    (for a log line or a LoadError's message)."""
+    first = first_line(exc, limit)
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__

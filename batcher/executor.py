@@ -60,7 +60,6 @@ import torch
 
 from batcher import gpu
 from batcher import graphs as cuda_graphs
-from batcher import precision as precisions
 from batcher.assembly import BatchAssembly
 from batcher.batch import (
     Batch,
@@ -72,7 +71,13 @@ from batcher.batch import (
     default_plan,
 )
 from batcher.device_share import DeviceTurns
-from batcher.errors import BatchgateError, ModelExecutionError, ModelUnavailable
+from batcher.errors import (
+    BatchgateError,
+    ModelExecutionError,
+    ModelUnavailable,
+    exception_summary,
+    first_line,
+)
 from batcher.forward import ModelForward
 from batcher.request import InferenceRequest
 from batcher.spec import ModelSpec, TensorSpec
@@ -248,7 +253,7 @@ class Executor:
         except Exception as exc:
             with contextlib.suppress(Exception):
                 torch.cuda.synchronize(self._device)
-            reason = f"{type(exc).__name__}: {precisions._first_line(exc)}"
+            reason = exception_summary(exc)
             log.warning("cuda_graphs_failed", model=self._spec.name, instance=self._index,
                         reason=reason, running="eager")
             return f"eager: capture failed ({reason})"
@@ -605,7 +610,7 @@ class Executor:
     def _device_broken(self, batch: Batch, exc: BaseException) -> None:
         """A sticky CUDA error: the context is broken and every later call would fail too.
         The instance (and the process's hook) hear of it before the batch's callers."""
-        reason = f"a CUDA error broke the device ({precisions._first_line(exc)})"
+        reason = f"a CUDA error broke the device ({first_line(exc)})"
         gpu.device_lost(reason)
         self._die(reason, None)
         self._finish(batch, None, ModelExecutionError(
@@ -617,7 +622,7 @@ class Executor:
     def _device_failed(self, batch: Batch, exc: Exception) -> None:
         """Waiting for the batch's device work raised (a kernel's error, reported late)."""
         log.error("batch_device_failed", model=self._spec.name, batch=batch.id,
-                  error=precisions._first_line(exc), requests=[r.id for r in batch.requests])
+                  error=first_line(exc), requests=[r.id for r in batch.requests])
         if gpu.classify(exc) == "sticky":
             self._device_broken(batch, exc)
         self._finish(batch, None, ModelExecutionError(

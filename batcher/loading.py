@@ -51,7 +51,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from batcher.errors import LoadError
+from batcher.errors import LoadError, exception_summary
 
 log = structlog.get_logger(__name__)
 
@@ -208,13 +208,4 @@ def _to_device(module: torch.nn.Module, path: Path, device: str) -> torch.nn.Mod
 
 def _load_error(path: Path, what: str, exc: BaseException) -> LoadError:
     log.error("model_artifact_failed", path=str(path), error=what, exc_info=exc)
-    return LoadError(f"{path}: {what}: {_summary(exc)}")
-
-
-def _summary(exc: BaseException, limit: int = 200) -> str:
-    """The exception's type and first line: enough to act on, no traceback."""
-    text = str(exc).strip().splitlines()
-    first = text[0].strip() if text else ""
-    if len(first) > limit:
-        first = first[: limit - 3] + "..."
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return LoadError(f"{path}: {what}: {exception_summary(exc)}")

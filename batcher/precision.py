@@ -32,7 +32,7 @@ import numpy as np
 import structlog
 import torch
 
-from batcher.errors import LoadError
+from batcher.errors import LoadError, exception_summary
 from batcher.spec import ModelSpec
 
 log = structlog.get_logger(__name__)
@@ -148,14 +148,14 @@ def check(spec: ModelSpec, module: Any, inputs: list[np.ndarray] | None,
             reference = [t.float().cpu() for t in run(module, inputs, "fp32")]
     except Exception as exc:
         raise LoadError(f"model {spec.name!r}: the fp32 reference run of the precision check "
-                        f"raised {type(exc).__name__}: {_first_line(exc)}") from exc
+                        f"raised {exception_summary(exc)}") from exc
     module = convert(module, precision)
     try:
         outputs = [t.float().cpu() for t in run(module, inputs, precision)]
     except Exception as exc:
         raise LoadError(
             f"model {spec.name!r}: precision {precision} does not run on {spec.device}: "
-            f"{type(exc).__name__}: {_first_line(exc)}; use fp32 or amp-bf16") from exc
+            f"{exception_summary(exc)}; use fp32 or amp-bf16") from exc
     error = _relative_error(reference, outputs)
     if not math.isfinite(error):
         raise LoadError(
@@ -190,8 +190,3 @@ def _relative_error(reference: list[torch.Tensor], outputs: list[torch.Tensor]) 
         return 0.0 if worst == 0.0 else math.inf
     return worst / scale
 
-
-def _first_line(exc: BaseException, limit: int = 200) -> str:
-    lines = str(exc).strip().splitlines()
-    first = lines[0] if lines else ""
-    return first if len(first) <= limit else first[: limit - 3] + "..."

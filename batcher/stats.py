@@ -7,6 +7,7 @@ the batch size. Updated once per batch under one lock; read as a snapshot.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import threading
 import time
@@ -31,31 +32,30 @@ class BatchDurations:
 
 @dataclasses.dataclass
 class StatsSnapshot:
-    last_inference_ms: int
-    inference_count: int
-    execution_count: int
-    success: Duration
-    fail: Duration
-    queue: Duration
-    compute_input: Duration
-    compute_infer: Duration
-    compute_output: Duration
-    batches: dict[int, BatchDurations]
+    """A model's statistics: ``ModelStats`` keeps one up to date, ``snapshot`` copies it."""
+
+    last_inference_ms: int = 0
+    inference_count: int = 0
+    execution_count: int = 0
+    success: Duration = dataclasses.field(default_factory=Duration)
+    fail: Duration = dataclasses.field(default_factory=Duration)
+    queue: Duration = dataclasses.field(default_factory=Duration)
+    compute_input: Duration = dataclasses.field(default_factory=Duration)
+    compute_infer: Duration = dataclasses.field(default_factory=Duration)
+    compute_output: Duration = dataclasses.field(default_factory=Duration)
+    batches: dict[int, BatchDurations] = dataclasses.field(default_factory=dict)
+
+
+# The durations of the protocol's InferStatistics and InferBatchStatistics, by field name.
+INFER_DURATIONS = tuple(f.name for f in dataclasses.fields(StatsSnapshot)
+                        if f.default_factory is Duration)
+BATCH_DURATIONS = tuple(f.name for f in dataclasses.fields(BatchDurations))
 
 
 class ModelStats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._last_inference_ms = 0
-        self._inference_count = 0
-        self._execution_count = 0
-        self._success = Duration()
-        self._fail = Duration()
-        self._queue = Duration()
-        self._compute_input = Duration()
-        self._compute_infer = Duration()
-        self._compute_output = Duration()
-        self._batches: dict[int, BatchDurations] = {}
+        self._stats = StatsSnapshot()
 
     def record_batch(
         self,
@@ -68,45 +68,32 @@ class ModelStats:
         output_ns: int,
     ) -> None:
         with self._lock:
-            self._last_inference_ms = time.time_ns() // 1_000_000
-            self._inference_count += samples
-            self._execution_count += 1
-            self._queue.add(requests, queue_ns)
-            self._compute_input.add(requests, input_ns * requests)
-            self._compute_infer.add(requests, infer_ns * requests)
-            self._compute_output.add(requests, output_ns * requests)
-            durations = self._batches.get(samples)
+            stats = self._stats
+            stats.last_inference_ms = time.time_ns() // 1_000_000
+            stats.inference_count += samples
+            stats.execution_count += 1
+            stats.queue.add(requests, queue_ns)
+            stats.compute_input.add(requests, input_ns * requests)
+            stats.compute_infer.add(requests, infer_ns * requests)
+            stats.compute_output.add(requests, output_ns * requests)
+            durations = stats.batches.get(samples)
             if durations is None:
-                durations = self._batches[samples] = BatchDurations()
+                durations = stats.batches[samples] = BatchDurations()
             durations.compute_input.add(1, input_ns)
             durations.compute_infer.add(1, infer_ns)
             durations.compute_output.add(1, output_ns)
 
     def record_success(self, count: int, ns: int) -> None:
         with self._lock:
-            self._success.add(count, ns)
+            self._stats.success.add(count, ns)
 
     def record_failure(self, ns: int) -> None:
         with self._lock:
-            self._fail.add(1, ns)
+            self._stats.fail.add(1, ns)
 
     def snapshot(self) -> StatsSnapshot:
+        """A copy of the statistics, batch sizes in increasing order."""
         with self._lock:
-            copy = dataclasses.replace
-            return StatsSnapshot(
-                last_inference_ms=self._last_inference_ms,
-                inference_count=self._inference_count,
-                execution_count=self._execution_count,
-                success=copy(self._success),
-                fail=copy(self._fail),
-                queue=copy(self._queue),
-                compute_input=copy(self._compute_input),
-                compute_infer=copy(self._compute_infer),
-                compute_output=copy(self._compute_output),
-                batches={
-                    size: BatchDurations(
-                        copy(d.compute_input), copy(d.compute_infer), copy(d.compute_output)
-                    )
-                    for size, d in sorted(self._batches.items())
-                },
-            )
+            snap = copy.deepcopy(self._stats)
+        snap.batches = dict(sorted(snap.batches.items()))
+        return snap

@@ -10,7 +10,6 @@ from collections.abc import (
     Callable,
     Iterable,
     Mapping,
-    Sequence,
 )
 from typing import Any
 
@@ -20,7 +19,7 @@ import numpy as np
 from clients import _calls
 from clients._endpoints import ResolveError, check_timeout_s
 from clients.errors import BatchgateError
-from clients.infer import InferRequest, InferResult, ParameterValue
+from clients.infer import InferRequest, InferResult
 from clients.retry import RetrySchedule
 from protos import inference_pb2, model_config_pb2
 
@@ -108,65 +107,19 @@ class AsyncClient(_calls.ClientBase):
 
     # Inference
 
-    async def infer(
-        self,
-        model: str,
-        inputs: Mapping[str, np.ndarray],
-        *,
-        outputs: Sequence[str] | None = None,
-        version: str = "",
-        request_id: str = "",
-        priority: int | None = None,
-        timeout_us: int | None = None,
-        parameters: Mapping[str, ParameterValue | inference_pb2.InferParameter] | None = None,
-        datatypes: Mapping[str, str] | None = None,
-        timeout_s: float | None = None,
-        idempotent: bool = True,
-    ) -> dict[str, np.ndarray]:
+    async def infer(self, model: str, inputs: Mapping[str, np.ndarray], *,
+                    timeout_s: float | None = None, idempotent: bool = True,
+                    **fields: Any) -> dict[str, np.ndarray]:
         """Run one inference; return its outputs by name. Arguments as `Client.infer`."""
-        result = await self.infer_result(
-            model,
-            inputs,
-            outputs=outputs,
-            version=version,
-            request_id=request_id,
-            priority=priority,
-            timeout_us=timeout_us,
-            parameters=parameters,
-            datatypes=datatypes,
-            timeout_s=timeout_s,
-            idempotent=idempotent,
-        )
-        return result.outputs
+        return (await self.infer_result(model, inputs, timeout_s=timeout_s,
+                                        idempotent=idempotent, **fields)).outputs
 
-    async def infer_result(
-        self,
-        model: str,
-        inputs: Mapping[str, np.ndarray],
-        *,
-        outputs: Sequence[str] | None = None,
-        version: str = "",
-        request_id: str = "",
-        priority: int | None = None,
-        timeout_us: int | None = None,
-        parameters: Mapping[str, ParameterValue | inference_pb2.InferParameter] | None = None,
-        datatypes: Mapping[str, str] | None = None,
-        timeout_s: float | None = None,
-        idempotent: bool = True,
-    ) -> InferResult:
+    async def infer_result(self, model: str, inputs: Mapping[str, np.ndarray], *,
+                           timeout_s: float | None = None, idempotent: bool = True,
+                           **fields: Any) -> InferResult:
         """Like `infer`, returning an InferResult: `.outputs`, `.id`, `.model_version`, ..."""
-        request = InferRequest(
-            model=model,
-            inputs=inputs,
-            outputs=outputs,
-            version=version,
-            request_id=request_id,
-            priority=priority,
-            timeout_us=timeout_us,
-            parameters=parameters,
-            datatypes=datatypes,
-        )
-        return await self._run(_calls.infer(request, idempotent=idempotent), timeout_s)
+        call = _calls.infer(InferRequest(model, inputs, **fields), idempotent=idempotent)
+        return await self._run(call, timeout_s)
 
     def stream_infer(
         self,
@@ -228,17 +181,10 @@ class AsyncClient(_calls.ClientBase):
         """The repository's models; `ready=True` lists only those ready to serve."""
         return await self._run(_calls.repository_index(ready), timeout_s)
 
-    async def load_model(
-        self,
-        name: str,
-        *,
-        config: str | None = None,
-        files: Mapping[str, bytes] | None = None,
-        timeout_s: float | None = None,
-    ) -> None:
-        """Load (or reload) a model. Never retried. `config`: a JSON model configuration, in
-        place of the model's config.pbtxt (whole); `files`: the model folder's files by path
-        ("1/model.py" -> contents), sent as Triton's "file:<path>" parameters, with `config`."""
+    async def load_model(self, name: str, *, config: str | None = None,
+                         files: Mapping[str, bytes] | None = None,
+                         timeout_s: float | None = None) -> None:
+        """Load (or reload) a model, as `Client.load_model`. Never retried."""
         await self._run(_calls.load_model(name, config, files), timeout_s)
 
     async def unload_model(self, name: str, *, timeout_s: float | None = None) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import grpc
@@ -12,7 +12,7 @@ import numpy as np
 from clients import _calls
 from clients._endpoints import ResolveError, check_timeout_s
 from clients.errors import BatchgateError
-from clients.infer import InferRequest, InferResult, ParameterValue
+from clients.infer import InferRequest, InferResult
 from clients.retry import RetrySchedule
 from protos import inference_pb2, model_config_pb2
 
@@ -108,69 +108,26 @@ class Client(_calls.ClientBase):
 
     # Inference
 
-    def infer(
-        self,
-        model: str,
-        inputs: Mapping[str, np.ndarray],
-        *,
-        outputs: Sequence[str] | None = None,
-        version: str = "",
-        request_id: str = "",
-        priority: int | None = None,
-        timeout_us: int | None = None,
-        parameters: Mapping[str, ParameterValue | inference_pb2.InferParameter] | None = None,
-        datatypes: Mapping[str, str] | None = None,
-        timeout_s: float | None = None,
-        idempotent: bool = True,
-    ) -> dict[str, np.ndarray]:
+    def infer(self, model: str, inputs: Mapping[str, np.ndarray], *,
+              timeout_s: float | None = None, idempotent: bool = True,
+              **fields: Any) -> dict[str, np.ndarray]:
         """Run one inference; return its outputs by name (see `infer_result` for the metadata).
 
-        `outputs`: names to return (None: all). `priority`: 1 is the highest level, None or 0
-        the model's default. `timeout_us`: the server-side queue timeout in microseconds.
-        `timeout_s`: this call's deadline, retries included. `idempotent=False`: never retry.
+        `fields`: the rest of the request, as `InferRequest` names them: `outputs` (names to
+        return; None: all), `version`, `request_id`, `priority` (1 is the highest level, None or
+        0 the model's default), `timeout_us` (the server-side queue timeout in microseconds),
+        `parameters`, `datatypes`. `timeout_s`: this call's deadline, retries included.
+        `idempotent=False`: never retry.
         """
-        return self.infer_result(
-            model,
-            inputs,
-            outputs=outputs,
-            version=version,
-            request_id=request_id,
-            priority=priority,
-            timeout_us=timeout_us,
-            parameters=parameters,
-            datatypes=datatypes,
-            timeout_s=timeout_s,
-            idempotent=idempotent,
-        ).outputs
+        return self.infer_result(model, inputs, timeout_s=timeout_s, idempotent=idempotent,
+                                 **fields).outputs
 
-    def infer_result(
-        self,
-        model: str,
-        inputs: Mapping[str, np.ndarray],
-        *,
-        outputs: Sequence[str] | None = None,
-        version: str = "",
-        request_id: str = "",
-        priority: int | None = None,
-        timeout_us: int | None = None,
-        parameters: Mapping[str, ParameterValue | inference_pb2.InferParameter] | None = None,
-        datatypes: Mapping[str, str] | None = None,
-        timeout_s: float | None = None,
-        idempotent: bool = True,
-    ) -> InferResult:
+    def infer_result(self, model: str, inputs: Mapping[str, np.ndarray], *,
+                     timeout_s: float | None = None, idempotent: bool = True,
+                     **fields: Any) -> InferResult:
         """Like `infer`, returning an InferResult: `.outputs`, `.id`, `.model_version`, ..."""
-        request = InferRequest(
-            model=model,
-            inputs=inputs,
-            outputs=outputs,
-            version=version,
-            request_id=request_id,
-            priority=priority,
-            timeout_us=timeout_us,
-            parameters=parameters,
-            datatypes=datatypes,
-        )
-        return self._run(_calls.infer(request, idempotent=idempotent), timeout_s)
+        call = _calls.infer(InferRequest(model, inputs, **fields), idempotent=idempotent)
+        return self._run(call, timeout_s)
 
     def stream_infer(
         self, requests: Iterable[InferRequest], *, timeout_s: float | None = None

@@ -10,7 +10,8 @@ then the bytes); on the host a BYTES tensor is a numpy object array of ``bytes``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import struct
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -62,3 +63,20 @@ CONTENTS_FIELDS: Mapping[str, tuple[str, np.dtype]] = {
     "FP32": ("fp32_contents", np.dtype(np.float32)),
     "FP64": ("fp64_contents", np.dtype(np.float64)),
 }
+
+# The length before each BYTES element on the wire.
+BYTES_LENGTH = struct.Struct("<I")
+
+
+def bytes_encoding(elements: np.ndarray | Sequence[bytes]) -> bytes:
+    """A BYTES tensor's encoding on the wire: per element (of an array, in row-major order), a
+    4-byte little-endian length, then that many bytes (``str`` elements as UTF-8)."""
+    if isinstance(elements, np.ndarray):
+        elements = elements.reshape(-1)
+    pack = BYTES_LENGTH.pack
+    parts = []
+    for item in elements:
+        data = item if isinstance(item, bytes) else str(item).encode()
+        parts.append(pack(len(data)))
+        parts.append(data)
+    return b"".join(parts)

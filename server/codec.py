@@ -17,7 +17,6 @@ messages are cut short, since clients refuse long status messages.
 from __future__ import annotations
 
 import dataclasses
-import struct
 import time
 from collections.abc import Mapping
 
@@ -27,11 +26,16 @@ from batcher.errors import InvalidRequest, NotSupported, ResourceExhausted, quot
 from batcher.request import InferenceRequest, batch_shape_key
 from batcher.spec import ModelSpec, TensorSpec
 from protos import inference_pb2 as pb
-from protos.datatypes import CONTENTS_FIELDS, ELEMENT_SIZES, NUMPY_DTYPES
+from protos.datatypes import (  # bytes_encoding: also known here by the codec's importers
+    BYTES_LENGTH,
+    CONTENTS_FIELDS,
+    ELEMENT_SIZES,
+    NUMPY_DTYPES,
+    bytes_encoding,
+)
 from server.shared_memory import OFF_MESSAGE, Placed, Placement
 
 SHARED_MEMORY_KEYS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
-_LENGTH = struct.Struct("<I")
 # Dimensions of a shape quoted in a message; the rest is summarised.
 _SHOWN_DIMS = 8
 
@@ -371,7 +375,7 @@ def _split_bytes(buffer, count: int) -> list[bytes] | None:
     while offset < size and len(items) < count:
         if offset + 4 > size:
             break
-        (length,) = _LENGTH.unpack_from(buffer, offset)
+        (length,) = BYTES_LENGTH.unpack_from(buffer, offset)
         offset += 4
         if offset + length > size:
             break
@@ -485,21 +489,11 @@ def bytes_row_offsets(array: np.ndarray) -> np.ndarray:
     rows = len(array)
     flat = array.reshape(-1)
     lengths = np.fromiter(map(len, flat), dtype=np.int64, count=flat.size)
-    per_row = lengths.reshape(rows, -1).sum(axis=1) + _LENGTH.size * (flat.size // max(rows, 1))
+    per_row = (lengths.reshape(rows, -1).sum(axis=1)
+               + BYTES_LENGTH.size * (flat.size // max(rows, 1)))
     offsets = np.zeros(rows + 1, dtype=np.int64)
     np.cumsum(per_row, out=offsets[1:])
     return offsets
-
-
-def bytes_encoding(array: np.ndarray) -> bytes:
-    """A BYTES tensor's encoding on the wire: per element, a 4-byte little-endian length, then
-    that many bytes (``str`` elements as UTF-8)."""
-    parts = []
-    for item in array.reshape(-1):
-        data = item if isinstance(item, bytes) else str(item).encode()
-        parts.append(_LENGTH.pack(len(data)))
-        parts.append(data)
-    return b"".join(parts)
 
 
 def deadline_from(time_remaining: float | None) -> float | None:

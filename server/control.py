@@ -17,8 +17,10 @@ Errors are ``batcher.errors`` exceptions, as everywhere below the transport.
 
 from __future__ import annotations
 
+from typing import Any
+
 from batcher.errors import InvalidRequest, ResourceExhausted, quoted
-from batcher.stats import Duration, StatsSnapshot
+from batcher.stats import BATCH_DURATIONS, INFER_DURATIONS, StatsSnapshot
 from protos import inference_pb2 as pb
 from server import model_config
 from server.load_override import LoadOverride, file_path
@@ -110,8 +112,9 @@ def _parameter(value: pb.ModelRepositoryParameter, key: str, kind: str, what: st
     return getattr(value, kind)
 
 
-def _duration(d: Duration) -> pb.StatisticDuration:
-    return pb.StatisticDuration(count=d.count, ns=d.ns)
+def _durations(source: Any, names: tuple[str, ...]) -> dict[str, pb.StatisticDuration]:
+    return {name: pb.StatisticDuration(count=(d := getattr(source, name)).count, ns=d.ns)
+            for name in names}
 
 
 def _statistics(name: str, version: str, snap: StatsSnapshot) -> pb.ModelStatistics:
@@ -121,21 +124,9 @@ def _statistics(name: str, version: str, snap: StatsSnapshot) -> pb.ModelStatist
         last_inference=snap.last_inference_ms,
         inference_count=snap.inference_count,
         execution_count=snap.execution_count,
-        inference_stats=pb.InferStatistics(
-            success=_duration(snap.success),
-            fail=_duration(snap.fail),
-            queue=_duration(snap.queue),
-            compute_input=_duration(snap.compute_input),
-            compute_infer=_duration(snap.compute_infer),
-            compute_output=_duration(snap.compute_output),
-        ),
+        inference_stats=pb.InferStatistics(**_durations(snap, INFER_DURATIONS)),
         batch_stats=[
-            pb.InferBatchStatistics(
-                batch_size=size,
-                compute_input=_duration(d.compute_input),
-                compute_infer=_duration(d.compute_infer),
-                compute_output=_duration(d.compute_output),
-            )
+            pb.InferBatchStatistics(batch_size=size, **_durations(d, BATCH_DURATIONS))
             for size, d in snap.batches.items()
         ],
     )

@@ -7,6 +7,7 @@ Models here are plain callables that record what they ran and can be held by a g
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -17,10 +18,12 @@ from prometheus_client import CollectorRegistry
 from batcher.errors import (
     DeadlineExceeded,
     InvalidRequest,
+    LoadError,
     ModelExecutionError,
     ModelUnavailable,
     QueueFull,
 )
+from batcher.forward import unpack_outputs
 from batcher.metrics import BatcherMetrics
 from batcher.model import ServedModel
 from batcher.queue import ModelQueue
@@ -298,3 +301,39 @@ async def test_partial_batch_waits_for_the_running_one_and_takes_all(served):
     fake.gate.set()
     await asyncio.gather(blocker, *queued)
     assert fake.batches[1:] == [[10.0, 11.0, 12.0, 13.0, 14.0]]
+
+
+# -- what a model may return (batcher.forward.unpack_outputs) -----------------------------------
+
+_OUTS = (TensorSpec("a", "FP32", (2,)), TensorSpec("b", "INT64", (1,)))
+
+
+def test_unpack_outputs_takes_a_tensor_a_sequence_or_a_dict_by_name():
+    a, b = torch.zeros(3, 2), torch.ones(3, 1, dtype=torch.int64)
+    assert unpack_outputs(a, _OUTS[:1], "m") == [a]
+    assert unpack_outputs(np.zeros(3), _OUTS[:1], "m")[0].shape == (3,)
+    for returned in ((a, b), [a, b], (a, b, torch.zeros(1))):  # extra trailing values dropped
+        got = unpack_outputs(returned, _OUTS, "m")
+        assert len(got) == 2 and got[0] is a and got[1] is b
+    got = unpack_outputs({"b": b, "a": a, "extra": a}, _OUTS, "m")  # by name, not dict order
+    assert got[0] is a and got[1] is b
+
+
+@pytest.mark.parametrize("returned, message", [
+    ({"a": torch.zeros(1)}, "model 'm' returned a dict without outputs ['b']"),
+    ((torch.zeros(1),), "model 'm' returned 1 outputs, its configuration declares 2"),
+    ("text", "model 'm' returned str, expected a tensor, a tuple of tensors or a dict of tensors"),
+])
+def test_unpack_outputs_refuses_what_does_not_fit_the_config(returned, message):
+    with pytest.raises(ModelExecutionError) as caught:
+        unpack_outputs(returned, _OUTS, "m")
+    assert str(caught.value) == message
+
+
+def test_the_precision_check_reads_outputs_by_the_serving_rule(served):
+    # The check runs the model before it serves: a dict without a declared output is refused
+    # there with serving's message, not with whatever the lookup raised.
+    spec = dataclasses.replace(make_spec(), warmup=True, precision="amp-bf16")
+    with pytest.raises(LoadError) as caught:
+        served(spec, lambda x: {"z": x * 2})
+    assert "returned a dict without outputs ['y']" in str(caught.value)

@@ -13,15 +13,19 @@ import base64
 import importlib.util
 import inspect
 import json
+import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 from google.protobuf import text_format
+from google.protobuf.descriptor import FieldDescriptor
 
 from protos import generate, inference_pb2, inference_pb2_grpc, model_config_pb2
+from protos.datatypes import CONTENTS_FIELDS, ELEMENT_SIZES, NUMPY_DTYPES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SERVICE = "inference.GRPCInferenceService"
@@ -391,3 +395,44 @@ def test_triton_serialized_config_decodes_identically():
     ours = text_format.Parse(TRITON_CONFIG_PBTXT, model_config_pb2.ModelConfig())
     assert from_triton == ours
     assert from_triton.SerializeToString(deterministic=True) == base64.b64decode(out)
+
+
+# -- the datatype table (protos/datatypes.py) --------------------------------------------------
+
+_PROTO_FIELD_DTYPES = {
+    "TYPE_BOOL": "bool", "TYPE_INT32": "int32", "TYPE_INT64": "int64", "TYPE_UINT32": "uint32",
+    "TYPE_UINT64": "uint64", "TYPE_FLOAT": "float32", "TYPE_DOUBLE": "float64",
+}
+
+
+def test_contents_fields_are_the_protos_typed_fields():
+    fields = inference_pb2.InferTensorContents.DESCRIPTOR.fields_by_name
+    type_names = {v: k for k, v in vars(FieldDescriptor).items() if k.startswith("TYPE_")}
+    for datatype, (name, dtype) in CONTENTS_FIELDS.items():
+        assert datatype in NUMPY_DTYPES
+        assert _PROTO_FIELD_DTYPES[type_names[fields[name].type]] == dtype.name, datatype
+        # The field holds every value of the datatype (narrow integers widened).
+        assert np.can_cast(NUMPY_DTYPES[datatype], dtype, "safe"), datatype
+    used = {name for name, _ in CONTENTS_FIELDS.values()}
+    assert used == set(fields) - {"bytes_contents"}
+
+
+def test_native_front_end_has_the_same_datatype_table():
+    # C++ cannot read the Python table: its copy (names, element sizes, typed contents fields)
+    # is compared with it here, so that the two front ends cannot drift apart.
+    native = REPO_ROOT / "server" / "native" / "src"
+    table = re.findall(r'\{"(\w+)", DataType::k(\w+), (\d+)\}',
+                       (native / "model_table.cc").read_text())
+    assert {name: int(size) for name, _, size in table} == {**ELEMENT_SIZES, "BYTES": 0}
+    assert all(enum.upper() == name for name, enum, _ in table)
+    assert len(table) == len(NUMPY_DTYPES)
+    codec = (native / "codec.cc").read_text()
+    switch = codec[codec.index("const char* TypedField("):]
+    switch = switch[:switch.index("default:")]
+    typed, pending = {}, []
+    for enum, field in re.findall(r'case DataType::k(\w+):(?:[^\n]*return "(\w+)")?', switch):
+        pending.append(enum.upper())
+        if field:
+            typed.update(dict.fromkeys(pending, field))
+            pending = []
+    assert typed == {datatype: name for datatype, (name, _) in CONTENTS_FIELDS.items()}

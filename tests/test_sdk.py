@@ -164,6 +164,11 @@ def test_bad_arguments_raise_before_sending(client, server):
         client.infer("echo", {"x": np.ones(2)}, parameters={"priority": 1})
     with pytest.raises(ValueError, match="got 0"):
         client.infer("echo", {"x": np.ones(2)}, timeout_s=0)
+    # tritonclient's name for the queue timeout is not one of the request's fields.
+    with pytest.raises(TypeError, match="'timeout'"):
+        client.infer("echo", {"x": np.ones(2)}, timeout=1500)
+    with pytest.raises(TypeError, match="'timeout'"):
+        client.infer_result("echo", {"x": np.ones(2)}, timeout=1500)
     assert server.servicer.requests == []
 
 
@@ -484,6 +489,12 @@ async def test_async_bf16_priority_and_timeout(aclient, server):
     assert sent.inputs[0].datatype == "BF16"
     assert sent.parameters["priority"].uint64_param == 4
     assert sent.parameters["timeout"].int64_param == 250
+
+
+async def test_async_unknown_argument_is_refused(aclient, server):
+    with pytest.raises(TypeError, match="'timeout'"):
+        await aclient.infer("echo", {"x": np.ones(2)}, timeout=1500)
+    assert server.servicer.requests == []
 
 
 async def test_async_retry_recovers_and_stops(aclient, server):

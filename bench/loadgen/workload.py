@@ -10,7 +10,6 @@ input name. Every combination of model, priority level and data variant becomes 
 from __future__ import annotations
 
 import dataclasses
-import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -19,13 +18,12 @@ import numpy as np
 
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc
-from protos.datatypes import FIXED_DTYPES
+from protos.datatypes import FIXED_DTYPES, bytes_encoding
 
 # Random data sets per model: a server that caches by content still sees varied requests.
 DATA_VARIANTS = 4
 BYTES_ELEMENT_LENGTH = 8
 
-_LENGTH = struct.Struct("<I")
 
 
 class WorkloadError(RuntimeError):
@@ -219,7 +217,7 @@ def _raw_input(spec: InputSpec, arrays: Mapping[str, np.ndarray] | None,
 
 def _array_bytes(spec: InputSpec, array: np.ndarray) -> bytes:
     if spec.datatype == "BYTES":
-        return _bytes_tensor([bytes(v) if not isinstance(v, str) else v.encode()
+        return bytes_encoding([bytes(v) if not isinstance(v, str) else v.encode()
                               for v in array.reshape(-1)])
     if spec.datatype == "BF16":
         return _bf16(array.astype(np.float32))
@@ -239,7 +237,7 @@ def random_bytes(datatype: str, shape: Sequence[int], rng: np.random.Generator,
     if datatype == "BYTES":
         letters = rng.integers(ord("a"), ord("z") + 1, size=(count, BYTES_ELEMENT_LENGTH),
                                dtype=np.uint8)
-        return _bytes_tensor([row.tobytes() for row in letters])
+        return bytes_encoding([row.tobytes() for row in letters])
     if datatype == "BF16":
         return _bf16(rng.standard_normal(count, dtype=np.float32))
     dtype = FIXED_DTYPES.get(datatype)
@@ -260,7 +258,3 @@ def _bf16(values: np.ndarray) -> bytes:
     """bfloat16 as the top half of each float32 (truncated), little-endian."""
     return (np.ascontiguousarray(values, dtype="<f4").view("<u4") >> 16).astype("<u2").tobytes()
 
-
-def _bytes_tensor(elements: Sequence[bytes]) -> bytes:
-    """KServe's raw BYTES layout: each element as a 4-byte little-endian length, then its bytes."""
-    return b"".join(_LENGTH.pack(len(e)) + e for e in elements)

@@ -188,7 +188,7 @@ grpc::Status CheckRaw(const std::string& model, const TensorInfo& spec, const Sh
   return grpc::Status::OK;
 }
 
-// The typed contents field of a datatype (codec.py TYPED_FIELDS), and how many values it holds.
+// The typed contents field of a datatype (CONTENTS_FIELDS in protos/datatypes.py), and how many values it holds.
 const char* TypedField(DataType type, const InferTensorContents& contents, int* values) {
   switch (type) {
     case DataType::kBool: *values = contents.bool_contents_size(); return "bool_contents";
