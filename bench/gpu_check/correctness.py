@@ -58,7 +58,8 @@ def section_correctness(report: Report, budget: Budget, device: str,
     from batcher.buckets import default_buckets
     from batcher.loading import find_artifact, load_module
     from batcher.memory import DevicePools, PoolSettings
-    from server.model_config import model_spec_from_config, read_model_config
+    from server.model_config import read_model_config
+    from server.model_spec import model_spec_from_config
 
     cuda = device.startswith("cuda")
     pools = DevicePools(PoolSettings(POOL_BYTES_A))
