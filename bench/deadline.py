@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import re
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from bench.output import emit, progress
 from bench.loadgen.arrivals import Arrival
 from bench.serving import (
     CAPACITY_CONCURRENCY,
@@ -383,8 +383,7 @@ def _numbers(text: str, kind: Callable[[str], Any]) -> list:
     return [kind(item) for item in text.split(",") if item.strip()]
 
 
-def _say(message: str) -> None:
-    print(f"[bench.deadline] {message}", file=sys.stderr, flush=True)
+_say = progress("bench.deadline")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -445,10 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     except RUN_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(render(report))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
-    return 0
+    return emit(report, render, args.json)
 
 
 if __name__ == "__main__":

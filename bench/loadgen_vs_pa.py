@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.output import emit, progress
 from bench._perf_analyzer import (
     DEFAULT_PERF_ANALYZER,
     run_perf_analyzer,
@@ -165,8 +166,7 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _say(message: str) -> None:
-    print(f"[bench.loadgen_vs_pa] {message}", file=sys.stderr, flush=True)
+_say = progress("bench.loadgen_vs_pa")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,10 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     except RUN_ERRORS as exc:
         print(f"bench.loadgen_vs_pa: {exc}", file=sys.stderr)
         return 1
-    print(render(report))
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    return 0
+    return emit(report, render, args.json)
 
 
 if __name__ == "__main__":

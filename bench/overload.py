@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from bench.output import emit, progress
 from bench.serving import (
     CAPACITY_CONCURRENCY,
     DEFAULT_REPOSITORY,
@@ -128,8 +128,7 @@ def _ms(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1f}"
 
 
-def _say(message: str) -> None:
-    print(f"[bench.overload] {message}", file=sys.stderr, flush=True)
+_say = progress("bench.overload")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,10 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         "admission": with_admission, "no_admission": without,
         "target": TARGET, "pass": with_admission["goodput_ratio"] >= TARGET,
     }
-    print(render(report))
-    if options.json is not None:
-        options.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    return 0
+    return emit(report, render, options.json)
 
 
 if __name__ == "__main__":

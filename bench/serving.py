@@ -47,6 +47,7 @@ from typing import Any
 
 import grpc
 
+from bench.output import emit, progress
 from bench._perf_analyzer import (
     DEFAULT_PERF_ANALYZER,
     PerfAnalyzerError,
@@ -705,8 +706,7 @@ def _mean(a: float, b: float) -> float:
     return (a + b) / 2
 
 
-def _say(message: str) -> None:
-    print(f"[bench.serving] {message}", file=sys.stderr, flush=True)
+_say = progress("bench.serving")
 
 
 def _choices(allowed: tuple[str, ...]):
@@ -757,11 +757,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.serving: {exc}", file=sys.stderr)
         return 1
     # JSON keys are strings: render reads the report as it is written.
-    report = json.loads(json.dumps(report))
-    print(render(report))
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    return 0
+    return emit(json.loads(json.dumps(report)), render, args.json)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,13 @@ ratios to its gRPC row.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from bench.output import emit, progress
 from bench._perf_analyzer import DEFAULT_PERF_ANALYZER
 from bench.serving import MODES, Step, _choices, load_step, machine, start_server
 from server import native
@@ -127,8 +127,7 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _say(message: str) -> None:
-    print(f"[bench.shared_memory] {message}", file=sys.stderr, flush=True)
+_say = progress("bench.shared_memory")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,9 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write the full report here")
     args = parser.parse_args(argv)
     report = run(args)
-    print(render(report))
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2, default=str))
+    emit(report, render, args.json)
     failed = [m for m, r in report["modes"].items() if r.get("exit_code", 0) != 0]
     return 1 if failed else 0
 
