@@ -434,36 +434,39 @@ class ExecutorServer:
             self._fail_all(live, full.error)
             return
         starts = list(itertools.accumulate((r.batch_size for r in requests), initial=0))
+        # Per output in the arena: its block, its bytes, its row offsets, its shape past rows.
+        layout = {k: (block, nbytes, row_offsets[k], outputs[k].shape[1:])
+                  for k, (block, nbytes) in blocks.items()}
         held: collections.Counter[tuple[_FrontEnd, int]] = collections.Counter()
         for index, remote in live:
-            out = remote.front.out()
+            front = remote.front
+            out = front.out()
             if out is None:
                 continue
+            request = remote.request
             placed = None
             if remote.placements is not None:
                 try:
                     placed = self._place(remote, index, spec, outputs, starts if split else None)
                 except BatchgateError as exc:  # an output that does not fit the client's region
                     remote.answered = True
-                    remote.front.fail(remote.rid, not remote.request.holds_inputs,
-                                      *status_of(exc))
+                    front.fail(remote.rid, not request.holds_inputs, *status_of(exc))
                     continue
-            add = out.results.add(rid=remote.rid,
-                                  released=not remote.request.holds_inputs).outputs.add
+            add = out.results.add(rid=remote.rid, released=not request.holds_inputs).outputs.add
+            rows, first = request.batch_size, starts[index]
             for k in remote.outputs:
                 if placed is not None and k in placed:
                     nbytes, shape = placed[k]
                     add(placed=True, nbytes=nbytes, shape=shape)  # no block to free
                     continue
-                block, nbytes = blocks[k]
+                block, nbytes, per_row, tail = layout[k]
                 if split:
-                    offset, nbytes = _rows_of(row_offsets[k], starts[index],
-                                              remote.request.batch_size)
-                    shape = (remote.request.batch_size, *outputs[k].shape[1:])
+                    offset, nbytes = _rows_of(per_row, first, rows)
+                    shape = (rows, *tail)
                 else:
                     offset, shape = 0, outputs[k].shape
                 add(block=block, offset=block + offset, nbytes=nbytes, shape=shape)
-                held[remote.front, block] += 1
+                held[front, block] += 1
             remote.answered = True
         referenced = set()
         for (front, block), count in held.items():
