@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from batcher.batch import Batch, BatchAccounting
-from batcher.metrics import ModelMetrics
+from batcher.metrics import ModelMetrics, observe_all
 from batcher.profile import LatencyProfile
 from batcher.queue_policies import scheduling_deadline
 from batcher.request import InferenceRequest
@@ -51,13 +51,12 @@ class ModelAccounting(BatchAccounting):
             self._metrics.inflight_batches.dec()
 
     def ran(self, batch: Batch, infer_ns: int, output_ns: int) -> None:
-        queue_ns = 0
         metrics = self._metrics
-        for request in batch.requests:
-            waited = batch.taken_at - request.enqueued
-            queue_ns += int(waited * 1e9)
-            if metrics is not None:
-                metrics.queue_seconds.observe(waited)
+        taken_at = batch.taken_at
+        waits = [taken_at - request.enqueued for request in batch.requests]
+        queue_ns = sum([int(waited * 1e9) for waited in waits])
+        if metrics is not None:
+            observe_all(metrics.queue_seconds, waits)
         self.stats.record_batch(
             requests=len(batch.requests), samples=batch.samples, queue_ns=queue_ns,
             input_ns=batch.input_ns, infer_ns=infer_ns, output_ns=output_ns,
@@ -126,17 +125,17 @@ class ModelAccounting(BatchAccounting):
 
     def answered(self, requests: Sequence[InferenceRequest], now: float) -> None:
         """``requests`` got their results at ``now``: successes, and the SLO met or missed."""
-        success_ns = met = missed = 0
-        slack = self._metrics.deadline_slack_seconds if self._metrics is not None else None
-        for request in requests:
-            success_ns += int((now - request.arrival) * 1e9)
-            target = scheduling_deadline(request, self._slo_s)
-            if slack is not None and target != math.inf:
-                slack.observe(target - now)
-                if now <= target:
-                    met += 1
-                else:
-                    missed += 1
+        success_ns = sum([int((now - request.arrival) * 1e9) for request in requests])
+        met = missed = 0
+        if self._metrics is not None:
+            slo_s = self._slo_s
+            slacks = [target - now for target in
+                      [scheduling_deadline(request, slo_s) for request in requests]
+                      if target != math.inf]
+            if slacks:
+                observe_all(self._metrics.deadline_slack_seconds, slacks)
+                met = sum(1 for slack in slacks if slack >= 0)
+                missed = len(slacks) - met
         self.stats.record_success(len(requests), success_ns)
         if met:
             self._metrics.slo_met.inc(met)

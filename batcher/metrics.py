@@ -7,6 +7,9 @@ so the batch loop never resolves labels.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from batcher.spec import DISPATCH_REASONS
@@ -33,6 +36,26 @@ SLACK_BUCKETS = (
 )
 # When a request's inputs were copied into its model's pooled buffers (spec.INPUT_STAGING).
 INPUT_COPY_TIMES = ("queued", "batch")
+
+
+def observe_all(histogram, amounts: Sequence[float]) -> None:
+    """``histogram.observe(a)`` for each of ``amounts``, as one update per bucket touched.
+
+    A labelled Histogram child's ``observe`` writes two values (the sum and a bucket), each a
+    locked write into the multiprocess mmap: a batch's queue waits, one per request, become
+    one write of the sum and one per bucket the batch's waits fall in. The buckets are
+    Histogram.observe's own (the first whose bound is not below the amount)."""
+    if len(amounts) <= 2:
+        for amount in amounts:
+            histogram.observe(amount)
+        return
+    bounds = histogram._upper_bounds  # ends with +Inf: every amount has a bucket
+    counts = np.bincount(np.searchsorted(bounds, amounts, side="left"), minlength=len(bounds))
+    histogram._raise_if_not_observable()
+    histogram._sum.inc(float(sum(amounts)))
+    buckets = histogram._buckets
+    for index in np.flatnonzero(counts).tolist():
+        buckets[index].inc(int(counts[index]))
 
 
 class BatcherMetrics:

@@ -568,7 +568,8 @@ class ServedModel:
                 self._count_failure("cancelled", [request])
             raise
 
-    def submit(self, request: InferenceRequest, future=None) -> asyncio.Future:
+    def submit(self, request: InferenceRequest, future=None, *,
+               publish_depth: bool = True) -> asyncio.Future:
         """Queue ``request``; its future resolves to its outputs (on the running loop).
 
         Refusals (unavailable, bad priority, queue full, admission control) raise at once. The
@@ -576,7 +577,8 @@ class ServedModel:
         ``future``: the caller's own (anything with ``done``, ``set_result``,
         ``set_exception`` and ``add_done_callback``), resolved on the loop instead of a new
         asyncio future: the executor process answers each request from there, saving a loop
-        callback per request.
+        callback per request. ``publish_depth`` False: the queue-depth gauge is left for the
+        caller's ``publish_depth`` after the run of requests it submits in one go.
         """
         if not self._accepting:
             raise ModelUnavailable(f"model '{self._spec.name}' is not serving; retry later")
@@ -607,7 +609,7 @@ class ServedModel:
             future = loop.create_future()
         request.future = future
         try:
-            self._queue.put(request)
+            self._queue.put(request, publish_depth)
         except QueueFull:
             self._count_failure("rejected", [request])
             raise
@@ -619,6 +621,10 @@ class ServedModel:
             timer = loop.call_later(max(0.0, deadline - time.monotonic()), self._expire, request)
             future.add_done_callback(lambda _: timer.cancel())
         return future
+
+    def publish_depth(self) -> None:
+        """The queue-depth gauge gets the queue's depth (after ``submit(publish_depth=False)``)."""
+        self._queue.publish_depth()
 
     def _admit(self, request: InferenceRequest) -> None:
         """Admission control (``batcher/admission.py``): raise, counted, if it cannot be in time."""

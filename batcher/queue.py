@@ -72,7 +72,7 @@ class ModelQueue:
         self._level_counts = [0] * config.levels
         self._level_samples = [0] * config.levels
         self._limits = [config.queue_policy(level + 1).max_queue_size for level in range(config.levels)]
-        self._samples_by_shape: dict[tuple, int] = collections.Counter()
+        self._samples_by_shape: dict[tuple, int] = {}  # shape key -> samples queued (> 0)
         self._live = 0
         self._closed = False
         self._cond = threading.Condition(threading.Lock())
@@ -89,8 +89,11 @@ class ModelQueue:
 
     # -- the event loop's side ------------------------------------------------------------
 
-    def put(self, request: InferenceRequest) -> None:
-        """Queue ``request`` at its level; raises QueueFull or ModelUnavailable at once."""
+    def put(self, request: InferenceRequest, publish_depth: bool = True) -> None:
+        """Queue ``request`` at its level; raises QueueFull or ModelUnavailable at once.
+
+        ``publish_depth`` False: the depth callback is not called; the caller that queues a
+        run of requests calls ``publish_depth`` once after them instead."""
         index = request.level - 1
         with self._cond:
             if self._closed:
@@ -106,14 +109,22 @@ class ModelQueue:
             self._levels[index].append(request)
             self._level_counts[index] += 1
             self._level_samples[index] += request.batch_size
-            waiting = self._samples_by_shape[request.shape_key] + request.batch_size
+            waiting = self._samples_by_shape.get(request.shape_key, 0) + request.batch_size
             self._samples_by_shape[request.shape_key] = waiting
             self._live += 1
             depth = self._live
             if self._eager_waiters or waiting >= self._max_batch:
                 self._cond.notify_all()
-        if self._on_depth_change is not None:
+        if publish_depth and self._on_depth_change is not None:
             self._on_depth_change(depth)
+
+    def publish_depth(self) -> None:
+        """Hand the depth callback the queue's depth now (after puts that did not).
+
+        Read without the lock, as every caller reads it outside the lock when it publishes:
+        a depth that an executor thread changes meanwhile it publishes itself, after."""
+        if self._on_depth_change is not None:
+            self._on_depth_change(self._live)
 
     def remove(self, request: InferenceRequest) -> bool:
         """Take ``request`` out if it is still queued. True if it was."""
@@ -194,7 +205,7 @@ class ModelQueue:
                         self._wait(None, eager=False)
                         continue
                     return self._take_one(head), "idle"
-                waiting = self._samples_by_shape[head.shape_key]
+                waiting = self._samples_by_shape.get(head.shape_key, 0)
                 if waiting >= self._max_batch and not (self._deadline_policy and busy is not None
                                                        and busy()):
                     reason = "full"
@@ -259,6 +270,25 @@ class ModelQueue:
             del self._samples_by_shape[key]
         self._live -= 1
 
+    def _account_taken(self, batch: list[InferenceRequest], shape_key: tuple) -> None:
+        """``_account(request, TAKEN)`` for every request of a FIFO batch, all shaped
+        ``shape_key``: the shape's count is updated once."""
+        counts, samples = self._level_counts, self._level_samples
+        taken = 0
+        for request in batch:
+            request.state = TAKEN
+            index = request.level - 1
+            counts[index] -= 1
+            samples[index] -= request.batch_size
+            taken += request.batch_size
+        if batch:
+            left = self._samples_by_shape[shape_key] - taken
+            if left:
+                self._samples_by_shape[shape_key] = left
+            else:
+                del self._samples_by_shape[shape_key]
+            self._live -= len(batch)
+
     def _forget_taken(self, batch: list[InferenceRequest]) -> None:
         """``_forget(request, TAKEN)`` for every request of a deadline-policy batch, each
         level's list updated once (``DeadlineLevel.discard_many``)."""
@@ -291,8 +321,7 @@ class ModelQueue:
 
     def _gather(self, shape_key: tuple, limit: int) -> list[InferenceRequest]:
         batch = fifo_batch(self._levels, shape_key, limit)
-        for request in batch:
-            self._forget(request, TAKEN)
+        self._account_taken(batch, shape_key)
         # Taken requests at the heads go now; the rest are skipped when they reach a head.
         for level in self._levels:
             while level and level[0].state != QUEUED:

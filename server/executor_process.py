@@ -186,8 +186,9 @@ class ExecutorServer:
         self._in_use = metrics.arena_bytes_in_use.labels("output")
         self._fronts: set[_FrontEnd] = set()
         self._calls: set[asyncio.Task] = set()
-        # READY handle -> its model, and its inputs' dtypes
-        self._handles: dict[int, tuple[ServedModel, tuple]] = {}
+        # READY handle -> its model, its inputs' dtypes, whether it batches, and every output's
+        # index (what a request that names none asks for): looked up once per request
+        self._handles: dict[int, tuple[ServedModel, tuple, bool, tuple[int, ...]]] = {}
         self._handle_of: dict[str, tuple[int, ServedModel]] = {}  # name -> current handle
         self._next_handle = itertools.count(1)
         self.repository: ModelRepository | None = None
@@ -221,7 +222,9 @@ class ExecutorServer:
                 self._handles.pop(current[0], None)
             current = (next(self._next_handle), model)
             self._handle_of[name] = current
-            self._handles[current[0]] = (model, _input_dtypes(model.spec))
+            self._handles[current[0]] = (model, _input_dtypes(model.spec),
+                                         model.spec.batching.max_batch_size > 0,
+                                         tuple(range(len(model.spec.outputs))))
             model.on_results = self._on_results
         state.handle = current[0]
         _describe(model.spec, state.spec)
@@ -247,8 +250,16 @@ class ExecutorServer:
                 frame = await link.receive()
                 if frame.HasField("hello"):
                     self._hello(front, frame.hello)
-                for infer in frame.infer:
-                    self._infer(front, infer)
+                infers = frame.infer
+                if len(infers) == 1:
+                    self._infer(front, infers[0], None)
+                elif infers:
+                    # The queue-depth gauge is written once per model per frame, not per request.
+                    touched: set[ServedModel] = set()
+                    for infer in infers:
+                        self._infer(front, infer, touched)
+                    for model in touched:
+                        model.publish_depth()
                 for rid in frame.cancel:
                     self._cancel(front, rid)
                 if frame.free:
@@ -291,13 +302,16 @@ class ExecutorServer:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def _infer(self, front: _FrontEnd, message: wire_pb2.Infer) -> None:
+    def _infer(self, front: _FrontEnd, message: wire_pb2.Infer,
+               touched: set[ServedModel] | None) -> None:
+        """Submit one request. With ``touched``, its model joins it and the queue's depth is
+        left for the caller to publish once the frame's requests are in."""
         rid = message.rid
         served = self._handles.get(message.model)
         if served is None:
             front.fail(rid, True, Code.UNAVAILABLE, STALE_HANDLE_MESSAGE)
             return
-        model, dtypes = served
+        model, dtypes, batching, every_output = served
         spec = model.spec
         placed: list[tuple[str, Placement]] = []
         try:
@@ -310,34 +324,37 @@ class ExecutorServer:
         except BatchgateError as exc:  # a shared-memory input that cannot be read
             front.fail(rid, True, *status_of(exc))
             return
-        batching = spec.batching.max_batch_size > 0
         outputs = tuple(message.outputs)
         placements = None
-        if message.placements:
-            if len(message.placements) != len(outputs):
+        wire_placements = message.placements
+        if wire_placements:
+            if len(wire_placements) != len(outputs):
                 log.error("bad_descriptor", slot=front.slot, model=spec.name,
-                          error=f"{len(message.placements)} placements for "
+                          error=f"{len(wire_placements)} placements for "
                                 f"{len(outputs)} outputs")
                 front.fail(rid, True, Code.INTERNAL,
                            "internal error: the front end described the request's outputs "
                            "wrongly")
                 return
             placements = tuple(Placement(p.region, p.offset, p.nbytes) if p.region else None
-                               for p in message.placements)
+                               for p in wire_placements)
+        deadline_ns = message.deadline_ns
         request = InferenceRequest(
             arrays, batch_size=message.batch_size if batching else 1, request_id=message.id,
             priority=message.priority,
-            deadline=message.deadline_ns / 1e9 if message.deadline_ns else None,
+            deadline=deadline_ns / 1e9 if deadline_ns else None,
             timeout_us=message.timeout_us,
             requested_outputs=[spec.outputs[i].name for i in outputs] if outputs else None,
-            shape_key=tuple(a.shape[1:] if batching else a.shape for a in arrays),
+            shape_key=tuple([a.shape[1:] for a in arrays] if batching
+                            else [a.shape for a in arrays]),
         )
         if placed:
             request.check_inputs = self.shared_memory.checker(placed)
-        remote = _Remote(front, rid, model, request,
-                         outputs or tuple(range(len(spec.outputs))), placements)
+        remote = _Remote(front, rid, model, request, outputs or every_output, placements)
+        if touched is not None:
+            touched.add(model)
         try:
-            model.submit(request, remote)
+            model.submit(request, remote, publish_depth=touched is None)
         except BatchgateError as exc:
             front.fail(rid, True, *status_of(exc))
             return
@@ -417,36 +434,39 @@ class ExecutorServer:
             self._fail_all(live, full.error)
             return
         starts = list(itertools.accumulate((r.batch_size for r in requests), initial=0))
+        # Per output in the arena: its block, its bytes, its row offsets, its shape past rows.
+        layout = {k: (block, nbytes, row_offsets[k], outputs[k].shape[1:])
+                  for k, (block, nbytes) in blocks.items()}
         held: collections.Counter[tuple[_FrontEnd, int]] = collections.Counter()
         for index, remote in live:
-            out = remote.front.out()
+            front = remote.front
+            out = front.out()
             if out is None:
                 continue
+            request = remote.request
             placed = None
             if remote.placements is not None:
                 try:
                     placed = self._place(remote, index, spec, outputs, starts if split else None)
                 except BatchgateError as exc:  # an output that does not fit the client's region
                     remote.answered = True
-                    remote.front.fail(remote.rid, not remote.request.holds_inputs,
-                                      *status_of(exc))
+                    front.fail(remote.rid, not request.holds_inputs, *status_of(exc))
                     continue
-            add = out.results.add(rid=remote.rid,
-                                  released=not remote.request.holds_inputs).outputs.add
+            add = out.results.add(rid=remote.rid, released=not request.holds_inputs).outputs.add
+            rows, first = request.batch_size, starts[index]
             for k in remote.outputs:
                 if placed is not None and k in placed:
                     nbytes, shape = placed[k]
                     add(placed=True, nbytes=nbytes, shape=shape)  # no block to free
                     continue
-                block, nbytes = blocks[k]
+                block, nbytes, per_row, tail = layout[k]
                 if split:
-                    offset, nbytes = _rows_of(row_offsets[k], starts[index],
-                                              remote.request.batch_size)
-                    shape = (remote.request.batch_size, *outputs[k].shape[1:])
+                    offset, nbytes = _rows_of(per_row, first, rows)
+                    shape = (rows, *tail)
                 else:
                     offset, shape = 0, outputs[k].shape
                 add(block=block, offset=block + offset, nbytes=nbytes, shape=shape)
-                held[remote.front, block] += 1
+                held[front, block] += 1
             remote.answered = True
         referenced = set()
         for (front, block), count in held.items():
