@@ -38,7 +38,7 @@ from batcher.errors import BatchgateError, ModelExecutionError
 from batcher.memory import DevicePools, PoolSettings
 from batcher.metrics import BatcherMetrics
 from batcher.model import ServedModel
-from batcher.request import InferenceRequest
+from batcher.request import InferenceRequest, batch_shape_key
 from batcher.spec import NUMPY_DTYPES, ModelSpec
 from protos import wire_pb2
 from server import wire
@@ -345,8 +345,7 @@ class ExecutorServer:
             deadline=deadline_ns / 1e9 if deadline_ns else None,
             timeout_us=message.timeout_us,
             requested_outputs=[spec.outputs[i].name for i in outputs] if outputs else None,
-            shape_key=tuple([a.shape[1:] for a in arrays] if batching
-                            else [a.shape for a in arrays]),
+            shape_key=batch_shape_key([a.shape for a in arrays], batching=batching),
         )
         if placed:
             request.check_inputs = self.shared_memory.checker(placed)
