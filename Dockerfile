@@ -62,7 +62,7 @@ COPY clients/ clients/
 COPY bench/ bench/
 RUN pip install --no-cache-dir -c constraints.txt ".[gpu]" \
     && batchgate serve --help > /dev/null \
-    && python -I -c "import server.app, grpc_health.v1.health_pb2"
+    && python -I -c "import batchgate.server.app, grpc_health.v1.health_pb2"
 
 # ---------------------------------------------------------------------------------------------
 # The native front end (server/native): C++ on Ubuntu 24.04's gRPC C++ 1.51 and protobuf 3.21,

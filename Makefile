@@ -40,10 +40,10 @@ test: $(STAMP) tools native native-asan
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 protos: $(STAMP)
-	$(BIN)/python -m protos.generate
+	$(BIN)/python -m batchgate.protos.generate
 
 check-protos: $(STAMP)
-	$(BIN)/python -m protos.generate --check
+	$(BIN)/python -m batchgate.protos.generate --check
 
 clean:
 	rm -rf $(VENV) .tools .pytest_cache .hypothesis build

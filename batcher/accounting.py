@@ -14,12 +14,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from batcher.batch import Batch, BatchAccounting
-from batcher.metrics import ModelMetrics, observe_all
-from batcher.profile import LatencyProfile
-from batcher.queue_policies import scheduling_deadline
-from batcher.request import InferenceRequest
-from batcher.stats import ModelStats
+from batchgate.batcher.batch import Batch, BatchAccounting
+from batchgate.batcher.metrics import ModelMetrics, observe_all
+from batchgate.batcher.profile import LatencyProfile
+from batchgate.batcher.queue_policies import scheduling_deadline
+from batchgate.batcher.request import InferenceRequest
+from batchgate.batcher.stats import ModelStats
 
 
 class ModelAccounting(BatchAccounting):

@@ -62,8 +62,8 @@ import bisect
 import collections
 import math
 
-from batcher.errors import AdmissionRefused, DeadlineInfeasible
-from batcher.profile import P99_DEVIATIONS, LatencyProfile
+from batchgate.batcher.errors import AdmissionRefused, DeadlineInfeasible
+from batchgate.batcher.profile import P99_DEVIATIONS, LatencyProfile
 
 
 class Admission:

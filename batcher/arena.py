@@ -56,7 +56,7 @@ Why this scheme:
 - Coalescing on free finds both neighbours with one ``bisect`` on ``_free_starts``, so the free
   list never holds two adjacent blocks and a region that empties is one block again.
 
-Measured (``batcher.pool``'s docstring has the commands): ``batcher.pool.mixed_trace``, each seed
+Measured (``batchgate.batcher.pool``'s docstring has the commands): ``batchgate.batcher.pool.mixed_trace``, each seed
 replayed in the smallest pool that serves it without a refusal, peak bytes in use / bytes
 reserved, mean / worst: plain best fit 84.6 % / 70.0 % on seeds 0-7, 84.7 % / 68.2 % on held-out
 seeds 8-39; this scheme 95.2 % / 87.2 % and 90.5 % / 74.4 % (90.8 % / 73.0 % on seeds 40-231).

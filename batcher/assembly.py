@@ -24,14 +24,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from batcher.batch import Batch, BatchAccounting, Slot
-from batcher.buckets import BatchBuckets
-from batcher.errors import BatchgateError
-from batcher.gpu import ModelMemory
-from batcher.graphs import BucketGraphs
-from batcher.request import InferenceRequest
-from batcher.spec import ModelSpec
-from batcher.tensors import host_input, to_torch
+from batchgate.batcher.batch import Batch, BatchAccounting, Slot
+from batchgate.batcher.buckets import BatchBuckets
+from batchgate.batcher.errors import BatchgateError
+from batchgate.batcher.gpu import ModelMemory
+from batchgate.batcher.graphs import BucketGraphs
+from batchgate.batcher.request import InferenceRequest
+from batchgate.batcher.spec import ModelSpec
+from batchgate.batcher.tensors import host_input, to_torch
 
 
 class BatchAssembly:

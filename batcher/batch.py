@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from batcher import gpu
-from batcher.buckets import BatchBuckets
-from batcher.request import InferenceRequest
-from batcher.spec import ModelSpec
-from batcher.staging import InputStager, Staged
-from batcher.tensors import host_array
+from batchgate.batcher import gpu
+from batchgate.batcher.buckets import BatchBuckets
+from batchgate.batcher.request import InferenceRequest
+from batchgate.batcher.spec import ModelSpec
+from batchgate.batcher.staging import InputStager, Staged
+from batchgate.batcher.tensors import host_array
 
 
 class Slot:

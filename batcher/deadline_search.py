@@ -14,8 +14,8 @@ import bisect
 import itertools
 import math
 
-from batcher.profile import LatencyProfile
-from batcher.request import InferenceRequest
+from batchgate.batcher.profile import LatencyProfile
+from batchgate.batcher.request import InferenceRequest
 
 Candidates = list[tuple[float, InferenceRequest]]
 

@@ -18,9 +18,9 @@ from collections.abc import Iterable
 
 import torch
 
-from batcher.device_share import DeviceShare
-from batcher.memory import DevicePools
-from batcher.pool import DevicePool
+from batchgate.batcher.device_share import DeviceShare
+from batchgate.batcher.memory import DevicePools
+from batchgate.batcher.pool import DevicePool
 
 
 class Device:

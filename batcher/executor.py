@@ -58,10 +58,10 @@ import numpy as np
 import structlog
 import torch
 
-from batcher import gpu
-from batcher import graphs as cuda_graphs
-from batcher.assembly import BatchAssembly
-from batcher.batch import (
+from batchgate.batcher import gpu
+from batchgate.batcher import graphs as cuda_graphs
+from batchgate.batcher.assembly import BatchAssembly
+from batchgate.batcher.batch import (
     Batch,
     BatchAccounting,
     ExecutorPlan,
@@ -70,19 +70,19 @@ from batcher.batch import (
     Slot,
     default_plan,
 )
-from batcher.device_share import DeviceTurns
-from batcher.errors import (
+from batchgate.batcher.device_share import DeviceTurns
+from batchgate.batcher.errors import (
     BatchgateError,
     ModelExecutionError,
     ModelUnavailable,
     exception_summary,
     first_line,
 )
-from batcher.forward import ModelForward
-from batcher.request import InferenceRequest
-from batcher.spec import ModelSpec, TensorSpec
-from batcher.tensors import TORCH_DTYPES, to_numpy
-from batcher.watchdog import MAX_ABANDONED, ExecutionTimeout, TimedRunner, TooManyHungCalls
+from batchgate.batcher.forward import ModelForward
+from batchgate.batcher.request import InferenceRequest
+from batchgate.batcher.spec import ModelSpec, TensorSpec
+from batchgate.batcher.tensors import TORCH_DTYPES, to_numpy
+from batchgate.batcher.watchdog import MAX_ABANDONED, ExecutionTimeout, TimedRunner, TooManyHungCalls
 
 log = structlog.get_logger(__name__)
 

@@ -23,14 +23,14 @@ import numpy as np
 import structlog
 import torch
 
-from batcher import gpu
-from batcher import graphs as cuda_graphs
-from batcher import precision as precisions
-from batcher.batch import Batch, BatchAccounting
-from batcher.buckets import BatchBuckets
-from batcher.errors import ModelExecutionError, ResourceExhausted
-from batcher.spec import ModelSpec, TensorSpec
-from batcher.tensors import bytes_tensor
+from batchgate.batcher import gpu
+from batchgate.batcher import graphs as cuda_graphs
+from batchgate.batcher import precision as precisions
+from batchgate.batcher.batch import Batch, BatchAccounting
+from batchgate.batcher.buckets import BatchBuckets
+from batchgate.batcher.errors import ModelExecutionError, ResourceExhausted
+from batchgate.batcher.spec import ModelSpec, TensorSpec
+from batchgate.batcher.tensors import bytes_tensor
 
 log = structlog.get_logger(__name__)
 

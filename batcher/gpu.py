@@ -34,7 +34,7 @@ from typing import Any
 import structlog
 import torch
 
-from batcher.errors import ResourceExhausted
+from batchgate.batcher.errors import ResourceExhausted
 
 log = structlog.get_logger(__name__)
 

@@ -36,7 +36,7 @@ def configure(environ: MutableMapping[str, str] | None = None) -> dict[str, str]
     env = os.environ if environ is None else environ
     torch = sys.modules.get("torch")
     if environ is None and torch is not None and torch.cuda.is_initialized():
-        raise RuntimeError("CUDA was initialised before batcher.gpu_env.configure(): the "
+        raise RuntimeError("CUDA was initialised before batchgate.batcher.gpu_env.configure(): the "
                            "allocator configuration must be set before the first CUDA call")
     given = next((env[name] for name in ALLOC_CONF_VARS if env.get(name)), None)
     conf = given if given is not None else ALLOC_CONF

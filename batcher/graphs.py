@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from batcher.spec import ModelSpec
+from batchgate.batcher.spec import ModelSpec
 
 # Eager runs on the capture stream before capturing: lazy initialisation (cuBLAS handles and
 # workspaces, cuDNN plans, a traced module's profiling runs) must not happen inside a capture.

@@ -20,7 +20,7 @@ order unless ``config.pbtxt`` names the file with ``default_model_filename``:
       ``config.pbtxt``'s ``input`` list, and returns one tensor or a tuple of tensors in the
       order of the ``output`` list; BYTES inputs arrive as numpy object arrays of ``bytes``,
       and a BYTES output is a numpy object/``bytes_``/``str_`` array or a list with one entry
-      per row (``batcher.tensors.bytes_tensor``); only a ``model.py`` can have BYTES outputs;
+      per row (``batchgate.batcher.tensors.bytes_tensor``); only a ``model.py`` can have BYTES outputs;
     - build it on the CPU; the loader moves it to the model's device and puts it in eval mode;
     - seed any random weights locally (``torch.random.fork_rng`` or a ``torch.Generator``):
       several models are built in one process.
@@ -32,7 +32,7 @@ order unless ``config.pbtxt`` names the file with ``default_model_filename``:
     module releases the GIL for its whole forward); its deprecation warning is silenced while
     the builder runs.
 
-Every failure raises :class:`~batcher.errors.LoadError` with a message that names the file and
+Every failure raises :class:`~batchgate.batcher.errors.LoadError` with a message that names the file and
 says what went wrong; the traceback goes to the log, never into the message.
 """
 
@@ -51,7 +51,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from batcher.errors import LoadError, exception_summary
+from batchgate.batcher.errors import LoadError, exception_summary
 
 log = structlog.get_logger(__name__)
 

@@ -32,9 +32,9 @@ from collections.abc import Iterable
 import structlog
 import torch
 
-from batcher.errors import ResourceExhausted
-from batcher.metrics import BatcherMetrics
-from batcher.pool import DEFAULT_POOL_ALIGNMENT, DevicePool
+from batchgate.batcher.errors import ResourceExhausted
+from batchgate.batcher.metrics import BatcherMetrics
+from batchgate.batcher.pool import DEFAULT_POOL_ALIGNMENT, DevicePool
 
 log = structlog.get_logger(__name__)
 

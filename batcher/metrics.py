@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from batcher.spec import DISPATCH_REASONS
+from batchgate.batcher.spec import DISPATCH_REASONS
 
 # Batch sizes are small integers; powers of two bound the buckets people configure.
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)

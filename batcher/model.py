@@ -45,15 +45,15 @@ import numpy as np
 import structlog
 import torch
 
-from batcher import gpu
-from batcher import graphs as cuda_graphs
-from batcher import precision as precisions
-from batcher.accounting import ModelAccounting
-from batcher.admission import Admission
-from batcher.buckets import BatchBuckets
-from batcher.device import Devices
-from batcher.device_share import DeviceTurns
-from batcher.errors import (
+from batchgate.batcher import gpu
+from batchgate.batcher import graphs as cuda_graphs
+from batchgate.batcher import precision as precisions
+from batchgate.batcher.accounting import ModelAccounting
+from batchgate.batcher.admission import Admission
+from batchgate.batcher.buckets import BatchBuckets
+from batchgate.batcher.device import Devices
+from batchgate.batcher.device_share import DeviceTurns
+from batchgate.batcher.errors import (
     AdmissionRefused,
     DeadlineExceeded,
     DeadlineInfeasible,
@@ -64,25 +64,25 @@ from batcher.errors import (
     RequestCancelled,
     ResourceExhausted,
 )
-from batcher.batch import ExecutorPlan, Outcome, Slot
-from batcher.executor import Executor
-from batcher.forward import unpack_outputs
-from batcher.tensors import TORCH_DTYPES, to_torch
-from batcher.memory import DevicePools
-from batcher.metrics import BatcherMetrics, ModelMetrics
-from batcher.pool import (
+from batchgate.batcher.batch import ExecutorPlan, Outcome, Slot
+from batchgate.batcher.executor import Executor
+from batchgate.batcher.forward import unpack_outputs
+from batchgate.batcher.tensors import TORCH_DTYPES, to_torch
+from batchgate.batcher.memory import DevicePools
+from batchgate.batcher.metrics import BatcherMetrics, ModelMetrics
+from batchgate.batcher.pool import (
     DEFAULT_POOL_ALIGNMENT,
     DevicePool,
     ModelReservation,
     model_plan,
     unpooled_reservation,
 )
-from batcher.profile import LatencyProfile
-from batcher.queue import ModelQueue
-from batcher.request import DONE, InferenceRequest
-from batcher.spec import ModelSpec
-from batcher.staging import Block, InputStager
-from batcher.stats import ModelStats
+from batchgate.batcher.profile import LatencyProfile
+from batchgate.batcher.queue import ModelQueue
+from batchgate.batcher.request import DONE, InferenceRequest
+from batchgate.batcher.spec import ModelSpec
+from batchgate.batcher.staging import Block, InputStager
+from batchgate.batcher.stats import ModelStats
 
 log = structlog.get_logger(__name__)
 

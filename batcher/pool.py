@@ -4,7 +4,7 @@ Memory fragmentation: when models of different sizes share a GPU, only 35-50 % o
 device memory typically holds live data. ``DevicePool`` reserves one ``uint8`` buffer
 (``torch.empty`` on ``cuda:N``, or on ``cpu`` where tests and CI run; the server reserves one
 per model, at exactly its plan's size: ``batcher/memory.py``) and hands out typed views into
-it. It does not bring an allocator of its own: it reuses ``batcher.arena``'s
+it. It does not bring an allocator of its own: it reuses ``batchgate.batcher.arena``'s
 ``ArenaAllocator``: best fit over an address- and size-ordered free list with immediate
 coalescing, sizes rounded only to ``alignment`` (no power-of-two classes wasting up to half of
 each block), and each block placed in its hole by expected lifetime. Every allocation here says
@@ -24,7 +24,7 @@ a refusal and reports peak bytes in use / bytes reserved, mean and worst over th
 
 - ``.venv/bin/python bench/gpu_check.py --cpu --sections b`` (seeds 0-7): plain best fit
   84.6 % / 70.0 %, this scheme **95.2 % / 87.2 %**;
-- held-out seeds (``.venv/bin/python -c "from bench.gpu_check import pool_trace_figure as f;
+- held-out seeds (``.venv/bin/python -c "from batchgate.bench.gpu_check import pool_trace_figure as f;
   r = [f('cpu', s)['peak_in_use_fraction'] for s in range(8, 40)]; print(sum(r) / len(r),
   min(r))"``): 8-39 plain best fit 84.7 % / 68.2 %, this scheme **90.5 % / 74.4 %**; 40-231
   84.6 % / 63.1 % and **90.8 % / 73.0 %**.
@@ -67,9 +67,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from batcher.arena import ArenaAllocator
-from batcher.buckets import bucket_for, default_buckets  # noqa: F401 (part of this API)
-from batcher.errors import ResourceExhausted
+from batchgate.batcher.arena import ArenaAllocator
+from batchgate.batcher.buckets import bucket_for, default_buckets  # noqa: F401 (part of this API)
+from batchgate.batcher.errors import ResourceExhausted
 
 DEFAULT_POOL_ALIGNMENT = 512
 

@@ -1,6 +1,6 @@
 """How a model runs in its precision, and the check at load that the precision is safe to serve.
 
-Precisions (``batcher.spec.PRECISIONS``):
+Precisions (``batchgate.batcher.spec.PRECISIONS``):
 
 - ``fp32``: as built;
 - ``amp-fp16`` / ``amp-bf16``: the forward under ``torch.autocast`` (weights stay fp32, matmuls
@@ -32,8 +32,8 @@ import numpy as np
 import structlog
 import torch
 
-from batcher.errors import LoadError, exception_summary
-from batcher.spec import ModelSpec
+from batchgate.batcher.errors import LoadError, exception_summary
+from batchgate.batcher.spec import ModelSpec
 
 log = structlog.get_logger(__name__)
 

@@ -52,7 +52,7 @@ import math
 import threading
 from collections.abc import Sequence
 
-from batcher.buckets import bucket_for, default_buckets
+from batchgate.batcher.buckets import bucket_for, default_buckets
 
 # Weight of the newest measurement: about the last 10 batches of a bucket carry the estimate.
 DEFAULT_ALPHA = 0.1

@@ -40,11 +40,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from batcher.errors import ModelUnavailable, QueueFull
-from batcher.profile import LatencyProfile
-from batcher.queue_policies import DeadlinePolicy, fifo_batch
-from batcher.request import QUEUED, REMOVED, TAKEN, InferenceRequest
-from batcher.spec import BatchingConfig
+from batchgate.batcher.errors import ModelUnavailable, QueueFull
+from batchgate.batcher.profile import LatencyProfile
+from batchgate.batcher.queue_policies import DeadlinePolicy, fifo_batch
+from batchgate.batcher.request import QUEUED, REMOVED, TAKEN, InferenceRequest
+from batchgate.batcher.spec import BatchingConfig
 
 
 class ModelQueue:

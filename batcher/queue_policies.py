@@ -32,9 +32,9 @@ import math
 import operator
 from collections.abc import Iterable, Iterator
 
-from batcher.deadline_search import Candidates, DeadlineSearch
-from batcher.profile import LatencyProfile
-from batcher.request import QUEUED, InferenceRequest
+from batchgate.batcher.deadline_search import Candidates, DeadlineSearch
+from batchgate.batcher.profile import LatencyProfile
+from batchgate.batcher.request import QUEUED, InferenceRequest
 
 
 def fifo_batch(levels: Iterable[Iterable[InferenceRequest]], shape_key: tuple,

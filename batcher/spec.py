@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import numpy as np
 
 # The datatype table, also known here by the modules that read a spec's datatypes.
-from protos.datatypes import ELEMENT_SIZES, NUMPY_DTYPES  # noqa: F401
+from batchgate.protos.datatypes import ELEMENT_SIZES, NUMPY_DTYPES  # noqa: F401
 
 # How a model runs: fp32; autocast to fp16 or bf16 (weights stay fp32); or fp16 weights (the
 # module converted with .half(), floating inputs cast to fp16).

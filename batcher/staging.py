@@ -40,9 +40,9 @@ import numpy as np
 import structlog
 import torch
 
-from batcher import gpu
-from batcher.request import QUEUED, InferenceRequest
-from batcher.tensors import host_array
+from batchgate.batcher import gpu
+from batchgate.batcher.request import QUEUED, InferenceRequest
+from batchgate.batcher.tensors import host_array
 
 log = structlog.get_logger(__name__)
 

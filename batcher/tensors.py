@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from protos.datatypes import FIXED_DTYPES
+from batchgate.protos.datatypes import FIXED_DTYPES
 
 # Datatype -> torch dtype, for the fixed-size datatypes (torch has no string tensor): numpy's
 # own counterpart for each, except BF16, which the host holds as uint16 bits.

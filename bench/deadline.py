@@ -24,7 +24,7 @@ the rest failed. The target: at the load where the fixed delay attains 90 %, the
 deadline policy attains ≥ 99 % with a goodput at least the fixed delay's; judged twice, against
 each baseline (``verdict`` and ``verdict_no_admission`` in the JSON).
 
-    python -m bench.deadline [--model mlp] [--deadline-ms 50] [--loads 0.8,1.0,1.2] [--json F]
+    python -m batchgate.bench.deadline [--model mlp] [--deadline-ms 50] [--loads 0.8,1.0,1.2] [--json F]
 
 Every figure is one ``batchgate bench`` step (its JSON is kept in the report), so attainment
 and goodput mean what docs/benchmarks.md defines: OK answers within the deadline ÷ requests sent,
@@ -43,9 +43,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.output import emit, progress
-from bench.loadgen.arrivals import Arrival
-from bench.serving import (
+from batchgate.bench.output import emit, progress
+from batchgate.bench.loadgen.arrivals import Arrival
+from batchgate.bench.serving import (
     CAPACITY_CONCURRENCY,
     DEFAULT_REPOSITORY,
     RUN_ERRORS,
@@ -383,11 +383,11 @@ def _numbers(text: str, kind: Callable[[str], Any]) -> list:
     return [kind(item) for item in text.split(",") if item.strip()]
 
 
-_say = progress("bench.deadline")
+_say = progress("batchgate.bench.deadline")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.deadline", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m batchgate.bench.deadline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="mlp")
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY)

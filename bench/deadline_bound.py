@@ -15,7 +15,7 @@ policy. The table gives, on the very same trace and the same criterion (``deadli
 no jitter and the response margin set to ``--response-ms``), the deadline policy and the fixed
 delay at its best, and then the planner.
 
-    python -m bench.deadline_bound [--loads 0.44] [--deadline-ms 100,300] [--seeds 1,2]
+    python -m batchgate.bench.deadline_bound [--loads 0.44] [--deadline-ms 100,300] [--seeds 1,2]
 
 A plan costs Python time: with the defaults (500 ms ahead, 64 plans, 20 s of trace) a load
 takes about four minutes per seed on one core; a longer horizon and a wider beam attain more
@@ -32,7 +32,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.deadline_sim import Workload, best_fixed, simulate, trace
+from batchgate.bench.deadline_sim import Workload, best_fixed, simulate, trace
 
 # The batch sizes a plan may choose from (all of them up to 4, then every other one).
 STEP_SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32)
@@ -183,7 +183,7 @@ def compare(workload: Workload, load: float, horizon_s: float, beam: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.deadline_bound", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m batchgate.bench.deadline_bound", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--loads", default="0.44", help="mean offered loads, × the capacity")
     parser.add_argument("--deadline-ms", default="100,300")
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                 seed=seed)
             rows.append(compare(workload, load, args.horizon_ms / 1e3, args.beam,
                                 [int(d) for d in args.delays_us.split(",")]))
-            print(f"[bench.deadline_bound] load {load:g} seed {seed} done", file=sys.stderr,
+            print(f"[batchgate.bench.deadline_bound] load {load:g} seed {seed} done", file=sys.stderr,
                   flush=True)
     print(f"horizon {args.horizon_ms:g} ms, beam {args.beam}, {args.seconds:g} s per trace, "
           f"deadlines {args.deadline_ms} ms, no jitter, answers {args.response_ms:g} ms after "

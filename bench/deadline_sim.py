@@ -5,12 +5,12 @@ Python load driver add their own noise. This runs the real ``ModelQueue`` (and `
 on a fake clock instead: one executor whose batch of n takes ``fixed + per_sample × n`` ms
 (times a seeded normal jitter; it runs a batch at its own size, as a CPU model without buckets
 does, and its warm-up timed a batch of 1 and a full one), the bursty on/off arrivals
-``batchgate bench`` sends (``bench.deadline.burst_arrival``), each request with one of the
+``batchgate bench`` sends (``batchgate.bench.deadline.burst_arrival``), each request with one of the
 deadlines, queued requests expiring at their deadline as the server's timers do. So the policies' decisions are compared on identical traces, and a change to the
 policy shows up here first. It is a model of the server, not a measurement of it: no figure
 from here is quoted as a measurement (docs/benchmarks.md).
 
-    python -m bench.deadline_sim [--loads 0.3,0.45,0.6,0.9] [--deadline-ms 150[,300]]
+    python -m batchgate.bench.deadline_sim [--loads 0.3,0.45,0.6,0.9] [--deadline-ms 150[,300]]
                                  [--seeds 1,2,3] [--json F]
 
 At each load it runs the fixed delay at its best (each of ``--delays-us``, admission control off
@@ -18,7 +18,7 @@ and on), at its best without admission control, and the deadline policy; then, f
 attainment over the seeds, it reads the target: where each baseline falls through
 90 % (linearly between the two loads around it), what the deadline policy attains there.
 
-Like ``bench.inprocess`` it imports the batcher (and so torch); the rest of ``bench/`` does not.
+Like ``batchgate.bench.inprocess`` it imports the batcher (and so torch); the rest of ``bench/`` does not.
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ from pathlib import Path
 
 import numpy as np
 
-from batcher.admission import Admission
-from batcher.errors import AdmissionRefused, DeadlineInfeasible
-from batcher.profile import LatencyProfile
-from batcher.queue import ModelQueue
-from batcher.request import QUEUED, InferenceRequest
-from batcher.spec import BatchingConfig
-from bench.deadline import burst_arrival
-from bench.loadgen.arrivals import schedule
+from batchgate.batcher.admission import Admission
+from batchgate.batcher.errors import AdmissionRefused, DeadlineInfeasible
+from batchgate.batcher.profile import LatencyProfile
+from batchgate.batcher.queue import ModelQueue
+from batchgate.batcher.request import QUEUED, InferenceRequest
+from batchgate.batcher.spec import BatchingConfig
+from batchgate.bench.deadline import burst_arrival
+from batchgate.bench.loadgen.arrivals import schedule
 
 
 
@@ -109,7 +109,7 @@ def _raise_wait(timeout_s: float | None, *, eager: bool) -> None:
 
 def trace(workload: Workload, load: float) -> tuple[np.ndarray, np.ndarray]:
     """The arrivals (s, in order) at ``load`` × capacity and each one's deadline (s): the
-    trace every policy of one seed and load sees (``bench.deadline_bound`` replays it too)."""
+    trace every policy of one seed and load sees (``batchgate.bench.deadline_bound`` replays it too)."""
     w = workload
     arrival = burst_arrival(load * w.capacity, on_s=w.on_s, off_s=w.off_s, peak=w.peak)
     arrivals = schedule(arrival, np.random.default_rng(w.seed), start_s=0.0, duration_s=w.seconds)
@@ -127,7 +127,7 @@ def simulate(workload: Workload, policy: str, admission: bool, load: float,
     now = [0.0]
     dropped: list[InferenceRequest] = []
     # The simulated model runs a batch at its own size, as a CPU model without buckets does;
-    # its warm-up times a batch of 1 and a full one (batcher.model.default_warmup).
+    # its warm-up times a batch of 1 and a full one (batchgate.batcher.model.default_warmup).
     profile = LatencyProfile(w.max_batch, padded=False, response_margin_s=w.margin_s)
     for size in (1, w.max_batch):
         profile.record(size, w.batch_s(size))
@@ -246,7 +246,7 @@ def at_target(loads: list[float], baseline: list[float], policy: list[float],
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.deadline_sim", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m batchgate.bench.deadline_sim", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--loads", default="0.3,0.45,0.6,0.9",
                         help="mean offered loads, × the capacity at the largest batch")

@@ -6,11 +6,11 @@ inputs of ``batch_size`` rows under ``torch.inference_mode()``, on a thread of i
 ``torch.set_num_threads(threads)`` itself: OpenMP's thread count is per calling thread, so setting
 it on the main thread would leave the loop on torch's default.
 
-    python -m bench.inprocess --model mlp --batch 64 --seconds 5
-    python -m bench.inprocess --model mlp --batch 64 1 --seconds 3 --json out.json
+    python -m batchgate.bench.inprocess --model mlp --batch 64 --seconds 5
+    python -m batchgate.bench.inprocess --model mlp --batch 64 1 --seconds 3 --json out.json
 
 This module is the one place in ``bench/`` that imports torch and the server's loading code;
-``bench.serving`` runs it in a subprocess, so the load generator's process stays torch-free.
+``batchgate.bench.serving`` runs it in a subprocess, so the load generator's process stays torch-free.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from batcher import precision as precisions
-from batcher.loading import cuda_available, latest_version, load_module
-from batcher.spec import NUMPY_DTYPES, ModelSpec
-from server.logs import configure_logging
-from server.model_config import read_model_config
-from server.model_spec import model_spec_from_config
+from batchgate.batcher import precision as precisions
+from batchgate.batcher.loading import cuda_available, latest_version, load_module
+from batchgate.batcher.spec import NUMPY_DTYPES, ModelSpec
+from batchgate.server.logs import configure_logging
+from batchgate.server.model_config import read_model_config
+from batchgate.server.model_spec import model_spec_from_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_REPOSITORY = ROOT / "models"
@@ -158,7 +158,7 @@ def measure(model_dir: Path | str, batch_size: int, seconds: float, threads: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.inprocess", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m batchgate.bench.inprocess", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="mlp", help="model folder name (default: %(default)s)")
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY,
                         help="model repository folder (default: the example models)")

@@ -10,7 +10,7 @@ included), by the server, and by everything else on the machine (other work on a
 is what makes a round an outlier). perf_analyzer's stability criterion is loosened (20 %, then
 50 %, then 100 %) when the machine will not let it settle: only its rate is wanted.
 
-    python -m bench.loadgen_vs_pa [--model mlp] [--rounds 3] [--seconds 5] [--workers 1]
+    python -m batchgate.bench.loadgen_vs_pa [--model mlp] [--rounds 3] [--seconds 5] [--workers 1]
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.output import emit, progress
-from bench._perf_analyzer import (
+from batchgate.bench.output import emit, progress
+from batchgate.bench._perf_analyzer import (
     DEFAULT_PERF_ANALYZER,
     run_perf_analyzer,
 )
-from bench.serving import (
+from batchgate.bench.serving import (
     DEFAULT_REPOSITORY,
     RUN_ERRORS,
     BenchError,
@@ -80,7 +80,7 @@ def run_bench(url: str, model: str, seconds: float, workers: int) -> dict[str, A
     """``batchgate bench`` at concurrency 64 as its own process, as perf_analyzer is."""
     with tempfile.TemporaryDirectory(prefix="loadgen-vs-pa-") as scratch:
         out = Path(scratch) / "bench.json"
-        command = [sys.executable, "-m", "bench.loadgen", "-u", url, "-m", model,
+        command = [sys.executable, "-m", "batchgate.bench.loadgen", "-u", url, "-m", model,
                    "--concurrency", str(CONCURRENCY), "--duration-s", f"{seconds:g}",
                    "--warmup-s", "1", "--workers", str(workers), "--quiet", "--json", str(out)]
         done = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 120,
@@ -166,11 +166,11 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-_say = progress("bench.loadgen_vs_pa")
+_say = progress("batchgate.bench.loadgen_vs_pa")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.loadgen_vs_pa",
+    parser = argparse.ArgumentParser(prog="python -m batchgate.bench.loadgen_vs_pa",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="mlp", help="model to serve (default: %(default)s)")
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY,
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = measure(args)
     except RUN_ERRORS as exc:
-        print(f"bench.loadgen_vs_pa: {exc}", file=sys.stderr)
+        print(f"batchgate.bench.loadgen_vs_pa: {exc}", file=sys.stderr)
         return 1
     return emit(report, render, args.json)
 

@@ -13,11 +13,11 @@ One run, one machine, with ``batchgate bench`` as the load (a subprocess, ``--js
 
 The figure: goodput at overload ÷ capacity (the bar: ≥ 0.9 at 5×), and the errors by
 status code: what the server refused at once (RESOURCE_EXHAUSTED) rather than let expire.
-Capacity counts the answers within the measured window (``bench.serving.closed_loop_capacity``),
+Capacity counts the answers within the measured window (``batchgate.bench.serving.closed_loop_capacity``),
 the overload rates the answers to the requests sent in it; both per second of the window.
 
-    python -m bench.overload [--model cnn] [--factor 5] [--deadline-ms 200] [--seconds 10]
-    python -m bench.overload --synthetic-ms 20,1.5     # a model whose batches take 20 + 1.5 n ms
+    python -m batchgate.bench.overload [--model cnn] [--factor 5] [--deadline-ms 200] [--seconds 10]
+    python -m batchgate.bench.overload --synthetic-ms 20,1.5     # a model whose batches take 20 + 1.5 n ms
 
 ``--synthetic-ms`` serves bench/deadline.py's synthetic model (it sleeps, as a GPU kernel would
 keep the host idle), so that the model, not the gRPC front end, sets capacity: the case
@@ -33,8 +33,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.output import emit, progress
-from bench.serving import (
+from batchgate.bench.output import emit, progress
+from batchgate.bench.serving import (
     CAPACITY_CONCURRENCY,
     DEFAULT_REPOSITORY,
     RUN_ERRORS,
@@ -128,11 +128,11 @@ def _ms(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1f}"
 
 
-_say = progress("bench.overload")
+_say = progress("batchgate.bench.overload")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.overload",
+    parser = argparse.ArgumentParser(prog="python -m batchgate.bench.overload",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="cnn", help="model to overload (default: %(default)s)")
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY)
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with contextlib.ExitStack() as stack:
             if options.synthetic_ms:
-                from bench.deadline import synthetic_repository
+                from batchgate.bench.deadline import synthetic_repository
 
                 fixed, per_sample = (float(v) for v in options.synthetic_ms.split(","))
                 options.model_repository = stack.enter_context(
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             without = measure(options.model_repository, options.model, {"admission": "false"},
                               options, with_admission["capacity_per_s"])
     except RUN_ERRORS as exc:
-        print(f"bench.overload: {exc}", file=sys.stderr)
+        print(f"batchgate.bench.overload: {exc}", file=sys.stderr)
         return 1
     report = {
         "machine": machine(), "model": options.model, "factor": options.factor,

@@ -3,7 +3,7 @@ in-process loop, in one run.
 
 One run, one machine, the model on one intra-op thread everywhere:
 
-1. the in-process ceiling (``bench.inprocess``, in a subprocess): samples/s at batch 64 and the
+1. the in-process ceiling (``batchgate.bench.inprocess``, in a subprocess): samples/s at batch 64 and the
    per-call p50 at batch 1;
 2. per mode (``--modes``: the native front end, Python front-end processes, one process), the
    server as a subprocess on loopback, serving only the measured model;
@@ -24,7 +24,7 @@ Figures (ratios within one run):
   per request answered; the executor's share alone, and the front end's;
 - the front end's threads: how one client channel's load spreads over them.
 
-    python -m bench.serving [--modes native,python,single] [--seconds-per-step 4] [--json FILE]
+    python -m batchgate.bench.serving [--modes native,python,single] [--seconds-per-step 4] [--json FILE]
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ from typing import Any
 
 import grpc
 
-from bench.output import emit, progress
-from bench._perf_analyzer import (
+from batchgate.bench.output import emit, progress
+from batchgate.bench._perf_analyzer import (
     DEFAULT_PERF_ANALYZER,
     PerfAnalyzerError,
     PerfRow,
@@ -56,8 +56,8 @@ from bench._perf_analyzer import (
     parse_perf_analyzer_csv,
     run_perf_analyzer,
 )
-from protos import inference_pb2, inference_pb2_grpc
-from server import native
+from batchgate.protos import inference_pb2, inference_pb2_grpc
+from batchgate.server import native
 from tests.support.harness import MODES, RunningServer, ServerError, start_process
 from tests.support.repository import copy_model
 
@@ -138,9 +138,9 @@ def process_tree(pid: int) -> dict[int, str]:
             command = Path(f"/proc/{current}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"server.executor_process" in command:
+        if b"batchgate.server.executor_process" in command:
             roles[current] = "executor"
-        elif b"server.frontend" in command or b"batchgate-frontend" in command:
+        elif b"batchgate.server.frontend" in command or b"batchgate-frontend" in command:
             roles[current] = "frontend"
         else:
             roles[current] = "supervisor"
@@ -207,13 +207,13 @@ def measure_inprocess(repository: Path, model: str, seconds: float) -> dict[int,
     with tempfile.TemporaryDirectory(prefix="bench-inprocess-") as scratch:
         out = Path(scratch) / "inprocess.json"
         command = [
-            sys.executable, "-m", "bench.inprocess", "--model-repository", str(repository),
+            sys.executable, "-m", "batchgate.bench.inprocess", "--model-repository", str(repository),
             "--model", model, "--batch", str(CEILING_BATCH), "1", "--seconds", f"{seconds:g}",
             "--threads", str(THREADS), "--json", str(out),
         ]
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
-            raise BenchError(f"bench.inprocess failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+            raise BenchError(f"batchgate.bench.inprocess failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
         report = json.loads(out.read_text(encoding="utf-8"))
     return {r["batch_size"]: r | {"torch": report["torch"]} for r in report["results"]}
 
@@ -396,7 +396,7 @@ def bench_step(url: str, model: str, args: list[str], metrics_url: str
     with tempfile.TemporaryDirectory(prefix="bench-step-") as scratch:
         report_path = Path(scratch) / "bench.json"
         command = [
-            sys.executable, "-m", "bench.loadgen", "--url", url, "--model", model,
+            sys.executable, "-m", "batchgate.bench.loadgen", "--url", url, "--model", model,
             "--metrics-url", metrics_url, "--quiet", "--json", str(report_path), *args,
         ]
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -706,7 +706,7 @@ def _mean(a: float, b: float) -> float:
     return (a + b) / 2
 
 
-_say = progress("bench.serving")
+_say = progress("batchgate.bench.serving")
 
 
 def _choices(allowed: tuple[str, ...]):
@@ -721,7 +721,7 @@ def _choices(allowed: tuple[str, ...]):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m batchgate.bench.serving", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="mlp", help="model to measure (default: %(default)s)")
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY,
                         help="repository holding the model (default: the example models)")
@@ -754,7 +754,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = run(args)
     except RUN_ERRORS as exc:
-        print(f"bench.serving: {exc}", file=sys.stderr)
+        print(f"batchgate.bench.serving: {exc}", file=sys.stderr)
         return 1
     # JSON keys are strings: render reads the report as it is written.
     return emit(json.loads(json.dumps(report)), render, args.json)

@@ -8,7 +8,7 @@ registers). Reported per row: throughput, p99, and the server's CPU per request 
 processes, from ``/proc``, over the whole perf_analyzer run); and each shared-memory row's
 ratios to its gRPC row.
 
-    python -m bench.shared_memory [--modes native,python,single] [--concurrency 4] [--seconds 3]
+    python -m batchgate.bench.shared_memory [--modes native,python,single] [--concurrency 4] [--seconds 3]
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.output import emit, progress
-from bench._perf_analyzer import DEFAULT_PERF_ANALYZER
-from bench.serving import MODES, Step, _choices, load_step, machine, start_server
-from server import native
+from batchgate.bench.output import emit, progress
+from batchgate.bench._perf_analyzer import DEFAULT_PERF_ANALYZER
+from batchgate.bench.serving import MODES, Step, _choices, load_step, machine, start_server
+from batchgate.server import native
 from tests.support.repository import model_config, tensor, write_model
 
 MODEL = "image"
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            "rows": {t: _row(step) for t, step in rows.items()}}
     return {"machine": machine(), "model": MODEL, "input_bytes": 3 * 224 * 224 * 4,
             "concurrency": args.concurrency, "seconds": args.seconds,
-            "command": ["python", "-m", "bench.shared_memory", *sys.argv[1:]],
+            "command": ["python", "-m", "batchgate.bench.shared_memory", *sys.argv[1:]],
             "modes": modes, "wall_s": time.monotonic() - started}
 
 
@@ -127,11 +127,11 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-_say = progress("bench.shared_memory")
+_say = progress("batchgate.bench.shared_memory")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.shared_memory",
+    parser = argparse.ArgumentParser(prog="python -m batchgate.bench.shared_memory",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--modes", type=_choices(MODES), default=["native", "python", "single"],
                         help="server modes to measure, in order (default: native,python,single)")

@@ -19,7 +19,7 @@ What it checks, and prints:
   in multi-process mode), sampled every second; growth from the end of warm-up to the end of
   the run must stay under 5 %.
 
-    python -m bench.soak [--seconds 600] [--warmup-s 60] [--frontends 0] [--concurrency 16]
+    python -m batchgate.bench.soak [--seconds 600] [--warmup-s 60] [--frontends 0] [--concurrency 16]
                          [--json FILE]
 
 Exit status 0 when both checks pass, 1 otherwise.
@@ -46,9 +46,9 @@ import numpy as np
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.inprocess import load as load_inprocess
-from bench.serving import ROOT, start_server
-from clients import AsyncClient, BatchgateError, RetryPolicy
+from batchgate.bench.inprocess import load as load_inprocess
+from batchgate.bench.serving import ROOT, start_server
+from batchgate.clients import AsyncClient, BatchgateError, RetryPolicy
 
 MAX_SECONDS = 600.0  # a soak runs 10 minutes at most
 RSS_GROWTH_LIMIT = 0.05
@@ -352,7 +352,7 @@ def render(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m batchgate.bench.soak", description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=MAX_SECONDS,
                         help=f"length of the load, warm-up included, at most {MAX_SECONDS:g}")
     parser.add_argument("--warmup-s", type=float, default=60.0,

@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from clients._endpoints import (
+from batchgate.clients._endpoints import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_RESOLVE_INTERVAL_S,
     DEFAULT_UNHEALTHY_FOR_S,
@@ -32,11 +32,11 @@ from clients._endpoints import (
     channel_options,
     check_timeout_s,
 )
-from clients._security import PEM, Metadata, auth_metadata, channel_credentials
-from clients.errors import BatchgateError
-from clients.infer import InferRequest, InferResult
-from clients.retry import RetryPolicy
-from protos import inference_pb2, inference_pb2_grpc
+from batchgate.clients._security import PEM, Metadata, auth_metadata, channel_credentials
+from batchgate.clients.errors import BatchgateError
+from batchgate.clients.infer import InferRequest, InferResult
+from batchgate.clients.retry import RetryPolicy
+from batchgate.protos import inference_pb2, inference_pb2_grpc
 
 pb = inference_pb2
 

@@ -18,7 +18,7 @@ from typing import Any, Generic, TypeVar
 
 import grpc
 
-from clients.errors import BatchgateError
+from batchgate.clients.errors import BatchgateError
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_RESOLVE_INTERVAL_S = 30.0

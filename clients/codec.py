@@ -15,9 +15,9 @@ from collections.abc import Mapping
 import grpc
 import numpy as np
 
-from clients.errors import BatchgateError
-from protos import inference_pb2
-from protos.datatypes import CONTENTS_FIELDS, DATATYPE_BY_DTYPE_NAME, FIXED_DTYPES
+from batchgate.clients.errors import BatchgateError
+from batchgate.protos import inference_pb2
+from batchgate.protos.datatypes import CONTENTS_FIELDS, DATATYPE_BY_DTYPE_NAME, FIXED_DTYPES
 
 InferInputTensor = inference_pb2.ModelInferRequest.InferInputTensor
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from clients.codec import decode_outputs, encode_inputs
-from protos import inference_pb2
+from batchgate.clients.codec import decode_outputs, encode_inputs
+from batchgate.protos import inference_pb2
 
 ParameterValue = bool | int | float | str
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from clients.errors import BatchgateError
+from batchgate.clients.errors import BatchgateError
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,12 @@ from typing import Any
 import grpc
 import numpy as np
 
-from clients import _calls
-from clients._endpoints import ResolveError, check_timeout_s
-from clients.errors import BatchgateError
-from clients.infer import InferRequest, InferResult
-from clients.retry import RetrySchedule
-from protos import inference_pb2, model_config_pb2
+from batchgate.clients import _calls
+from batchgate.clients._endpoints import ResolveError, check_timeout_s
+from batchgate.clients.errors import BatchgateError
+from batchgate.clients.infer import InferRequest, InferResult
+from batchgate.clients.retry import RetrySchedule
+from batchgate.protos import inference_pb2, model_config_pb2
 
 
 class Client(_calls.ClientBase):

@@ -1,7 +1,7 @@
 """Regenerate the protobuf and gRPC modules from the `.proto` files beside this one.
 
-    python -m protos.generate           # rewrite protos/*_pb2*.py and *.pyi
-    python -m protos.generate --check   # exit 1, naming the files, if they are stale
+    python -m batchgate.protos.generate           # rewrite protos/*_pb2*.py and *.pyi
+    python -m batchgate.protos.generate --check   # exit 1, naming the files, if they are stale
 
 The repository root is the include root, so the modules import each other as `protos.xxx`.
 Output depends on the grpcio-tools version (its protoc stamps the protobuf version into each
@@ -72,7 +72,7 @@ def stale_files() -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m protos.generate", description=__doc__.split("\n")[0]
+        prog="python -m batchgate.protos.generate", description=__doc__.split("\n")[0]
     )
     parser.add_argument(
         "--check",
@@ -94,7 +94,7 @@ def _check() -> int:
         print(
             "stale generated protobuf modules: "
             + ", ".join(stale)
-            + "\nrun `python -m protos.generate` and commit the result",
+            + "\nrun `python -m batchgate.protos.generate` and commit the result",
             file=sys.stderr,
         )
         return 1

@@ -19,18 +19,18 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from batcher.memory import DevicePools, PoolSettings
-from protos import inference_pb2, inference_pb2_grpc
-from server import auth, tls
-from server.codec import RequestLimits
-from server.control import ControlPlane
-from server.drain import GOAWAY_PROPAGATION_S, LAST_ANSWERS_S
-from server.logs import runtime_facts
-from server.metrics import ServerMetrics
-from server.repository import ModelRepository
-from server.service import InferenceService
-from server.shared_memory import SharedMemoryRegistry
-from server.settings import DEFAULT_REPOSITORY, Settings  # noqa: F401 (re-exported)
+from batchgate.batcher.memory import DevicePools, PoolSettings
+from batchgate.protos import inference_pb2, inference_pb2_grpc
+from batchgate.server import auth, tls
+from batchgate.server.codec import RequestLimits
+from batchgate.server.control import ControlPlane
+from batchgate.server.drain import GOAWAY_PROPAGATION_S, LAST_ANSWERS_S
+from batchgate.server.logs import runtime_facts
+from batchgate.server.metrics import ServerMetrics
+from batchgate.server.repository import ModelRepository
+from batchgate.server.service import InferenceService
+from batchgate.server.shared_memory import SharedMemoryRegistry
+from batchgate.server.settings import DEFAULT_REPOSITORY, Settings  # noqa: F401 (re-exported)
 
 log = structlog.get_logger(__name__)
 

@@ -25,8 +25,8 @@ from collections.abc import Awaitable, Callable, Sequence
 import grpc
 import structlog
 
-from protos import inference_pb2
-from server.settings import Settings
+from batchgate.protos import inference_pb2
+from batchgate.server.settings import Settings
 
 log = structlog.get_logger(__name__)
 

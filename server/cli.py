@@ -1,6 +1,6 @@
 """The ``batchgate`` command: ``serve`` (the default) runs the server, ``bench`` load-tests one.
 
-``serve``'s flags are generated from ``server.settings.Settings``, where each setting is
+``serve``'s flags are generated from ``batchgate.server.settings.Settings``, where each setting is
 declared once with its help. They follow Triton's names and defaults where Triton has one
 (``--grpc-port 8001``, ``--metrics-port 8002``, ``--model-repository``), so users' habits carry
 over.
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import structlog
 
-from batcher import gpu_env
-from server import native
-from server.logs import configure_logging
-from server.settings import TOKEN_ENV, Settings, check_devices
-from server.supervisor import Supervisor
+from batchgate.batcher import gpu_env
+from batchgate.server import native
+from batchgate.server.logs import configure_logging
+from batchgate.server.settings import TOKEN_ENV, Settings, check_devices
+from batchgate.server.supervisor import Supervisor
 
 log = structlog.get_logger(__name__)
 
@@ -136,7 +136,7 @@ def resolve_mode(settings: Settings) -> tuple[str, int, str | None]:
 
 
 async def serve(settings: Settings) -> None:
-    from server.app import Gateway  # torch and grpc: only the process that serves needs them
+    from batchgate.server.app import Gateway  # torch and grpc: only the process that serves needs them
 
     gateway = Gateway(settings)
     loop = asyncio.get_running_loop()
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu_env.configure()
     if argv[:1] == ["bench"]:
         # Imported here: serve's supervisor must not load grpc (it forks), nor rich.
-        from bench.loadgen.cli import main as bench
+        from batchgate.bench.loadgen.cli import main as bench
 
         return bench(argv[1:], prog="batchgate bench")
     parser = argparse.ArgumentParser(prog="batchgate", description=__doc__.splitlines()[0])

@@ -22,18 +22,18 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from batcher.errors import InvalidRequest, NotSupported, ResourceExhausted, quoted, quoted_list
-from batcher.request import InferenceRequest, batch_shape_key
-from batcher.spec import ModelSpec, TensorSpec
-from protos import inference_pb2 as pb
-from protos.datatypes import (  # bytes_encoding: also known here by the codec's importers
+from batchgate.batcher.errors import InvalidRequest, NotSupported, ResourceExhausted, quoted, quoted_list
+from batchgate.batcher.request import InferenceRequest, batch_shape_key
+from batchgate.batcher.spec import ModelSpec, TensorSpec
+from batchgate.protos import inference_pb2 as pb
+from batchgate.protos.datatypes import (  # bytes_encoding: also known here by the codec's importers
     BYTES_LENGTH,
     CONTENTS_FIELDS,
     ELEMENT_SIZES,
     NUMPY_DTYPES,
     bytes_encoding,
 )
-from server.shared_memory import OFF_MESSAGE, Placed, Placement
+from batchgate.server.shared_memory import OFF_MESSAGE, Placed, Placement
 
 SHARED_MEMORY_KEYS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
 # Dimensions of a shape quoted in a message; the rest is summarised.

@@ -12,19 +12,19 @@ ignored: a load takes ``config`` (a string: the ``ModelConfig`` as JSON, in plac
 make up whole; they need ``config``); an unload takes ``unload_dependents`` (a bool: batchgate
 has no ensembles, so no model depends on another and there is nothing more to unload).
 
-Errors are ``batcher.errors`` exceptions, as everywhere below the transport.
+Errors are ``batchgate.batcher.errors`` exceptions, as everywhere below the transport.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from batcher.errors import InvalidRequest, ResourceExhausted, quoted
-from batcher.stats import BATCH_DURATIONS, INFER_DURATIONS, StatsSnapshot
-from protos import inference_pb2 as pb
-from server import model_config
-from server.load_override import LoadOverride, file_path
-from server.repository import ModelRepository
+from batchgate.batcher.errors import InvalidRequest, ResourceExhausted, quoted
+from batchgate.batcher.stats import BATCH_DURATIONS, INFER_DURATIONS, StatsSnapshot
+from batchgate.protos import inference_pb2 as pb
+from batchgate.server import model_config
+from batchgate.server.load_override import LoadOverride, file_path
+from batchgate.server.repository import ModelRepository
 
 CONFIG_PARAMETER = "config"
 FILE_PREFIX = "file:"

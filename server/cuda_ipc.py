@@ -17,9 +17,9 @@ import weakref
 import numpy as np
 import torch
 
-from batcher.errors import InvalidRequest, quoted
-from batcher.tensors import TORCH_DTYPES
-from server.status import Code, StatusError
+from batchgate.batcher.errors import InvalidRequest, quoted
+from batchgate.batcher.tensors import TORCH_DTYPES
+from batchgate.server.status import Code, StatusError
 
 HANDLE_BYTES = 64
 _LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import grpc
 
-from server import status
-from server.status import INTERNAL_MESSAGE, MAX_MESSAGE_BYTES, bounded  # noqa: F401 (re-exported)
+from batchgate.server import status
+from batchgate.server.status import INTERNAL_MESSAGE, MAX_MESSAGE_BYTES, bounded  # noqa: F401 (re-exported)
 
 GRPC_CODES: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
 

@@ -11,7 +11,7 @@ the whole batch, and the front end copies each request's bytes into its reply.
 A front end's connection closing (it crashed or stopped) takes its queued requests out of their
 queues and drops its references to output blocks: nothing else is disturbed.
 
-    python -m server.executor_process < handover.json
+    python -m batchgate.server.executor_process < handover.json
 
 The supervisor writes the handover (``server/supervisor.py``): the arena, the socket's name,
 and the settings this process acts on.
@@ -32,24 +32,24 @@ import sys
 import numpy as np
 import structlog
 
-from batcher import gpu, gpu_env
-from batcher.arena import ArenaAllocator, ArenaLayout, SharedArena
-from batcher.errors import BatchgateError, ModelExecutionError
-from batcher.memory import DevicePools, PoolSettings
-from batcher.metrics import BatcherMetrics
-from batcher.model import ServedModel
-from batcher.request import InferenceRequest, batch_shape_key
-from batcher.spec import NUMPY_DTYPES, ModelSpec
-from protos import wire_pb2
-from server import wire
-from server.codec import bytes_array, bytes_encoding, bytes_row_offsets
-from server.control import ControlPlane
-from server.logs import announce, configure_logging, runtime_facts
-from server.multiproc_metrics import read_pid_once
-from server.repository import READY, ModelIndexEntry, ModelRepository
-from server.settings import Settings, check_devices, read_handover
-from server.shared_memory import Placement, SharedMemoryRegistry
-from server.status import INTERNAL_MESSAGE, Code, status_of
+from batchgate.batcher import gpu, gpu_env
+from batchgate.batcher.arena import ArenaAllocator, ArenaLayout, SharedArena
+from batchgate.batcher.errors import BatchgateError, ModelExecutionError
+from batchgate.batcher.memory import DevicePools, PoolSettings
+from batchgate.batcher.metrics import BatcherMetrics
+from batchgate.batcher.model import ServedModel
+from batchgate.batcher.request import InferenceRequest, batch_shape_key
+from batchgate.batcher.spec import NUMPY_DTYPES, ModelSpec
+from batchgate.protos import wire_pb2
+from batchgate.server import wire
+from batchgate.server.codec import bytes_array, bytes_encoding, bytes_row_offsets
+from batchgate.server.control import ControlPlane
+from batchgate.server.logs import announce, configure_logging, runtime_facts
+from batchgate.server.multiproc_metrics import read_pid_once
+from batchgate.server.repository import READY, ModelIndexEntry, ModelRepository
+from batchgate.server.settings import Settings, check_devices, read_handover
+from batchgate.server.shared_memory import Placement, SharedMemoryRegistry
+from batchgate.server.status import INTERNAL_MESSAGE, Code, status_of
 
 log = structlog.get_logger(__name__)
 
@@ -563,7 +563,7 @@ class ExecutorServer:
 
 class _OutputRegionFull(Exception):
     def __init__(self, in_use: int) -> None:
-        from batcher.errors import ResourceExhausted
+        from batchgate.batcher.errors import ResourceExhausted
 
         super().__init__()
         self.error = ResourceExhausted(

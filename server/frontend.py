@@ -5,7 +5,7 @@ hands each request to the executor process through the shared arena (``protos/wi
 Several front ends share one port (SO_REUSEPORT), so gRPC's per-request work runs on several
 cores; the native front end (``server/native/``) does the same work in one C++ process.
 
-    python -m server.frontend < handover.json
+    python -m batchgate.server.frontend < handover.json
 
 The supervisor writes the handover (``server/supervisor.py``): the arena slot, the sockets, the
 reserved port, and the settings a front end acts on (request limits, TLS, bearer tokens...).
@@ -20,12 +20,12 @@ import sys
 
 import structlog
 
-from batcher.arena import SharedArena
-from server.app import Gateway
-from server.logs import announce, configure_logging, runtime_facts
-from server.multiproc_metrics import read_pid_once
-from server.remote import RemoteRepository
-from server.settings import Settings, read_handover
+from batchgate.batcher.arena import SharedArena
+from batchgate.server.app import Gateway
+from batchgate.server.logs import announce, configure_logging, runtime_facts
+from batchgate.server.multiproc_metrics import read_pid_once
+from batchgate.server.remote import RemoteRepository
+from batchgate.server.settings import Settings, read_handover
 
 log = structlog.get_logger(__name__)
 

@@ -7,7 +7,7 @@ through :func:`file_path`, which keeps it inside a version folder or ``warmup/``
 the version they made stops being served.
 
 Knows nothing of gRPC or protocol messages: the control plane turns a request's parameters into
-a ``LoadOverride``; errors are ``batcher.errors`` exceptions.
+a ``LoadOverride``; errors are ``batchgate.batcher.errors`` exceptions.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 
-from batcher.errors import InvalidRequest, LoadError, ResourceExhausted, quoted
-from protos import model_config_pb2
-from server.model_config import CONFIG_FILENAME
-from server.warmup import WARMUP_FOLDER
+from batchgate.batcher.errors import InvalidRequest, LoadError, ResourceExhausted, quoted
+from batchgate.protos import model_config_pb2
+from batchgate.server.model_config import CONFIG_FILENAME
+from batchgate.server.warmup import WARMUP_FOLDER
 
 # The longest file name Linux file systems take, in bytes.
 MAX_NAME_BYTES = 255

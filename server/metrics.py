@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
-from batcher.metrics import SECONDS_BUCKETS, BatcherMetrics
-from batcher.telemetry import GpuTelemetry
+from batchgate.batcher.metrics import SECONDS_BUCKETS, BatcherMetrics
+from batchgate.batcher.telemetry import GpuTelemetry
 
 
 class ServerMetrics:

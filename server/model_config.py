@@ -19,9 +19,9 @@ from pathlib import Path
 from google.protobuf import json_format, text_format
 from google.protobuf.message import Message
 
-from batcher.errors import InvalidRequest, LoadError
-from protos import model_config_pb2
-from server.model_parameters import IGNORED_TRITON_PARAMETERS
+from batchgate.batcher.errors import InvalidRequest, LoadError
+from batchgate.protos import model_config_pb2
+from batchgate.server.model_parameters import IGNORED_TRITON_PARAMETERS
 
 CONFIG_FILENAME = "config.pbtxt"
 PLATFORM = "pytorch_libtorch"

@@ -16,9 +16,9 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from batcher.buckets import default_buckets
-from batcher.errors import LoadError
-from batcher.spec import BATCH_POLICIES, INPUT_STAGING, PRECISION_ALIASES, PRECISIONS
+from batchgate.batcher.buckets import default_buckets
+from batchgate.batcher.errors import LoadError
+from batchgate.batcher.spec import BATCH_POLICIES, INPUT_STAGING, PRECISION_ALIASES, PRECISIONS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Resolve a parsed ``config.pbtxt`` into the batcher's :class:`~batcher.spec.ModelSpec`, and back.
+"""Resolve a parsed ``config.pbtxt`` into the batcher's :class:`~batchgate.batcher.spec.ModelSpec`, and back.
 
 - :func:`model_spec_from_config` resolves the config (``server/model_config.py`` parses it)
   into a ``ModelSpec``: datatypes, device, instance count, batching and queue policies, and the
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from batcher.errors import LoadError
-from batcher.spec import BatchingConfig, ModelSpec, QueuePolicy, TensorSpec
-from protos import model_config_pb2
-from server.model_config import BACKEND, PLATFORM, datatype_from_proto
-from server.model_parameters import ModelParameters
+from batchgate.batcher.errors import LoadError
+from batchgate.batcher.spec import BatchingConfig, ModelSpec, QueuePolicy, TensorSpec
+from batchgate.protos import model_config_pb2
+from batchgate.server.model_config import BACKEND, PLATFORM, datatype_from_proto
+from batchgate.server.model_parameters import ModelParameters
 
 _Kind = model_config_pb2.ModelInstanceGroup.Kind
 

@@ -44,7 +44,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from batcher.telemetry import GpuTelemetry
+from batchgate.batcher.telemetry import GpuTelemetry
 
 ENV_VAR = "PROMETHEUS_MULTIPROC_DIR"
 PREFIX = "batchgate-metrics-"
@@ -166,7 +166,7 @@ class _NativeSource:
         self.pid = None
 
     def families(self) -> list[Metric]:
-        from server.wire import same_user
+        from batchgate.server.wire import same_user
 
         text = b""
         try:

@@ -21,17 +21,17 @@ from collections.abc import Callable
 import numpy as np
 import structlog
 
-from batcher.arena import ArenaAllocator, SharedArena
-from batcher.errors import ModelNotFound, ModelUnavailable, ResourceExhausted, quoted
-from batcher.metrics import BatcherMetrics
-from batcher.request import InferenceRequest
-from batcher.spec import NUMPY_DTYPES, BatchingConfig, ModelSpec, TensorSpec
-from protos import inference_pb2 as pb
-from protos import model_config_pb2, wire_pb2
-from server import wire
-from server.codec import EncodedBytes, bytes_encoding
-from server.shared_memory import Placed
-from server.status import StatusError
+from batchgate.batcher.arena import ArenaAllocator, SharedArena
+from batchgate.batcher.errors import ModelNotFound, ModelUnavailable, ResourceExhausted, quoted
+from batchgate.batcher.metrics import BatcherMetrics
+from batchgate.batcher.request import InferenceRequest
+from batchgate.batcher.spec import NUMPY_DTYPES, BatchingConfig, ModelSpec, TensorSpec
+from batchgate.protos import inference_pb2 as pb
+from batchgate.protos import model_config_pb2, wire_pb2
+from batchgate.server import wire
+from batchgate.server.codec import EncodedBytes, bytes_encoding
+from batchgate.server.shared_memory import Placed
+from batchgate.server.status import StatusError
 
 log = structlog.get_logger(__name__)
 

@@ -23,7 +23,7 @@ first. What the operator put in the root is trusted: a model folder that is a sy
 followed wherever it leads (model stores and volume mounts are laid out that way, and whoever
 can write a link into the root could as well write a ``model.py``).
 
-This module knows nothing of gRPC: it raises the ``batcher.errors`` hierarchy, and calls
+This module knows nothing of gRPC: it raises the ``batchgate.batcher.errors`` hierarchy, and calls
 ``on_state_change(name, state)`` on every state change so the server can mirror it elsewhere
 (per-model health service names). State is only changed on the event loop's thread.
 """
@@ -41,8 +41,8 @@ from pathlib import Path
 
 import structlog
 
-from batcher import gpu, loading
-from batcher.errors import (
+from batchgate.batcher import gpu, loading
+from batchgate.batcher.errors import (
     BatchgateError,
     InvalidRequest,
     LoadError,
@@ -51,14 +51,14 @@ from batcher.errors import (
     ResourceExhausted,
     quoted,
 )
-from batcher.device import Devices
-from batcher.memory import DevicePools
-from batcher.model import ServedModel
-from batcher.spec import ModelSpec
-from protos import model_config_pb2
-from server import model_config, model_spec
-from server.warmup import warmup_inputs
-from server.load_override import MAX_NAME_BYTES, LoadOverride, as_sent, write_files
+from batchgate.batcher.device import Devices
+from batchgate.batcher.memory import DevicePools
+from batchgate.batcher.model import ServedModel
+from batchgate.batcher.spec import ModelSpec
+from batchgate.protos import model_config_pb2
+from batchgate.server import model_config, model_spec
+from batchgate.server.warmup import warmup_inputs
+from batchgate.server.load_override import MAX_NAME_BYTES, LoadOverride, as_sent, write_files
 
 log = structlog.get_logger(__name__)
 

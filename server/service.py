@@ -4,7 +4,7 @@ Each handler turns protocol messages into calls on the repository's models (a
 ``ModelRepository`` here, or a front end's ``RemoteRepository``) and back; the control RPCs
 (statistics, index, load, unload) go to the control plane as the client sent them
 (``server/control.py``, or forwarded to the executor process). Errors go through
-``server.errors.status_of`` in one place (``_fail``). Every handler hands
+``batchgate.server.errors.status_of`` in one place (``_fail``). Every handler hands
 ``_fail`` whatever it caught, not only ``BatchgateError``: a bug of ours then reaches the client
 as INTERNAL with a fixed text, where gRPC would send UNKNOWN with the exception's text.
 """
@@ -18,11 +18,11 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
-from batcher.errors import BatchgateError, ModelUnavailable, NotSupported
-from protos import inference_pb2 as pb
-from protos import inference_pb2_grpc
-from server import __version__, server_extensions
-from server.codec import (
+from batchgate.batcher.errors import BatchgateError, ModelUnavailable, NotSupported
+from batchgate.protos import inference_pb2 as pb
+from batchgate.protos import inference_pb2_grpc
+from batchgate.server import __version__, server_extensions
+from batchgate.server.codec import (
     DEFAULT_LIMITS,
     PlacedRequest,
     RequestLimits,
@@ -30,11 +30,11 @@ from server.codec import (
     deadline_from,
     encode_outputs,
 )
-from server.control import ControlPlane
-from server.drain import DrainGate
-from server.errors import status_of
-from server.metrics import ServerMetrics
-from server.shared_memory import OFF_MESSAGE
+from batchgate.server.control import ControlPlane
+from batchgate.server.drain import DrainGate
+from batchgate.server.errors import status_of
+from batchgate.server.metrics import ServerMetrics
+from batchgate.server.shared_memory import OFF_MESSAGE
 
 log = structlog.get_logger(__name__)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_REPOSITORY = Path(__file__).resolve().parent.parent / "models"
-MIN_DEVICE_POOL_BYTES = 4096  # batcher.memory.MIN_CAP_BYTES (no torch here)
+MIN_DEVICE_POOL_BYTES = 4096  # batchgate.batcher.memory.MIN_CAP_BYTES (no torch here)
 DEFAULT_ARENA_BYTES = 1 << 30
 MIN_TOKEN_CHARS = 16
 # Where the CLI reads each bearer token from (besides a file).

@@ -38,10 +38,10 @@ import weakref
 import numpy as np
 import structlog
 
-from batcher.errors import InvalidRequest, NotSupported, quoted
-from batcher.spec import NUMPY_DTYPES
-from protos import inference_pb2 as pb
-from server.status import Code, StatusError
+from batchgate.batcher.errors import InvalidRequest, NotSupported, quoted
+from batchgate.batcher.spec import NUMPY_DTYPES
+from batchgate.protos import inference_pb2 as pb
+from batchgate.server.status import Code, StatusError
 
 log = structlog.get_logger(__name__)
 
@@ -148,8 +148,8 @@ class SharedMemoryRegistry:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self._system: dict[str, _SystemRegion] = {}
-        self._cuda: dict[str, object] = {}  # name -> server.cuda_ipc.CudaRegion
-        self._cuda_ipc = None  # server.cuda_ipc, imported on the first CUDA registration
+        self._cuda: dict[str, object] = {}  # name -> batchgate.server.cuda_ipc.CudaRegion
+        self._cuda_ipc = None  # batchgate.server.cuda_ipc, imported on the first CUDA registration
 
     # -- the registration RPCs -----------------------------------------------------------------
 
@@ -288,7 +288,7 @@ class SharedMemoryRegistry:
         region.check_key(what)
         start = region.base + placement.offset
         if datatype == "BYTES":
-            from server.codec import bytes_array
+            from batchgate.server.codec import bytes_array
 
             try:
                 return bytes_array(region.mapping[start:start + placement.nbytes],
@@ -331,7 +331,7 @@ class SharedMemoryRegistry:
         what = f"output {quoted(name)}"
         region = self._region(placement, what)
         if datatype == "BYTES":
-            from server.codec import bytes_encoding
+            from batchgate.server.codec import bytes_encoding
 
             data = memoryview(bytes_encoding(array))
         else:
@@ -377,7 +377,7 @@ class SharedMemoryRegistry:
     def _check_cuda(self):
         self._check_enabled()
         if self._cuda_ipc is None:
-            from server import cuda_ipc
+            from batchgate.server import cuda_ipc
 
             if not cuda_ipc.available():
                 raise StatusError(Code.FAILED_PRECONDITION, NO_CUDA_MESSAGE)

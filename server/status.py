@@ -21,7 +21,7 @@ import enum
 
 import structlog
 
-from batcher import errors
+from batchgate.batcher import errors
 
 log = structlog.get_logger(__name__)
 

@@ -48,22 +48,22 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import structlog
 
-from batcher.arena import ArenaLayout, SharedArena
-from batcher.metrics import SECONDS_BUCKETS
-from server import __version__, native, server_extensions
-from server.child_logs import ChildLogs
-from server.drain import GOAWAY_PROPAGATION_S, LAST_ANSWERS_S
-from server.multiproc_metrics import MultiProcessMetrics
-from server.posix import describe_exit, die_with_parent, exit_fields, hand_over, reserve_port
-from server.settings import EXECUTOR, FRONTEND, TOKEN_ENV
+from batchgate.batcher.arena import ArenaLayout, SharedArena
+from batchgate.batcher.metrics import SECONDS_BUCKETS
+from batchgate.server import __version__, native, server_extensions
+from batchgate.server.child_logs import ChildLogs
+from batchgate.server.drain import GOAWAY_PROPAGATION_S, LAST_ANSWERS_S
+from batchgate.server.multiproc_metrics import MultiProcessMetrics
+from batchgate.server.posix import describe_exit, die_with_parent, exit_fields, hand_over, reserve_port
+from batchgate.server.settings import EXECUTOR, FRONTEND, TOKEN_ENV
 
 if TYPE_CHECKING:
-    from server.settings import Settings
+    from batchgate.server.settings import Settings
 
 log = structlog.get_logger(__name__)
 
-EXECUTOR_COMMAND = (sys.executable, "-m", "server.executor_process")
-FRONTEND_COMMAND = (sys.executable, "-m", "server.frontend")
+EXECUTOR_COMMAND = (sys.executable, "-m", "batchgate.server.executor_process")
+FRONTEND_COMMAND = (sys.executable, "-m", "batchgate.server.frontend")
 # How long an exited child's last log lines may take to be forwarded (a grandchild that
 # inherited its stderr could hold the pipe open for ever).
 LAST_LINES_S = 2.0

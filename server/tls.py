@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 
-from server.settings import Settings
+from batchgate.server.settings import Settings
 
 
 def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:

@@ -12,10 +12,10 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from batcher.errors import LoadError
-from batcher.spec import NUMPY_DTYPES, ModelSpec, TensorSpec
-from protos import model_config_pb2
-from server.model_config import datatype_from_proto
+from batchgate.batcher.errors import LoadError
+from batchgate.batcher.spec import NUMPY_DTYPES, ModelSpec, TensorSpec
+from batchgate.protos import model_config_pb2
+from batchgate.server.model_config import datatype_from_proto
 
 WARMUP_FOLDER = "warmup"
 _WARMUP_SEED = 0

@@ -27,7 +27,7 @@ from typing import Generic, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
-from protos import wire_pb2
+from batchgate.protos import wire_pb2
 
 HEADER = struct.Struct("<I")
 MAX_FRAME_BYTES = 64 * 1024 * 1024

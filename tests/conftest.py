@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from protos import inference_pb2_grpc
+from batchgate.protos import inference_pb2_grpc
 from tests.support.harness import RunningServer
 from tests.support.models import Gate, write_test_repository
 from tests.support.pki import make_pki

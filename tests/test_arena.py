@@ -1,4 +1,4 @@
-"""batcher.arena on the CPU: the allocator as a data structure, the shared mapping across real
+"""batchgate.batcher.arena on the CPU: the allocator as a data structure, the shared mapping across real
 processes, the layout, and (on a machine with CUDA) pinning."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from batcher.arena import LIFETIMES, PAGE_SIZE, ArenaAllocator, ArenaLayout, SharedArena
+from batchgate.batcher.arena import LIFETIMES, PAGE_SIZE, ArenaAllocator, ArenaLayout, SharedArena
 
 REPO = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
@@ -495,7 +495,7 @@ from pathlib import Path
 
 import numpy as np
 
-from batcher.arena import SharedArena
+from batchgate.batcher.arena import SharedArena
 
 
 def arena_mappings():
@@ -558,7 +558,7 @@ def test_attach_refuses_more_bytes_than_the_descriptor_holds():
 CHILD_REPLIES = """
 import sys
 import numpy as np
-from batcher.arena import SharedArena
+from batchgate.batcher.arena import SharedArena
 
 arena = SharedArena.attach(int(sys.argv[1]), int(sys.argv[2]))
 request = arena.array(0, np.float32, (4, 4))
@@ -597,7 +597,7 @@ def test_the_descriptor_does_not_leak_into_children_not_given_it():
 
 CHILD_WAITS = """
 import sys, time
-from batcher.arena import SharedArena
+from batchgate.batcher.arena import SharedArena
 
 arena = SharedArena.attach(int(sys.argv[1]), int(sys.argv[2]))
 arena.write(100, b"child was here")
@@ -646,7 +646,7 @@ class Forbid(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, Forbid())
-from batcher.arena import ArenaAllocator, ArenaLayout, SharedArena
+from batchgate.batcher.arena import ArenaAllocator, ArenaLayout, SharedArena
 
 with SharedArena.create(1 << 20) as arena:
     layout = ArenaLayout(arena.size, slots=2)

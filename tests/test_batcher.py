@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from batcher.errors import (
+from batchgate.batcher.errors import (
     DeadlineExceeded,
     InvalidRequest,
     LoadError,
@@ -23,11 +23,11 @@ from batcher.errors import (
     ModelUnavailable,
     QueueFull,
 )
-from batcher.forward import unpack_outputs
-from batcher.metrics import BatcherMetrics
-from batcher.model import ServedModel
-from batcher.queue import ModelQueue
-from batcher.spec import BatchingConfig, ModelSpec, QueuePolicy
+from batchgate.batcher.forward import unpack_outputs
+from batchgate.batcher.metrics import BatcherMetrics
+from batchgate.batcher.model import ServedModel
+from batchgate.batcher.queue import ModelQueue
+from batchgate.batcher.spec import BatchingConfig, ModelSpec, QueuePolicy
 from tests.support.batching import RecordingModel, hold_executor, make_spec, request
 from tests.support.polling import apoll
 
@@ -303,7 +303,7 @@ async def test_partial_batch_waits_for_the_running_one_and_takes_all(served):
     assert fake.batches[1:] == [[10.0, 11.0, 12.0, 13.0, 14.0]]
 
 
-# -- what a model may return (batcher.forward.unpack_outputs) -----------------------------------
+# -- what a model may return (batchgate.batcher.forward.unpack_outputs) -----------------------------------
 
 _OUTS = (TensorSpec("a", "FP32", (2,)), TensorSpec("b", "INT64", (1,)))
 

@@ -20,8 +20,8 @@ import grpc
 import numpy as np
 import pytest
 
-from bench.loadgen import arrivals, cli, driver, plan, scrape, workload
-from bench.loadgen.report import LAYOUT, layout_problems
+from batchgate.bench.loadgen import arrivals, cli, driver, plan, scrape, workload
+from batchgate.bench.loadgen.report import LAYOUT, layout_problems
 from tests.support import EXAMPLE_MODELS
 from tests.support.models import FAILING_CONFIG, FAILING_MODEL
 from tests.support.repository import model_config, tensor, write_model
@@ -125,7 +125,7 @@ def test_counts_add_up_by_status_code_and_match_the_servers(server, tmp_path):
 
 def test_an_unknown_model_stops_the_run_naming_the_code(bench_server):
     done = subprocess.run(
-        [sys.executable, "-m", "server.cli", "bench", "-u", bench_server.address, "-m", "nosuch",
+        [sys.executable, "-m", "batchgate.server.cli", "bench", "-u", bench_server.address, "-m", "nosuch",
          "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
 
     assert done.returncode == 1
@@ -296,7 +296,7 @@ def test_the_table_is_printed(bench_server, capsys):
 
 
 def test_help_through_the_batchgate_command():
-    done = subprocess.run([sys.executable, "-m", "server.cli", "bench", "--help"], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "batchgate.server.cli", "bench", "--help"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, check=False)
 
     assert done.returncode == 0
@@ -304,7 +304,7 @@ def test_help_through_the_batchgate_command():
 
 
 def test_serve_help_still_lists_serve_and_bench():
-    done = subprocess.run([sys.executable, "-m", "server.cli", "--help"], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "batchgate.server.cli", "--help"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, check=False)
 
     assert done.returncode == 0
@@ -467,7 +467,7 @@ def test_server_side_figures_are_differenced_and_kept_to_the_runs_models():
 
 
 def _metadata(*inputs: tuple[str, str, list[int]]):
-    from protos import inference_pb2 as pb
+    from batchgate.protos import inference_pb2 as pb
 
     return pb.ModelMetadataResponse(name="m", inputs=[
         pb.ModelMetadataResponse.TensorMetadata(name=n, datatype=t, shape=s) for n, t, s in inputs])
@@ -489,7 +489,7 @@ def test_inputs_follow_the_batch_dimension_and_the_given_shapes():
 
 
 def test_random_inputs_have_the_datatypes_size():
-    from bench.loadgen.workload import random_bytes
+    from batchgate.bench.loadgen.workload import random_bytes
 
     rng = np.random.default_rng(0)
     assert len(random_bytes("FP16", (2, 3), rng)) == 12
@@ -504,4 +504,4 @@ def test_random_inputs_have_the_datatypes_size():
 def test_readme_quotes_the_commands_behind_its_figures():
     readme = (ROOT / "README.md").read_text()
     assert re.search(r"batchgate bench .*--concurrency", readme)
-    assert "python -m bench.loadgen_vs_pa" in readme
+    assert "python -m batchgate.bench.loadgen_vs_pa" in readme

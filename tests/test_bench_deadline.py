@@ -1,6 +1,6 @@
 """bench/deadline.py and bench/deadline_sim.py work: the bursty arrivals, a short run of the
 real benchmark (servers, ``batchgate bench``), and the policies on a simulated clock. No timing
-is asserted: figures are for ``python -m bench.deadline`` to report."""
+is asserted: figures are for ``python -m batchgate.bench.deadline`` to report."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.deadline import Result, burst_arrival, verdict
-from bench.deadline_bound import Clairvoyant, compare
-from bench.deadline_sim import Workload, at_target, best_fixed, main as sim_main, simulate, trace
-from bench.loadgen.arrivals import schedule
+from batchgate.bench.deadline import Result, burst_arrival, verdict
+from batchgate.bench.deadline_bound import Clairvoyant, compare
+from batchgate.bench.deadline_sim import Workload, at_target, best_fixed, main as sim_main, simulate, trace
+from batchgate.bench.loadgen.arrivals import schedule
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,7 +37,7 @@ def test_burst_arrivals_average_the_mean_rate_and_burst_at_the_peak():
 def test_a_short_run_measures_both_policies_through_batchgate_bench(tmp_path):
     report_path = tmp_path / "deadline.json"
     result = subprocess.run(
-        [sys.executable, "-m", "bench.deadline", "--synthetic-ms", "5,0.5", "--deadline-ms", "100",
+        [sys.executable, "-m", "batchgate.bench.deadline", "--synthetic-ms", "5,0.5", "--deadline-ms", "100",
          "--capacity", "400", "--loads", "0.5", "--seconds", "2", "--warmup-s", "0.5",
          "--sweep-delays-us", "0", "--sweep-seconds", "1", "--response-margin-ms", "3",
          "--json", str(report_path)],

@@ -1,4 +1,4 @@
-"""The overload benchmark (``python -m bench.overload``) runs, and tells the two servers apart.
+"""The overload benchmark (``python -m batchgate.bench.overload``) runs, and tells the two servers apart.
 
 Its figures are for docs/benchmarks.md; here a short run shows that the harness measures a
 capacity, overloads it, and that admission control is what refuses requests at once: with it the
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_a_short_overload_run_refuses_only_with_admission_control(tmp_path):
     report_path = tmp_path / "overload.json"
     result = subprocess.run(
-        [sys.executable, "-m", "bench.overload", "--synthetic-ms", "80,6", "--deadline-ms", "1000",
+        [sys.executable, "-m", "batchgate.bench.overload", "--synthetic-ms", "80,6", "--deadline-ms", "1000",
          "--seconds", "3", "--json", str(report_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )

@@ -1,6 +1,6 @@
 """The benchmark harness works: the in-process loop runs, and perf_analyzer's CSV reads back.
 
-No timing is asserted: figures on a shared machine are for ``python -m bench.serving`` to report.
+No timing is asserted: figures on a shared machine are for ``python -m batchgate.bench.serving`` to report.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import inprocess
-from bench.serving import PerfRow, parse_metrics, parse_perf_analyzer_csv
+from batchgate.bench import inprocess
+from batchgate.bench.serving import PerfRow, parse_metrics, parse_perf_analyzer_csv
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 
@@ -85,8 +85,8 @@ batchgate_batches_total{model="mlp",reason="delay"} 12.0
 def test_the_shared_memory_benchmark_model_and_table(tmp_path):
     import torch
 
-    from batcher.loading import latest_version, load_module
-    from bench import shared_memory
+    from batchgate.batcher.loading import latest_version, load_module
+    from batchgate.bench import shared_memory
 
     root = shared_memory.write_repository(tmp_path)
     module = load_module(latest_version(root / "image"), filename=None, parameters={},

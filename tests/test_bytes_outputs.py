@@ -28,13 +28,13 @@ import numpy as np
 import pytest
 import torch
 
-from batcher.errors import ModelExecutionError
-from batcher.model import ServedModel
-from batcher.request import InferenceRequest
-from batcher.spec import BatchingConfig, ModelSpec, TensorSpec
-from protos import inference_pb2 as pb
-from protos import inference_pb2_grpc
-from server.codec import bytes_encoding, bytes_row_offsets
+from batchgate.batcher.errors import ModelExecutionError
+from batchgate.batcher.model import ServedModel
+from batchgate.batcher.request import InferenceRequest
+from batchgate.batcher.spec import BatchingConfig, ModelSpec, TensorSpec
+from batchgate.protos import inference_pb2 as pb
+from batchgate.protos import inference_pb2_grpc
+from batchgate.server.codec import bytes_encoding, bytes_row_offsets
 from tests.support.repository import model_config, renamed, tensor, write_config
 
 OUTPUTS = ("UPPER", "SWAPPED", "JOINED", "LENGTH")

@@ -11,8 +11,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from protos import inference_pb2 as pb
-from protos import inference_pb2_grpc
+from batchgate.protos import inference_pb2 as pb
+from batchgate.protos import inference_pb2_grpc
 from tests.support.harness import ServeProcess
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,7 +41,7 @@ def test_serve_defaults_to_the_example_repository_and_drains_on_sigterm():
 
 
 def test_help_lists_triton_style_flags():
-    done = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--help"],
+    done = subprocess.run([sys.executable, "-m", "batchgate.server.cli", "serve", "--help"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0
     for flag in ("--grpc-port", "--metrics-port", "--host", "--model-repository"):
@@ -49,15 +49,15 @@ def test_help_lists_triton_style_flags():
 
 
 def test_bad_setting_is_refused_with_the_value():
-    done = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--grpc-port", "70000"],
+    done = subprocess.run([sys.executable, "-m", "batchgate.server.cli", "serve", "--grpc-port", "70000"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "got 70000" in done.stderr
 
 
 def test_frontends_default_follows_the_core_count(model_repository):
-    from server.cli import default_frontends, resolve_mode
-    from server.settings import Settings
+    from batchgate.server.cli import default_frontends, resolve_mode
+    from batchgate.server.settings import Settings
 
     assert [default_frontends(c) for c in (1, 2, 4, 16, 64)] == [0, 0, 2, 8, 8]
     python = Settings(model_repository=model_repository, frontend="python")
@@ -70,7 +70,7 @@ def test_frontends_default_follows_the_core_count(model_repository):
 def test_grpc_port_comes_from_the_environment_when_not_given(monkeypatch):
     import argparse
 
-    from server import cli
+    from batchgate.server import cli
 
     parser = argparse.ArgumentParser()
     cli.add_serve_arguments(parser)

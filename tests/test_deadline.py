@@ -15,22 +15,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from batcher.admission import Admission, RecentArrivals
-from batcher.deadline_search import DeadlineSearch
-from batcher.device_share import DeviceShare, DeviceTurns
-from batcher.errors import (
+from batchgate.batcher.admission import Admission, RecentArrivals
+from batchgate.batcher.deadline_search import DeadlineSearch
+from batchgate.batcher.device_share import DeviceShare, DeviceTurns
+from batchgate.batcher.errors import (
     AdmissionRefused,
     DeadlineExceeded,
     DeadlineInfeasible,
     ModelUnavailable,
     RequestCancelled,
 )
-from batcher.metrics import BatcherMetrics
-from batcher.model import ServedModel
-from batcher.profile import LatencyProfile, size_classes
-from batcher.queue import ModelQueue
-from batcher.request import QUEUED, REMOVED
-from batcher.spec import BatchingConfig
+from batchgate.batcher.metrics import BatcherMetrics
+from batchgate.batcher.model import ServedModel
+from batchgate.batcher.profile import LatencyProfile, size_classes
+from batchgate.batcher.queue import ModelQueue
+from batchgate.batcher.request import QUEUED, REMOVED
+from batchgate.batcher.spec import BatchingConfig
 from tests.support.polling import apoll, poll
 from tests.support.batching import RecordingModel, hold_executor, make_spec, request
 

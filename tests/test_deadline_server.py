@@ -21,10 +21,10 @@ import grpc
 import numpy as np
 import pytest
 
-from clients import BatchgateError, Client, RetryPolicy
-from protos import inference_pb2 as pb
-from protos import inference_pb2_grpc
-from protos.model_config_pb2 import ModelConfig
+from batchgate.clients import BatchgateError, Client, RetryPolicy
+from batchgate.protos import inference_pb2 as pb
+from batchgate.protos import inference_pb2_grpc
+from batchgate.protos.model_config_pb2 import ModelConfig
 from tests.support.messages import infer_request, output
 from tests.support.models import Gate, xy_config
 from tests.support.polling import poll

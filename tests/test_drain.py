@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos import inference_pb2_grpc
+from batchgate.protos import inference_pb2_grpc
 from tests.support import EXAMPLE_MODELS, ROOT
 from tests.support.harness import RunningServer, ServeProcess, mode_args
 from tests.support.messages import infer_request

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from protos import inference_pb2 as pb
-from protos import inference_pb2_grpc
+from batchgate.protos import inference_pb2 as pb
+from batchgate.protos import inference_pb2_grpc
 from tests.support.models import reference
 from tests.support.tools import PERF_ANALYZER, perf_analyzer_unavailable
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from batcher.watchdog import ExecutionTimeout, TimedRunner, TooManyHungCalls
-from protos import inference_pb2 as pb
+from batchgate.batcher.watchdog import ExecutionTimeout, TimedRunner, TooManyHungCalls
+from batchgate.protos import inference_pb2 as pb
 from tests.support.polling import poll
 
 WAIT_S = 60

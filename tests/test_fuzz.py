@@ -29,10 +29,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protos import inference_pb2 as pb
-from protos import inference_pb2_grpc
-from batcher.errors import quoted
-from server.errors import INTERNAL_MESSAGE
+from batchgate.protos import inference_pb2 as pb
+from batchgate.protos import inference_pb2_grpc
+from batchgate.batcher.errors import quoted
+from batchgate.server.errors import INTERNAL_MESSAGE
 from tests.support.load import Load
 from tests.support.models import NUMERIC_TYPES
 

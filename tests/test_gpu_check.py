@@ -1,4 +1,4 @@
-"""`python -m bench.gpu_check` as it is run: a real process, without a GPU here, on one where there
+"""`python -m batchgate.bench.gpu_check` as it is run: a real process, without a GPU here, on one where there
 is one."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ CUDA = torch.cuda.is_available()
 
 
 def run_check(*args: str, timeout_s: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bench.gpu_check", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "batchgate.bench.gpu_check", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout_s)
 
 
@@ -87,7 +87,7 @@ def test_full_run_on_cuda(tmp_path):
 
 @pytest.mark.slow
 def test_cpu_mode_runs_the_gateway_throughput_harness(tmp_path):
-    # Section (c)'s code (temporary repository, the harness's in-thread server, bench.loadgen's
+    # Section (c)'s code (temporary repository, the harness's in-thread server, batchgate.bench.loadgen's
     # worker processes)
     # is the most involved part of the GPU run: prove it here, small, on the CPU.
     out = tmp_path / "out.json"

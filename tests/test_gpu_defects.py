@@ -16,19 +16,19 @@ import structlog
 import torch
 from prometheus_client import CollectorRegistry
 
-from batcher import gpu, precision
-from batcher.errors import LoadError, ModelExecutionError, ModelUnavailable
-from batcher.batch import Batch, ExecutorPlan, Slot
-from batcher.executor import Executor
-from batcher.buckets import BatchBuckets
-from batcher.memory import DevicePools, PoolSettings
-from batcher.metrics import BatcherMetrics
-from batcher.model import ServedModel
-from batcher.request import QUEUED, TAKEN, InferenceRequest
-from batcher.spec import BatchingConfig, ModelSpec, TensorSpec
-from batcher.staging import Block, InputStager
+from batchgate.batcher import gpu, precision
+from batchgate.batcher.errors import LoadError, ModelExecutionError, ModelUnavailable
+from batchgate.batcher.batch import Batch, ExecutorPlan, Slot
+from batchgate.batcher.executor import Executor
+from batchgate.batcher.buckets import BatchBuckets
+from batchgate.batcher.memory import DevicePools, PoolSettings
+from batchgate.batcher.metrics import BatcherMetrics
+from batchgate.batcher.model import ServedModel
+from batchgate.batcher.request import QUEUED, TAKEN, InferenceRequest
+from batchgate.batcher.spec import BatchingConfig, ModelSpec, TensorSpec
+from batchgate.batcher.staging import Block, InputStager
 from tests.support.batching import infer_x, unit_spec
-from server.executor_process import pin_arena
+from batchgate.server.executor_process import pin_arena
 
 CUDA = torch.cuda.is_available()
 ILLEGAL_ADDRESS = ("CUDA error: an illegal memory access was encountered\n"

@@ -20,13 +20,13 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from batcher import gpu, gpu_env
-from batcher.errors import ResourceExhausted
-from batcher.memory import DevicePools, PoolSettings
-from batcher.metrics import BatcherMetrics
-from batcher.model import ServedModel
-from batcher.request import InferenceRequest
-from batcher.spec import BatchingConfig, ModelSpec, TensorSpec
+from batchgate.batcher import gpu, gpu_env
+from batchgate.batcher.errors import ResourceExhausted
+from batchgate.batcher.memory import DevicePools, PoolSettings
+from batchgate.batcher.metrics import BatcherMetrics
+from batchgate.batcher.model import ServedModel
+from batchgate.batcher.request import InferenceRequest
+from batchgate.batcher.spec import BatchingConfig, ModelSpec, TensorSpec
 
 CUDA = torch.cuda.is_available()
 MIB = 1 << 20

@@ -20,18 +20,18 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from batcher import precision
-from batcher.buckets import BatchBuckets
-from batcher.errors import ModelExecutionError, ResourceExhausted
-from batcher.memory import DevicePools, PoolSettings
-from batcher.metrics import BatcherMetrics
-from batcher.model import ServedModel
-from batcher.spec import BatchingConfig, ModelSpec, TensorSpec
-from clients import BatchgateError, Client
+from batchgate.batcher import precision
+from batchgate.batcher.buckets import BatchBuckets
+from batchgate.batcher.errors import ModelExecutionError, ResourceExhausted
+from batchgate.batcher.memory import DevicePools, PoolSettings
+from batchgate.batcher.metrics import BatcherMetrics
+from batchgate.batcher.model import ServedModel
+from batchgate.batcher.spec import BatchingConfig, ModelSpec, TensorSpec
+from batchgate.clients import BatchgateError, Client
 from tests.support import EXAMPLE_MODELS
 from tests.support.batching import infer_x, unit_spec
 from tests.support.harness import ServeProcess
-from protos.model_config_pb2 import ModelConfig
+from batchgate.protos.model_config_pb2 import ModelConfig
 from tests.support.metrics import sample, scrape
 from tests.support.models import reference, xy_config
 from tests.support.polling import poll

@@ -18,12 +18,12 @@ import yaml
 from yamllint import linter
 from yamllint.config import YamlLintConfig
 
-from batcher.telemetry import FAMILIES as GPU_FAMILIES
-from server import cli
-from server.app import SERVICE_NAME
-from server.metrics import ServerMetrics
-from server.multiproc_metrics import _RestartCollector
-from server.supervisor import EXECUTOR_MIN_GRACE_S, LAST_LINES_S
+from batchgate.batcher.telemetry import FAMILIES as GPU_FAMILIES
+from batchgate.server import cli
+from batchgate.server.app import SERVICE_NAME
+from batchgate.server.metrics import ServerMetrics
+from batchgate.server.multiproc_metrics import _RestartCollector
+from batchgate.server.supervisor import EXECUTOR_MIN_GRACE_S, LAST_LINES_S
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 YAML_FILES = sorted(K8S.glob("*.yaml")) + sorted(K8S.glob("*.yml"))

@@ -17,12 +17,12 @@ import grpc
 import numpy as np
 import pytest
 
-from batcher.errors import InvalidRequest, ResourceExhausted
-from batcher.spec import BatchingConfig, ModelSpec, TensorSpec
-from protos import inference_pb2 as pb
-from protos import inference_pb2_grpc
-from server.codec import RequestLimits, decode_request
-from server.errors import MAX_MESSAGE_BYTES, status_of
+from batchgate.batcher.errors import InvalidRequest, ResourceExhausted
+from batchgate.batcher.spec import BatchingConfig, ModelSpec, TensorSpec
+from batchgate.protos import inference_pb2 as pb
+from batchgate.protos import inference_pb2_grpc
+from batchgate.server.codec import RequestLimits, decode_request
+from batchgate.server.errors import MAX_MESSAGE_BYTES, status_of
 from tests.support.repository import model_config, tensor, write_model
 from tests.support.servers import SERVER_MODES, start_multiprocess_server, start_server
 
@@ -145,7 +145,7 @@ def test_status_messages_are_cut_to_what_clients_accept():
 
 def test_limit_settings_are_checked():
     for flag in ("--max-tensor-elements", "--max-request-bytes"):
-        done = subprocess.run([sys.executable, "-m", "server.cli", "serve", flag, "0"],
+        done = subprocess.run([sys.executable, "-m", "batchgate.server.cli", "serve", flag, "0"],
                               cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and "got 0" in done.stderr, done.stderr
 

@@ -16,8 +16,8 @@ import textwrap
 import grpc
 import pytest
 
-from protos import inference_pb2 as pb
-from protos import inference_pb2_grpc
+from batchgate.protos import inference_pb2 as pb
+from batchgate.protos import inference_pb2_grpc
 from tests.support.models import xy_config
 from tests.support.repository import write_model
 from tests.support.servers import SERVER_MODES, start_in_mode

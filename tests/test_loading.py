@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from batcher.errors import LoadError
-from batcher.loading import find_artifact, load_module
+from batchgate.batcher.errors import LoadError
+from batchgate.batcher.loading import find_artifact, load_module
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "models"
 

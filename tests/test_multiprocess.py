@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 import pytest
 
-from clients import Client, RetryPolicy
+from batchgate.clients import Client, RetryPolicy
 from tests.support.load import Load
 from tests.support.polling import poll
 from tests.support.servers import start_multiprocess_server

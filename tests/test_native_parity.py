@@ -28,10 +28,10 @@ import grpc
 import numpy as np
 import pytest
 
-from protos import inference_pb2 as pb
-from protos import inference_pb2_grpc
-from server import native
-from server.shared_memory import OFF_MESSAGE
+from batchgate.protos import inference_pb2 as pb
+from batchgate.protos import inference_pb2_grpc
+from batchgate.server import native
+from batchgate.server.shared_memory import OFF_MESSAGE
 from tests.support.load import Load
 from tests.support.models import NUMERIC_TYPES
 from tests.support.servers import native_or_skip, start_in_mode

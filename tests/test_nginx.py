@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from clients import BatchgateError, Client, RetryPolicy
+from batchgate.clients import BatchgateError, Client, RetryPolicy
 from tests.support import EXAMPLE_MODELS, ROOT
 from tests.support.harness import ServeProcess
 from tests.support.load import Load

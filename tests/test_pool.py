@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batcher.errors import ResourceExhausted
-from batcher.pool import (
+from batchgate.batcher.errors import ResourceExhausted
+from batchgate.batcher.pool import (
     DevicePool,
     MemoryPlan,
     bucket_for,
@@ -384,7 +384,7 @@ def test_unpooled_reservation_matches_the_plan():
 
 
 def test_no_arena_is_reserved_before_a_model_and_each_is_its_sizes_exactly():
-    from batcher.memory import DevicePools, PoolSettings, arena_bytes
+    from batchgate.batcher.memory import DevicePools, PoolSettings, arena_bytes
 
     pools = DevicePools(PoolSettings())
     assert pools.bytes_reserved("cpu") == 0 and pools.pools() == []
@@ -405,7 +405,7 @@ def test_no_arena_is_reserved_before_a_model_and_each_is_its_sizes_exactly():
 
 
 def test_the_cap_refuses_naming_the_bytes_and_a_release_makes_room():
-    from batcher.memory import DevicePools, PoolSettings, arena_bytes
+    from batchgate.batcher.memory import DevicePools, PoolSettings, arena_bytes
 
     cap = 64 * 1024
     pools = DevicePools(PoolSettings(cap))
@@ -424,7 +424,7 @@ def test_the_cap_refuses_naming_the_bytes_and_a_release_makes_room():
 
 
 def test_a_permissive_pool_over_its_cap_serves_outside_and_counts_it():
-    from batcher.memory import DevicePools, PoolSettings
+    from batchgate.batcher.memory import DevicePools, PoolSettings
 
     pools = DevicePools(PoolSettings(8192, strict=False))
     arena = pools.reserve("cpu", "big", [MIB], "a plan")
@@ -436,7 +436,7 @@ def test_a_permissive_pool_over_its_cap_serves_outside_and_counts_it():
 
 
 def test_pool_settings_are_checked():
-    from batcher.memory import PoolSettings
+    from batchgate.batcher.memory import PoolSettings
 
     for bad in (100, True, 4095.0):
         with pytest.raises(ValueError, match="cap_bytes"):

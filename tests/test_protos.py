@@ -24,8 +24,8 @@ import pytest
 from google.protobuf import text_format
 from google.protobuf.descriptor import FieldDescriptor
 
-from protos import generate, inference_pb2, inference_pb2_grpc, model_config_pb2
-from protos.datatypes import CONTENTS_FIELDS, ELEMENT_SIZES, NUMPY_DTYPES
+from batchgate.protos import generate, inference_pb2, inference_pb2_grpc, model_config_pb2
+from batchgate.protos.datatypes import CONTENTS_FIELDS, ELEMENT_SIZES, NUMPY_DTYPES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SERVICE = "inference.GRPCInferenceService"
@@ -187,7 +187,7 @@ def triton() -> dict:
 
 @pytest.fixture(scope="module")
 def ours() -> dict:
-    return describe_files(["protos.model_config_pb2", "protos.inference_pb2"])
+    return describe_files(["batchgate.protos.model_config_pb2", "batchgate.protos.inference_pb2"])
 
 
 # --- generated code -----------------------------------------------------------------------------
@@ -195,7 +195,7 @@ def ours() -> dict:
 
 def test_generated_modules_are_not_stale():
     stale = generate.stale_files()
-    assert not stale, f"stale: {stale}; run `python -m protos.generate`"
+    assert not stale, f"stale: {stale}; run `python -m batchgate.protos.generate`"
 
 
 def test_generated_modules_import_each_other_as_protos_package():

@@ -14,13 +14,13 @@ import pytest
 import torch
 from google.protobuf import text_format
 
-import server.repository as repository_module
-from batcher import loading
-from batcher.errors import InvalidRequest, LoadError, ModelNotFound, ModelUnavailable
-from batcher.request import InferenceRequest
-from protos import model_config_pb2
-from server.load_override import LoadOverride, file_path
-from server.repository import ModelRepository
+import batchgate.server.repository as repository_module
+from batchgate.batcher import loading
+from batchgate.batcher.errors import InvalidRequest, LoadError, ModelNotFound, ModelUnavailable
+from batchgate.batcher.request import InferenceRequest
+from batchgate.protos import model_config_pb2
+from batchgate.server.load_override import LoadOverride, file_path
+from batchgate.server.repository import ModelRepository
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "models"
 WAIT_S = 30.0  # upper bound for a thread to reach a gate; never reached when things work

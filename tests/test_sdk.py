@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 import pytest
 
-from clients import (
+from batchgate.clients import (
     AsyncClient,
     BatchgateError,
     Client,
@@ -26,7 +26,7 @@ from clients import (
     InferResult,
     RetryPolicy,
 )
-from protos import model_config_pb2
+from batchgate.protos import model_config_pb2
 from tests.support.fake_server import DATATYPES, NUMPY_OF, FakeServer
 
 FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.05, jitter=0)

@@ -12,9 +12,9 @@ import grpc
 import numpy as np
 import pytest
 
-from clients import AsyncClient, BatchgateError, Client, InferRequest, RetryPolicy
-from clients._endpoints import EndpointPool, resolve_dns
-from protos import inference_pb2
+from batchgate.clients import AsyncClient, BatchgateError, Client, InferRequest, RetryPolicy
+from batchgate.clients._endpoints import EndpointPool, resolve_dns
+from batchgate.protos import inference_pb2
 from tests.support.fake_server import FakeServer
 from tests.support.polling import apoll, poll
 

@@ -32,8 +32,8 @@ except ImportError:
 else:
     raise SystemExit("the finder did not block torch: this test would prove nothing")
 
-import clients
-from clients import AsyncClient, BatchgateError, Client, InferResult, RetryPolicy  # noqa: F401
+from batchgate import clients
+from batchgate.clients import AsyncClient, BatchgateError, Client, InferResult, RetryPolicy  # noqa: F401
 
 loaded = sorted(m for m in sys.modules if m.partition(".")[0] in FORBIDDEN)
 assert not loaded, loaded

@@ -6,7 +6,7 @@ import grpc
 import numpy as np
 import pytest
 
-from clients import AsyncClient, BatchgateError, Client, RetryPolicy
+from batchgate.clients import AsyncClient, BatchgateError, Client, RetryPolicy
 from tests.support import models
 
 

@@ -24,13 +24,13 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from batcher.errors import InvalidRequest, ModelNotFound
-from clients import AsyncClient, BatchgateError, Client, RetryPolicy
-from protos import inference_pb2 as pb
-from protos import inference_pb2_grpc, wire_pb2
-from server.auth import accepted_tokens, bearer_token
-from server.repository import ModelRepository
-from server.settings import Settings
+from batchgate.batcher.errors import InvalidRequest, ModelNotFound
+from batchgate.clients import AsyncClient, BatchgateError, Client, RetryPolicy
+from batchgate.protos import inference_pb2 as pb
+from batchgate.protos import inference_pb2_grpc, wire_pb2
+from batchgate.server.auth import accepted_tokens, bearer_token
+from batchgate.server.repository import ModelRepository
+from batchgate.server.settings import Settings
 from tests.support import EXAMPLE_MODELS
 from tests.support.harness import ServeProcess, start_process
 from tests.support.models import FAILING_CONFIG, FAILING_MODEL, reference
@@ -345,7 +345,7 @@ def test_weak_or_malformed_tokens_are_refused_without_being_echoed(model_reposit
 
 
 def test_token_from_file_and_environment_conflict(tmp_path, monkeypatch):
-    from server.cli import read_token
+    from batchgate.server.cli import read_token
 
     path = tmp_path / "t"
     path.write_text(f"  {ADMIN_TOKEN}\n")
@@ -365,7 +365,7 @@ def test_tls_settings_are_checked(pki, model_repository, tmp_path):
     not_pem = tmp_path / "cert.txt"
     not_pem.write_text("not a certificate")
     done = subprocess.run(
-        [sys.executable, "-m", "server.cli", "serve", "--frontends", "0", "--host", "127.0.0.1",
+        [sys.executable, "-m", "batchgate.server.cli", "serve", "--frontends", "0", "--host", "127.0.0.1",
          "--grpc-port", "0", "--metrics-port", "-1", "--model-repository", str(tmp_path),
          "--tls-cert", str(not_pem), "--tls-key", str(pki["server_key"])],
         cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120)

@@ -15,8 +15,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from protos import inference_pb2 as pb
-from protos import inference_pb2_grpc
+from batchgate.protos import inference_pb2 as pb
+from batchgate.protos import inference_pb2_grpc
 from tests.support.messages import infer_request, output
 from tests.support.metrics import scrape as scrape_url
 from tests.support.models import NUMERIC_TYPES, reference
@@ -433,7 +433,7 @@ def test_bytes_input_reaches_a_model_that_declares_it(stub):
 def test_unknown_model_names_share_one_metric_label_past_the_bound(server, stub, monkeypatch):
     if server.mode != "single":
         pytest.skip("the bound is patched in this process: only the single-process server runs here")
-    import server.service as service_module
+    import batchgate.server.service as service_module
 
     counters = server.gateway.service._status_counters
     monkeypatch.setattr(service_module, "MAX_LABELLED_COUNTERS", len(counters) + 1)

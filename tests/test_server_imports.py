@@ -17,8 +17,8 @@ import io
 import pkgutil
 import sys
 
-import server
-from server import cli
+from batchgate import server
+from batchgate.server import cli
 
 
 def bench_modules():
@@ -26,7 +26,7 @@ def bench_modules():
 
 
 modules = sorted(info.name for info in pkgutil.walk_packages(server.__path__, "server."))
-assert "server.cli" in modules and "server.supervisor" in modules, modules
+assert "batchgate.server.cli" in modules and "batchgate.server.supervisor" in modules, modules
 for name in modules:
     importlib.import_module(name)
 assert not bench_modules(), bench_modules()
@@ -39,7 +39,7 @@ assert not bench_modules(), bench_modules()
 # And the check sees bench when it is there: the bench command's path loads it.
 with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
     cli.main(["bench", "--help"])
-assert "bench.loadgen.cli" in bench_modules(), bench_modules()
+assert "batchgate.bench.loadgen.cli" in bench_modules(), bench_modules()
 print("ok")
 """
 

@@ -24,10 +24,10 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from clients import BatchgateError, Client, RetryPolicy
-from protos import inference_pb2 as pb
-from protos import inference_pb2_grpc
-from server import cli
+from batchgate.clients import BatchgateError, Client, RetryPolicy
+from batchgate.protos import inference_pb2 as pb
+from batchgate.protos import inference_pb2_grpc
+from batchgate.server import cli
 from tests.support.harness import ServeProcess
 from tests.support.metrics import metrics_url, read_metrics, scrape
 from tests.support.repository import model_config, tensor, with_parameters, write_model
@@ -317,7 +317,7 @@ def test_the_process_flags(running):
                    if (t / "comm").read_text().startswith("bg-worker")]
         assert len(workers) == THREADS
     else:
-        assert b"server.frontend" in command
+        assert b"batchgate.server.frontend" in command
     # --arena-bytes: the executor's memfd.
     [executor] = running.process.pids("executor").values()
     sizes = {os.stat(f"/proc/{executor}/fd/{fd}").st_size
@@ -358,7 +358,7 @@ def test_flags_the_mode_does_not_act_on_are_refused(args, message):
             pytest.skip("a CUDA device is present: the fraction is acted on")
     if "native" in args:
         native_or_skip()
-    done = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--grpc-port", "0",
+    done = subprocess.run([sys.executable, "-m", "batchgate.server.cli", "serve", "--grpc-port", "0",
                            "--metrics-port", "-1", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
@@ -403,7 +403,7 @@ def _scrape(running: Running) -> dict:
     return scrape(metrics_url(running.metrics_port))
 
 def test_the_device_pool_has_no_cap_by_default_and_a_cap_below_a_page_is_refused():
-    from server.settings import Settings
+    from batchgate.server.settings import Settings
 
     assert Settings().device_pool_bytes is None  # nothing reserved up front, nothing capped
     assert Settings(device_pool_bytes=4096).device_pool_bytes == 4096

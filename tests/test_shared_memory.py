@@ -22,8 +22,8 @@ import grpc
 import numpy as np
 import pytest
 
-from protos import inference_pb2 as pb
-from protos import inference_pb2_grpc
+from batchgate.protos import inference_pb2 as pb
+from batchgate.protos import inference_pb2_grpc
 from tests.support.polling import poll
 from tests.support.servers import SERVER_MODES, start_in_mode
 from tests.support.tools import PERF_ANALYZER, perf_analyzer_unavailable
@@ -471,7 +471,7 @@ def test_cuda_shared_memory_inputs_and_outputs(shm_server):
 # -- the registry itself, without a server --------------------------------------------------------
 
 def _registry():
-    from server.shared_memory import SharedMemoryRegistry
+    from batchgate.server.shared_memory import SharedMemoryRegistry
 
     return SharedMemoryRegistry(True)
 
@@ -484,8 +484,8 @@ def _register(registry, name, key, byte_size, offset=0):
 
 
 def _status_error(call):
-    from batcher.errors import BatchgateError
-    from server.status import status_of
+    from batchgate.batcher.errors import BatchgateError
+    from batchgate.server.status import status_of
 
     with pytest.raises(BatchgateError) as info:
         call()
@@ -493,7 +493,7 @@ def _status_error(call):
 
 
 def test_keys_that_leave_dev_shm_or_are_links_are_refused():
-    from server.status import Code
+    from batchgate.server.status import Code
 
     registry = _registry()
     target = Region(64)
@@ -515,7 +515,7 @@ def test_keys_that_leave_dev_shm_or_are_links_are_refused():
 def test_a_request_in_flight_keeps_reading_a_region_unregistered_meanwhile():
     import asyncio
 
-    from server.shared_memory import Placement
+    from batchgate.server.shared_memory import Placement
 
     registry = _registry()
     region = Region(64)
@@ -530,7 +530,7 @@ def test_a_request_in_flight_keeps_reading_a_region_unregistered_meanwhile():
         check()  # the descriptor is still open for it
         assert view.tolist() == [[1.0, 2.0]]
         os.ftruncate(region.fd, 0)
-        from batcher.errors import InvalidRequest
+        from batchgate.batcher.errors import InvalidRequest
 
         with pytest.raises(InvalidRequest, match="shrank"):
             check()
@@ -540,8 +540,8 @@ def test_a_request_in_flight_keeps_reading_a_region_unregistered_meanwhile():
 
 
 def test_bool_inputs_in_shared_memory_hold_only_0_and_1():
-    from batcher.errors import InvalidRequest
-    from server.shared_memory import Placement
+    from batchgate.batcher.errors import InvalidRequest
+    from batchgate.server.shared_memory import Placement
 
     registry = _registry()
     region = Region(64)

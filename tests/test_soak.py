@@ -1,4 +1,4 @@
-"""The soak harness (``python -m bench.soak``): a short run passes, and its checks can fail.
+"""The soak harness (``python -m batchgate.bench.soak``): a short run passes, and its checks can fail.
 
 The 10-minute figures are for docs/benchmarks.md; here a few seconds prove that the harness drives
 all three kinds of traffic, that the server's count of answers matches the client's, and that the
@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.soak import Tally, compare_counts
+from batchgate.bench.soak import Tally, compare_counts
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_a_short_soak_passes_with_every_kind_of_traffic(tmp_path):
     report_path = tmp_path / "soak.json"
     result = subprocess.run(
-        [sys.executable, "-m", "bench.soak", "--seconds", "6", "--warmup-s", "2",
+        [sys.executable, "-m", "batchgate.bench.soak", "--seconds", "6", "--warmup-s", "2",
          "--concurrency", "4", "--quiet", "--json", str(report_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )

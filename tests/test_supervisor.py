@@ -30,11 +30,11 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.app import Settings
-from server.settings import TOKEN_ENV, fields_for
-from server.metrics import ServerMetrics
-from server.multiproc_metrics import PREFIX, remove_abandoned
-from server.supervisor import RestartPolicy, Supervisor, SupervisorError
+from batchgate.server.app import Settings
+from batchgate.server.settings import TOKEN_ENV, fields_for
+from batchgate.server.metrics import ServerMetrics
+from batchgate.server.multiproc_metrics import PREFIX, remove_abandoned
+from batchgate.server.supervisor import RestartPolicy, Supervisor, SupervisorError
 from tests.support.metrics import Samples, metrics_url
 from tests.support.polling import poll
 from tests.support.metrics import scrape as scrape_url
@@ -71,7 +71,7 @@ STANDIN = textwrap.dedent('''
         sys.exit(3)
     assert os.fstat(arena_fd).st_size == handover["arena_bytes"]
 
-    from server.metrics import ServerMetrics
+    from batchgate.server.metrics import ServerMetrics
     metrics = ServerMetrics()
     if ROLE == "frontend":
         metrics.requests.labels("standin", "OK").inc()
@@ -112,9 +112,9 @@ DRIVER = textwrap.dedent('''
     from pathlib import Path
 
     sys.path.insert(0, {root!r})
-    from server.logs import configure_logging
-    from server.settings import Settings
-    from server.supervisor import RestartPolicy, Supervisor
+    from batchgate.server.logs import configure_logging
+    from batchgate.server.settings import Settings
+    from batchgate.server.supervisor import RestartPolicy, Supervisor
 
     configure_logging("info", "json")
     print(json.dumps(dict(event="driver_modules", torch="torch" in sys.modules,
@@ -529,24 +529,24 @@ def test_a_crash_loop_makes_the_supervisor_exit_1_with_the_reason(tmp_path):
     (["--frontends", "2", "--arena-bytes", "4096"], "got size_bytes 4096"),
 ])
 def test_cli_refuses_bad_process_settings(args, message):
-    done = subprocess.run([sys.executable, "-m", "server.cli", "serve", *args],
+    done = subprocess.run([sys.executable, "-m", "batchgate.server.cli", "serve", *args],
                           check=False, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert message in done.stderr
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("server.frontend") is None,
+@pytest.mark.skipif(importlib.util.find_spec("batchgate.server.frontend") is None,
                     reason="server/frontend.py (the front-end process) is not written yet")
 def test_serve_with_front_end_processes_end_to_end(tmp_path):
     import grpc
     import numpy as np
 
-    from protos import inference_pb2 as pb
-    from protos import inference_pb2_grpc
+    from batchgate.protos import inference_pb2 as pb
+    from batchgate.protos import inference_pb2_grpc
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "serve", "--frontends", "2", "--host", "127.0.0.1",
+        [sys.executable, "-m", "batchgate.server.cli", "serve", "--frontends", "2", "--host", "127.0.0.1",
          "--grpc-port", "0", "--metrics-port", "0", "--log-format", "json",
          "--arena-bytes", str(64 << 20)],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

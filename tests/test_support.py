@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from protos import inference_pb2 as pb
+from batchgate.protos import inference_pb2 as pb
 from tests.support.harness import ServerError, start_process
 from tests.support.polling import apoll, poll
 from tests.support.repository import config_text, model_config, read_config, tensor, write_model

@@ -16,7 +16,7 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from batcher.telemetry import GpuTelemetry
+from batchgate.batcher.telemetry import GpuTelemetry
 from tests.support import EXAMPLE_MODELS
 from tests.support.harness import ServeProcess
 

@@ -10,8 +10,8 @@ import socket
 
 import pytest
 
-from protos import wire_pb2
-from server import wire
+from batchgate.protos import wire_pb2
+from batchgate.server import wire
 
 
 def _name() -> str:
@@ -178,9 +178,9 @@ async def test_a_front_end_keeps_its_frames_under_the_limit_for_large_calls(monk
     """A RepositoryModelLoad that brings files can be large: two that would pass the frame
     limit together go in two frames, and one too large alone is refused (RESOURCE_EXHAUSTED,
     as the native front end refuses it) instead of breaking the link for every request on it."""
-    from batcher.errors import ResourceExhausted
-    from protos import inference_pb2 as pb
-    from server.remote import RemoteRepository
+    from batchgate.batcher.errors import ResourceExhausted
+    from batchgate.protos import inference_pb2 as pb
+    from batchgate.server.remote import RemoteRepository
 
     monkeypatch.setattr(wire, "MAX_FRAME_BYTES", 64 * 1024)
     name = _name()

@@ -17,7 +17,7 @@ figure there too:
     convolutions while ``torch.backends.cudnn.allow_tf32`` is on, torch's default, and for
     every model if matmuls may use TF32: TF32's 10-bit mantissa puts the max error near 5e-4),
     fp16 2e-2 (autocast and weights), bf16 5e-2 (8-bit mantissa).
-(b) memory. First ``batcher.pool.mixed_trace`` (several models, random batch sizes, interleaved
+(b) memory. First ``batchgate.batcher.pool.mixed_trace`` (several models, random batch sizes, interleaved
     lifetimes; ``POOL_TRACE_SEEDS``): a synthetic trace of inputs and outputs through our
     device pool alone, each trace in the smallest arena that serves it, and through PyTorch's
     caching allocator (``torch.empty`` per allocation) in a subprocess per allocator setting.
@@ -32,7 +32,7 @@ figure there too:
     one CUDA graph in a tight in-process loop at batch ``THROUGHPUT_BATCH``, then amp-fp16
     eager and amp-fp16 with CUDA graphs per bucket through the whole gateway (the harness's
     in-thread server, ``tests.support.harness.start_in_thread``, on port 0 over a temporary
-    model repository; ``bench.loadgen``'s closed loop from ``LOAD_PROCESSES`` spawned workers
+    model repository; ``batchgate.bench.loadgen``'s closed loop from ``LOAD_PROCESSES`` spawned workers
     at ``LOAD_CONCURRENCY`` requests in flight in all, one sample per request, after
     ``LOAD_WARMUP_S`` of warm-up): gateway samples/s / in-process samples/s of the same path.
 (d) host-to-device time on the critical path, for an mlp batch of 64 and a cnn batch of 32,
@@ -70,7 +70,7 @@ and run, with ``carry: [".whl"]``::
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; \
-    PYTHONUNBUFFERED=1 python3 -m bench.gpu_check --json $OUT/gpu_check.json
+    PYTHONUNBUFFERED=1 python3 -m batchgate.bench.gpu_check --json $OUT/gpu_check.json
 
 Without structlog a stand-in logger is used (and said so): (b)'s synthetic trace needs torch
 alone, (a), (b)'s server trace and (d) need protobuf >= 6.33 too (the generated config module),
@@ -79,13 +79,13 @@ torch 2.11 (the GPU machines') and 2.13 (CI) both have.
 
 The modules, one a section: ``correctness`` (a); ``memory``, ``pool_trace`` and
 ``server_trace`` (b); ``throughput``, ``workloads``, ``inprocess`` and ``load`` (c: the server
-is ``tests.support.harness``'s in-thread one, the load ``bench.loadgen``'s); ``nvml`` (e);
+is ``tests.support.harness``'s in-thread one, the load ``batchgate.bench.loadgen``'s); ``nvml`` (e);
 ``h2d`` and ``gather`` (d); ``cuda_tests`` (t). Shared: ``report`` (rows, the table, budgets),
 ``machine`` (what the run was on), ``children`` (child processes), ``samples`` (inputs and
 model helpers); ``run`` ties them together.
 """
 
-from bench.gpu_check.pool_trace import pool_trace_figure
-from bench.gpu_check.run import main
+from batchgate.bench.gpu_check.pool_trace import pool_trace_figure
+from batchgate.bench.gpu_check.run import main
 
 __all__ = ["main", "pool_trace_figure"]

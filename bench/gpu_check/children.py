@@ -9,7 +9,7 @@ import sys
 import threading
 from typing import Any
 
-from bench.gpu_check.samples import ROOT
+from batchgate.bench.gpu_check.samples import ROOT
 
 _children: list[subprocess.Popen] = []
 _children_lock = threading.Lock()
@@ -17,7 +17,7 @@ _children_lock = threading.Lock()
 
 def gpu_check_command(*flags: str) -> list[str]:
     """This check run again as a child (in the repository root, as ``run_child`` starts it)."""
-    return [sys.executable, "-m", "bench.gpu_check", *flags]
+    return [sys.executable, "-m", "batchgate.bench.gpu_check", *flags]
 
 
 def run_child(command: list[str], *, env: dict[str, str] | None, timeout_s: float

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.gpu_check.machine import tf32_flags
-from bench.gpu_check.report import ERROR, FAIL, PASS, Budget, Report, chain
-from bench.gpu_check.samples import ROOT, has_convolutions, random_array
+from batchgate.bench.gpu_check.machine import tf32_flags
+from batchgate.bench.gpu_check.report import ERROR, FAIL, PASS, Budget, Report, chain
+from batchgate.bench.gpu_check.samples import ROOT, has_convolutions, random_array
 
 EXAMPLE_MODELS = ("mlp", "cnn", "encoder")
 
@@ -55,11 +55,11 @@ SERVE_TIMEOUT_S = 60.0
 
 def section_correctness(report: Report, budget: Budget, device: str,
                         variants: Sequence[Variant], models: Sequence[str]) -> None:
-    from batcher.buckets import default_buckets
-    from batcher.loading import find_artifact, load_module
-    from batcher.memory import DevicePools, PoolSettings
-    from server.model_config import read_model_config
-    from server.model_spec import model_spec_from_config
+    from batchgate.batcher.buckets import default_buckets
+    from batchgate.batcher.loading import find_artifact, load_module
+    from batchgate.batcher.memory import DevicePools, PoolSettings
+    from batchgate.server.model_config import read_model_config
+    from batchgate.server.model_spec import model_spec_from_config
 
     cuda = device.startswith("cuda")
     pools = DevicePools(PoolSettings(POOL_BYTES_A))
@@ -121,9 +121,9 @@ def correctness_case(spec: Any, module: Any, reference: Any, sizes: list[int], t
     on the CPU alone. CUDA graphs that were asked for but not captured fail the row."""
     import torch
 
-    from batcher.forward import unpack_outputs
-    from batcher.model import ServedModel
-    from batcher.request import InferenceRequest
+    from batchgate.batcher.forward import unpack_outputs
+    from batchgate.batcher.model import ServedModel
+    from batchgate.batcher.request import InferenceRequest
 
     requests_arrays = [
         [random_array(rng, (size, *t.dims), t.numpy_dtype.name) for t in spec.inputs]

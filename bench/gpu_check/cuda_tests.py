@@ -7,9 +7,9 @@ import os
 import subprocess
 import sys
 
-from bench.gpu_check.children import run_child
-from bench.gpu_check.report import ERROR, FAIL, PASS, SKIP, Budget, Report
-from bench.gpu_check.samples import ROOT
+from batchgate.bench.gpu_check.children import run_child
+from batchgate.bench.gpu_check.report import ERROR, FAIL, PASS, SKIP, Budget, Report
+from batchgate.bench.gpu_check.samples import ROOT
 
 
 def section_pytest(report: Report, budget: Budget) -> None:

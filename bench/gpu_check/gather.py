@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.gpu_check.machine import torchvision_problem
-from bench.gpu_check.report import FAIL, INFO, SKIP, Budget, Report
+from batchgate.bench.gpu_check.machine import torchvision_problem
+from batchgate.bench.gpu_check.report import FAIL, INFO, SKIP, Budget, Report
 
 GATHER_REQUESTS = 64  # single-sample requests per batch, as the executor gathers them
 GATHER_INPUT = (3, 224, 224)  # ResNet-sized
@@ -26,11 +26,11 @@ def section_gather(report: Report, budget: Budget) -> None:
     executor process pins it (multi-process mode), and what pinning costs."""
     import torch
 
-    from batcher.arena import SharedArena
-    from batcher.metrics import BatcherMetrics
-    from batcher.model import ServedModel
-    from batcher.request import InferenceRequest
-    from batcher.spec import BatchingConfig, ModelSpec, TensorSpec
+    from batchgate.batcher.arena import SharedArena
+    from batchgate.batcher.metrics import BatcherMetrics
+    from batchgate.batcher.model import ServedModel
+    from batchgate.batcher.request import InferenceRequest
+    from batchgate.batcher.spec import BatchingConfig, ModelSpec, TensorSpec
     from prometheus_client import CollectorRegistry
 
     device = "cuda:0"
@@ -87,7 +87,7 @@ def section_gather(report: Report, budget: Budget) -> None:
                    batches=runs, staging=staging)
     arena = SharedArena.create(ARENA_PIN_BYTES)
     try:
-        from server.executor_process import pin_arena
+        from batchgate.server.executor_process import pin_arena
 
         started = time.perf_counter()
         pinned = pin_arena(arena, BatcherMetrics(CollectorRegistry()))

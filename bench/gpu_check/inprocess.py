@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bench.gpu_check.samples import autocast_for, random_tensor, synchronize
-from bench.gpu_check.workloads import ThroughputModel, ThroughputSettings
+from batchgate.bench.gpu_check.samples import autocast_for, random_tensor, synchronize
+from batchgate.bench.gpu_check.workloads import ThroughputModel, ThroughputSettings
 
 # A traced module's profiling executor runs its first calls (about a dozen) far slower.
 INPROCESS_WARMUP_CALLS = 20
@@ -42,7 +42,7 @@ def inprocess_graph_rate(module: Any, model: ThroughputModel, settings: Throughp
     """Samples/s of one CUDA graph of ``module`` at the batch, replayed back to back."""
     import torch
 
-    from batcher import precision as precisions
+    from batchgate.batcher import precision as precisions
 
     amp = f"amp-{precision}"
     x = random_tensor((settings.batch, *model.input_dims), model.input_dtype, settings.device)

@@ -1,9 +1,9 @@
-"""(c)'s load on the gateway, through the project's load generator (``bench.loadgen``).
+"""(c)'s load on the gateway, through the project's load generator (``batchgate.bench.loadgen``).
 
 One closed-loop step: a short warm-up (not measured), then ``seconds`` measured, from spawned
 worker processes (the gateway runs in this process: the client's Python work must not share
 its interpreter). Requests are the model's inputs as the server describes them, serialized
-once; each record's latency and status come back to ``bench.loadgen.stats``.
+once; each record's latency and status come back to ``batchgate.bench.loadgen.stats``.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any
 import grpc
 import numpy as np
 
-from bench.loadgen import plan, stats
-from bench.loadgen.driver import STEP_LEAD_S, DriverConfig, Workers
-from bench.loadgen.workload import DataOptions, build_variants, describe_models
+from batchgate.bench.loadgen import plan, stats
+from batchgate.bench.loadgen.driver import STEP_LEAD_S, DriverConfig, Workers
+from batchgate.bench.loadgen.workload import DataOptions, build_variants, describe_models
 
 CONNECT_TIMEOUT_S = 30.0
 CALL_TIMEOUT_S = 30.0

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from typing import Any
 
-from bench.gpu_check.report import Report, say, summary
+from batchgate.bench.gpu_check.report import Report, say, summary
 
 
 PACKAGES = ("numpy", "grpcio", "protobuf", "structlog", "grpcio-health-checking",
@@ -38,7 +38,7 @@ def ensure_structlog() -> str:
         pass
     else:
         try:
-            from server.logs import configure_logging
+            from batchgate.server.logs import configure_logging
 
             configure_logging("warning", "console")  # keep the server's info lines off the tail
         except Exception as exc:  # the check still runs with structlog's defaults
@@ -80,7 +80,7 @@ def ensure_structlog() -> str:
 def project_imports() -> dict[str, str]:
     """Which parts of the project import here: 'ok' or the error."""
     found = {}
-    for module in ("batcher.model", "server.model_config", "server.app", "clients"):
+    for module in ("batchgate.batcher.model", "batchgate.server.model_config", "batchgate.server.app", "batchgate.clients"):
         try:
             importlib.import_module(module)
             found[module] = "ok"

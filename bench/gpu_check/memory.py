@@ -7,10 +7,10 @@ import os
 import subprocess
 from typing import Any
 
-from bench.gpu_check.children import gpu_check_command, marked_json, run_child
-from bench.gpu_check.pool_trace import POOL_TRACE_SEEDS, pool_trace_figure
-from bench.gpu_check.report import ERROR, FAIL, INFO, PASS, SKIP, Budget, Report
-from bench.gpu_check.server_trace import SERVER_TRACE_MODES
+from batchgate.bench.gpu_check.children import gpu_check_command, marked_json, run_child
+from batchgate.bench.gpu_check.pool_trace import POOL_TRACE_SEEDS, pool_trace_figure
+from batchgate.bench.gpu_check.report import ERROR, FAIL, INFO, PASS, SKIP, Budget, Report
+from batchgate.bench.gpu_check.server_trace import SERVER_TRACE_MODES
 
 ALLOC_CONFS = ("", "expandable_segments:True")
 SUBPROCESS_TIMEOUT_S = 40.0

@@ -7,7 +7,7 @@ import threading
 import time
 from typing import Any
 
-from bench.gpu_check.report import summary
+from batchgate.bench.gpu_check.report import summary
 
 NVML_INTERVAL_S = 0.1
 

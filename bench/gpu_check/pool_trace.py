@@ -1,4 +1,4 @@
-"""(b) the allocation trace: ``batcher.pool.mixed_trace`` through our device pool, and (in a
+"""(b) the allocation trace: ``batchgate.batcher.pool.mixed_trace`` through our device pool, and (in a
 child process per allocator setting) through PyTorch's caching allocator."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def pool_trace_figure(device: str, seed: int) -> dict[str, Any]:
     """``mixed_trace(seed)`` through our pool: the smallest arena that serves it with no refusal
     (bisection to POOL_SEARCH_PRECISION of the trace's peak live bytes), then the replay's
     figures in that arena. An operator sizes the pool once; this is the best that sizing does."""
-    from batcher.pool import DevicePool, mixed_trace, peak_live_bytes, replay_trace
+    from batchgate.batcher.pool import DevicePool, mixed_trace, peak_live_bytes, replay_trace
 
     trace = mixed_trace(seed, steps=POOL_TRACE_STEPS)
     live = peak_live_bytes(trace)
@@ -44,7 +44,7 @@ def alloc_replay_main() -> int:
     PYTORCH_CUDA_ALLOC_CONF it was started with."""
     import torch
 
-    from batcher.pool import mixed_trace, peak_live_bytes
+    from batchgate.batcher.pool import mixed_trace, peak_live_bytes
 
     torch.cuda.init()
     seeds = []

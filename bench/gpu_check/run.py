@@ -13,19 +13,19 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.gpu_check.children import kill_children
-from bench.gpu_check.correctness import (CPU_VARIANTS, EXAMPLE_MODELS, GPU_VARIANTS,
+from batchgate.bench.gpu_check.children import kill_children
+from batchgate.bench.gpu_check.correctness import (CPU_VARIANTS, EXAMPLE_MODELS, GPU_VARIANTS,
                                          section_correctness)
-from bench.gpu_check.cuda_tests import section_pytest
-from bench.gpu_check.gather import section_gather
-from bench.gpu_check.h2d import section_h2d
-from bench.gpu_check.machine import ensure_structlog, machine_facts, print_machine, project_imports
-from bench.gpu_check.memory import section_memory
-from bench.gpu_check.pool_trace import alloc_replay_main
-from bench.gpu_check.server_trace import server_trace_main
-from bench.gpu_check.throughput import section_throughput
-from bench.gpu_check.workloads import CPU_THROUGHPUT, GPU_THROUGHPUT
-from bench.gpu_check.report import ERROR, HARD_LIMIT_S, SKIP, Report, run_section, say
+from batchgate.bench.gpu_check.cuda_tests import section_pytest
+from batchgate.bench.gpu_check.gather import section_gather
+from batchgate.bench.gpu_check.h2d import section_h2d
+from batchgate.bench.gpu_check.machine import ensure_structlog, machine_facts, print_machine, project_imports
+from batchgate.bench.gpu_check.memory import section_memory
+from batchgate.bench.gpu_check.pool_trace import alloc_replay_main
+from batchgate.bench.gpu_check.server_trace import server_trace_main
+from batchgate.bench.gpu_check.throughput import section_throughput
+from batchgate.bench.gpu_check.workloads import CPU_THROUGHPUT, GPU_THROUGHPUT
+from batchgate.bench.gpu_check.report import ERROR, HARD_LIMIT_S, SKIP, Report, run_section, say
 
 # Time budgets (seconds): the whole run must stay well under 8 minutes.
 A_BUDGET_S = 70.0
@@ -66,7 +66,7 @@ def start_watchdog(report: Report, json_path: Path | None) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.gpu_check",
+        prog="python -m batchgate.bench.gpu_check",
         description="Check and measure batchgate's GPU paths (see the package docstring).")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write every figure here")
     parser.add_argument("--cpu", action="store_true",

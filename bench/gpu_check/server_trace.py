@@ -32,11 +32,11 @@ def server_trace_main(argument: str) -> int:
     round. Prints one SERVER_TRACE JSON line."""
     import torch
 
-    from batcher.gpu import ModelMemory
-    from batcher.memory import DevicePools, PoolSettings
-    from batcher.model import ServedModel
-    from batcher.request import InferenceRequest
-    from batcher.spec import BatchingConfig, ModelSpec, TensorSpec
+    from batchgate.batcher.gpu import ModelMemory
+    from batchgate.batcher.memory import DevicePools, PoolSettings
+    from batchgate.batcher.model import ServedModel
+    from batchgate.batcher.request import InferenceRequest
+    from batchgate.batcher.spec import BatchingConfig, ModelSpec, TensorSpec
 
     device, index = argument.split(",")
     label, _conf, pooled = SERVER_TRACE_MODES[int(index)]

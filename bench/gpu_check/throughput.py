@@ -12,12 +12,12 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.gpu_check.inprocess import inprocess_graph_rate, inprocess_rate
-from bench.gpu_check.machine import torchvision_problem
-from bench.gpu_check.nvml import NvmlSampler, busy_summary
-from bench.gpu_check.report import ERROR, INFO, SKIP, Budget, Report, chain
-from bench.gpu_check.samples import TOKEN_IDS_HIGH, build_from_source
-from bench.gpu_check.workloads import (ThroughputModel, ThroughputSettings, throughput_models,
+from batchgate.bench.gpu_check.inprocess import inprocess_graph_rate, inprocess_rate
+from batchgate.bench.gpu_check.machine import torchvision_problem
+from batchgate.bench.gpu_check.nvml import NvmlSampler, busy_summary
+from batchgate.bench.gpu_check.report import ERROR, INFO, SKIP, Budget, Report, chain
+from batchgate.bench.gpu_check.samples import TOKEN_IDS_HIGH, build_from_source
+from batchgate.bench.gpu_check.workloads import (ThroughputModel, ThroughputSettings, throughput_models,
                                        write_model)
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ def gateway_load(report: Report, budget: Budget, settings: ThroughputSettings, r
                  nvml: NvmlSampler | None) -> None:
     from tests.support.harness import start_in_thread
 
-    # The whole server (``server.app.Gateway``) on a thread here: its models' statistics and
+    # The whole server (``batchgate.server.app.Gateway``) on a thread here: its models' statistics and
     # load reports are read directly, the load comes from other processes.
     running = start_in_thread(repository, timeout_s=max(budget.left(), 10), metrics_port=None,
                               gc_freeze=True)
@@ -135,7 +135,7 @@ def one_load(report: Report, settings: ThroughputSettings, running: RunningServe
              model: ThroughputModel, inprocess_amp: float, check: str,
              nvml: NvmlSampler | None) -> None:
     # grpcio is needed from here on only: the other sections run without it.
-    from bench.gpu_check.load import ClosedLoop, closed_loop
+    from batchgate.bench.gpu_check.load import ClosedLoop, closed_loop
 
     served_model = running.gateway.repository.get(model.name)
     load = ClosedLoop(concurrency=settings.concurrency, processes=settings.processes,

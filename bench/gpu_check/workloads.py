@@ -7,7 +7,7 @@ import dataclasses
 import shutil
 from pathlib import Path
 
-from bench.gpu_check.samples import ROOT
+from batchgate.bench.gpu_check.samples import ROOT
 
 THROUGHPUT_BATCH = 64
 INPROCESS_SECONDS = 2.0
@@ -118,7 +118,7 @@ def write_model(repository: Path, model: ThroughputModel, settings: ThroughputSe
     """``repository/<name>/1/model.py`` and its config.pbtxt, written from a ``ModelConfig``."""
     from google.protobuf import text_format
 
-    from protos import model_config_pb2 as mc
+    from batchgate.protos import model_config_pb2 as mc
 
     folder = repository / model.name
     (folder / "1").mkdir(parents=True)

@@ -1,7 +1,7 @@
-"""``python -m bench.loadgen``: the same command as ``batchgate bench``."""
+"""``python -m batchgate.bench.loadgen``: the same command as ``batchgate bench``."""
 
 import sys
 
-from bench.loadgen.cli import main
+from batchgate.bench.loadgen.cli import main
 
-sys.exit(main(prog="python -m bench.loadgen"))
+sys.exit(main(prog="python -m batchgate.bench.loadgen"))

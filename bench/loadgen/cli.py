@@ -1,4 +1,4 @@
-"""``batchgate bench`` (also ``python -m bench.loadgen``): the command line and the run.
+"""``batchgate bench`` (also ``python -m batchgate.bench.loadgen``): the command line and the run.
 
     batchgate bench -m mlp --concurrency 1,8,64
     batchgate bench -m mlp --rate 200,400 --arrival bursty --deadline-ms 50 --json out.json
@@ -25,17 +25,17 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from bench.loadgen import plan, scrape, stats
-from bench.loadgen.arrivals import ARRIVALS, Arrival
-from bench.loadgen.driver import (
+from batchgate.bench.loadgen import plan, scrape, stats
+from batchgate.bench.loadgen.arrivals import ARRIVALS, Arrival
+from batchgate.bench.loadgen.driver import (
     STEP_LEAD_S,
     DriverConfig,
     DriverError,
     StepRecords,
     Workers,
 )
-from bench.loadgen.report import SCHEMA_VERSION, comparison, render, write_json
-from bench.loadgen.workload import (
+from batchgate.bench.loadgen.report import SCHEMA_VERSION, comparison, render, write_json
+from batchgate.bench.loadgen.workload import (
     DataOptions,
     DeadlineChoice,
     ModelChoice,
@@ -45,8 +45,8 @@ from bench.loadgen.workload import (
     build_variants,
     describe_models,
 )
-from protos import inference_pb2 as pb
-from protos import inference_pb2_grpc
+from batchgate.protos import inference_pb2 as pb
+from batchgate.protos import inference_pb2_grpc
 
 ENFORCE = ("none", "grpc", "parameter", "both")
 DESCRIPTION = ("Load-test a KServe v2 gRPC server, closed or open loop, with latency measured "
@@ -596,7 +596,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "batchgate bench") -> in
         write_json(result.report, args.json)
         err.print(f"wrote {args.json}")
     if args.plot is not None:
-        from bench.loadgen.plots import PlotError, write_plots
+        from batchgate.bench.loadgen.plots import PlotError, write_plots
 
         try:
             paths = write_plots(args.plot, result.report["steps"], result.latencies_s,

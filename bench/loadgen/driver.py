@@ -27,7 +27,7 @@ from multiprocessing.sharedctypes import RawArray
 import grpc
 import numpy as np
 
-from bench.loadgen.plan import Segment, Step, split
+from batchgate.bench.loadgen.plan import Segment, Step, split
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 CANCELLED = grpc.StatusCode.CANCELLED.value[0]

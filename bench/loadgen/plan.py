@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from bench.loadgen.arrivals import Arrival, schedule
+from batchgate.bench.loadgen.arrivals import Arrival, schedule
 
 # A closed-loop sender walks a cyclic sequence of variant choices of this length.
 CHOICE_CYCLE = 4096

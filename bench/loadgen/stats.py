@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 
-from bench.loadgen.driver import StepRecords
+from batchgate.bench.loadgen.driver import StepRecords
 
 PERCENTILES = (("p50", 50.0), ("p90", 90.0), ("p99", 99.0), ("p99.9", 99.9))
 CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}

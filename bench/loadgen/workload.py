@@ -16,9 +16,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from protos import inference_pb2 as pb
-from protos import inference_pb2_grpc
-from protos.datatypes import FIXED_DTYPES, bytes_encoding
+from batchgate.protos import inference_pb2 as pb
+from batchgate.protos import inference_pb2_grpc
+from batchgate.protos.datatypes import FIXED_DTYPES, bytes_encoding
 
 # Random data sets per model: a server that caches by content still sees varied requests.
 DATA_VARIANTS = 4

@@ -9,9 +9,9 @@ import threading
 import numpy as np
 import torch
 
-from batcher.model import ServedModel
-from batcher.request import InferenceRequest
-from batcher.spec import BatchingConfig, ModelSpec, TensorSpec
+from batchgate.batcher.model import ServedModel
+from batchgate.batcher.request import InferenceRequest
+from batchgate.batcher.spec import BatchingConfig, ModelSpec, TensorSpec
 
 
 class RecordingModel:

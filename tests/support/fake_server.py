@@ -13,10 +13,10 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from protos import inference_pb2 as pb
-from protos import inference_pb2_grpc, model_config_pb2
+from batchgate.protos import inference_pb2 as pb
+from batchgate.protos import inference_pb2_grpc, model_config_pb2
 
-# Independent of clients.codec on purpose: the tests must not share the SDK's tables.
+# Independent of batchgate.clients.codec on purpose: the tests must not share the SDK's tables.
 DATATYPES = {
     np.bool_: "BOOL",
     np.uint8: "UINT8",

@@ -1,17 +1,17 @@
 """The one server harness for tests and benchmarks: a batchgate server on port 0, in any mode.
 
-- ``start_process(repository, mode)``: ``python -m server.cli serve`` as its own process, in
+- ``start_process(repository, mode)``: ``python -m batchgate.server.cli serve`` as its own process, in
   mode "native" (the supervisor, an executor process and the native front end), "python" (the
   supervisor, an executor process and ``frontends`` Python front-end processes), "single"
   (one process, ``--frontends 0``) or "auto" (the server's own choice: no mode flags); its
   JSON log lines are parsed on a thread.
-- ``start_in_thread(repository)``: ``server.app.Gateway`` on a thread of this process, on its
+- ``start_in_thread(repository)``: ``batchgate.server.app.Gateway`` on a thread of this process, on its
   own event loop (settings overridable); what ``--frontends 0`` runs, without a process.
 
 Both return a ``RunningServer``: its ports, ``address`` (``host:port``, what the SDK and
 tritonclient take), ``metrics_url``, ``pid`` (for ``/proc``), ``stop()`` (SIGTERM and a
 timeout; the exit status), and, for a process, its log (``log_tail()``, included in every
-error). ``ServeProcess`` is the bare process (any ``server.cli`` arguments), for tests of the
+error). ``ServeProcess`` is the bare process (any ``batchgate.server.cli`` arguments), for tests of the
 command line itself.
 """
 
@@ -56,13 +56,13 @@ def mode_args(mode: str, frontends: int = 2) -> list[str]:
 
 
 class ServeProcess:
-    """``python -m server.cli ARGS`` as its own process, its stderr read on a thread: every line
+    """``python -m batchgate.server.cli ARGS`` as its own process, its stderr read on a thread: every line
     (``lines``) and every JSON one parsed (``events``). Children's lines (multi-process mode)
     carry a ``role``; ``wait_for`` and ``pids`` tell them apart from the server's own."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None,
                  tail_lines: int = 200) -> None:
-        self.command = [sys.executable, "-m", "server.cli", *args]
+        self.command = [sys.executable, "-m", "batchgate.server.cli", *args]
         self.proc = subprocess.Popen(
             self.command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, env=env,
@@ -157,7 +157,7 @@ class RunningServer:
         self.metrics_port = metrics_port
         self.supervisor = supervisor
         self.check_exit = check_exit
-        self.gateway: Any = None  # thread only: server.app.Gateway
+        self.gateway: Any = None  # thread only: batchgate.server.app.Gateway
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread: threading.Thread | None = None
         self.gate: Any = None  # what a test attaches to drive its models
@@ -275,10 +275,10 @@ def start_process(repository: Path, mode: str = "auto", *, frontends: int = 2,
 
 def start_in_thread(repository: Path, *, timeout_s: float = START_TIMEOUT_S,
                     **settings: Any) -> RunningServer:
-    """``server.app.Gateway`` of ``repository`` on a thread of this process, on loopback, port
-    0; ``settings``: further ``server.app.Settings`` fields (``metrics_port=None``: none).
+    """``batchgate.server.app.Gateway`` of ``repository`` on a thread of this process, on loopback, port
+    0; ``settings``: further ``batchgate.server.app.Settings`` fields (``metrics_port=None``: none).
     Returns once it serves; what it raised while starting is raised here."""
-    from server.app import Gateway, Settings
+    from batchgate.server.app import Gateway, Settings
 
     config = Settings(**{"host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0,
                          "model_repository": repository, "gc_freeze": False, **settings})

@@ -19,7 +19,7 @@ class Load:
     clients stop after ``max_s`` whatever happens."""
 
     def __init__(self, address: str, clients: int = 8, retry=None, max_s: float = 120) -> None:
-        from clients import RetryPolicy
+        from batchgate.clients import RetryPolicy
 
         self.address = address
         self.max_s = max_s
@@ -35,7 +35,7 @@ class Load:
         self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(clients)]
 
     def _run(self) -> None:
-        from clients import BatchgateError, Client
+        from batchgate.clients import BatchgateError, Client
 
         with Client(self.address, timeout_s=10, retry=self.retry,
                     options=[("grpc.use_local_subchannel_pool", 1)]) as client:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from protos import inference_pb2 as pb
+from batchgate.protos import inference_pb2 as pb
 
 
 def infer_request(model: str, arrays: dict[str, np.ndarray], datatype: str = "FP32", **kw):

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from tests.support import EXAMPLE_MODELS
-from protos.model_config_pb2 import ModelConfig
+from batchgate.protos.model_config_pb2 import ModelConfig
 from tests.support.polling import poll
 from tests.support.repository import model_config, renamed, tensor, with_parameters, write_model
 
@@ -278,7 +278,7 @@ def reference(model: str, x: np.ndarray) -> np.ndarray:
     """The example model's own output on ``x`` alone, computed in this process (seeded weights)."""
     module = _REFERENCE_MODULES.get(model)
     if module is None:
-        from batcher.loading import latest_version, load_module
+        from batchgate.batcher.loading import latest_version, load_module
 
         version = latest_version(EXAMPLE_MODELS / model)
         module = _REFERENCE_MODULES[model] = load_module(

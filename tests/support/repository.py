@@ -19,7 +19,7 @@ from typing import Any
 
 from google.protobuf import text_format
 
-from protos.model_config_pb2 import ModelConfig
+from batchgate.protos.model_config_pb2 import ModelConfig
 
 
 def tensor(name: str, datatype: str, dims: Sequence[int], **fields: Any) -> dict[str, Any]:
