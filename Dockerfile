@@ -52,15 +52,16 @@ COPY constraints.txt ./
 RUN pip install --no-cache-dir -c constraints.txt "torch==2.13.0" \
     && python -c "import torch, sys; v = torch.version.cuda; sys.exit(0 if v and v.startswith('13.') else f'torch {torch.__version__} is not the CUDA 13 build (cuda={v})')"
 
-# Then batchgate itself, from the source tree (not editable), with the run-time extra `gpu`
-# (nvidia-ml-py: GPU busy % and memory figures through NVML).
-COPY pyproject.toml README.md ./
+# Then batchgate itself, from the source tree (not editable), with the extras `server` (the
+# server's dependencies) and `gpu` (nvidia-ml-py: GPU busy % and memory figures through NVML).
+COPY pyproject.toml setup.py README.md ./
+COPY batchgate/ batchgate/
 COPY protos/ protos/
 COPY server/ server/
 COPY batcher/ batcher/
 COPY clients/ clients/
 COPY bench/ bench/
-RUN pip install --no-cache-dir -c constraints.txt ".[gpu]" \
+RUN pip install --no-cache-dir -c constraints.txt ".[server,gpu]" \
     && batchgate serve --help > /dev/null \
     && python -I -c "import batchgate.server.app, grpc_health.v1.health_pb2"
 

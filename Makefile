@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# constraints.txt pins torch to the CPU build on disk; never let pip resolve another.
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[test]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[server,test]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import runpy
 import shlex
 import shutil
 import socket
@@ -286,13 +287,15 @@ def test_builder_copies_everything_pip_install_needs(parsed):
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     builder_sources = {src.rstrip("/") for kw, rest in parsed[0] if kw == "COPY"
                        for src in copy_sources(rest)[1]}
-    needed = {"pyproject.toml", "constraints.txt", project["project"]["readme"]}
-    needed |= {pkg.rstrip("*").rstrip(".") for pkg in
-               project["tool"]["setuptools"]["packages"]["find"]["include"]}
+    needed = {"pyproject.toml", "setup.py", "constraints.txt", project["project"]["readme"]}
+    # setup.py's layout: batchgate/ and the folders installed as batchgate.<folder>.
+    _, package_dir = runpy.run_path(str(ROOT / "setup.py"), run_name="layout")["layout"]()
+    needed |= set(package_dir.values())
     assert needed <= builder_sources, f"the builder does not COPY {needed - builder_sources}"
     installs = [rest for kw, rest in parsed[0] if kw == "RUN" and "pip install" in rest]
-    assert any(re.search(r"""pip install .*-c constraints\.txt .*["']?\.\[[^\]]*\bgpu\b""", r)
-               for r in installs), "the builder installs '.[gpu]' under constraints.txt"
+    for extra in ("server", "gpu"):
+        assert any(re.search(rf"""pip install .*-c constraints\.txt .*["']?\.\[[^\]]*\b{extra}\b""", r)
+                   for r in installs), f"the builder installs '.[{extra}]' under constraints.txt"
 
 
 def test_torch_pin_matches_constraints(parsed):
