@@ -3,7 +3,11 @@
     python -m batchgate.protos.generate           # rewrite protos/*_pb2*.py and *.pyi
     python -m batchgate.protos.generate --check   # exit 1, naming the files, if they are stale
 
-The repository root is the include root, so the modules import each other as `protos.xxx`.
+The repository root is the include root, so the descriptors are named `protos/xxx.proto` (the
+names the native front end compiles too). protoc's output is then rewritten in two ways: the
+modules import each other as `batchgate.protos.xxx`, and they register into batchgate's own
+descriptor pool (`batchgate.protos.registry.POOL`) rather than protobuf's default one, which
+tritonclient's copies of the same `inference.*` messages occupy.
 Output depends on the grpcio-tools version (its protoc stamps the protobuf version into each
 module), so regenerate with the version the project pins.
 """
@@ -11,6 +15,7 @@ module), so regenerate with the version the project pins.
 from __future__ import annotations
 
 import argparse
+import re
 import filecmp
 import sys
 import tempfile
@@ -49,11 +54,34 @@ def _run_protoc(args: list[str]) -> None:
         raise ProtocError(f"protoc failed: {' '.join(argv[1:])}")
 
 
+# protoc's module names (`from protos import x_pb2`, 'protos.x_pb2') in the batchgate namespace.
+_IMPORT = re.compile(r"^from protos import ", re.MULTILINE)
+_MODULE_NAME = re.compile(r"'protos\.(\w+_pb2)'")
+_DEFAULT_POOL = "_descriptor_pool.Default().AddSerializedFile("
+_IMPORTS_END = "# @@protoc_insertion_point(imports)\n"
+
+
+def _namespaced(text: str, rel: str) -> str:
+    """protoc's output for `rel`, importing `batchgate.protos` and registering in its pool."""
+    text = _IMPORT.sub("from batchgate.protos import ", text)
+    text = _MODULE_NAME.sub(r"'batchgate.protos.\1'", text)
+    if rel.endswith("_pb2.py"):
+        if text.count(_DEFAULT_POOL) != 1 or text.count(_IMPORTS_END) != 1:
+            raise ProtocError(f"{rel}: protoc's output no longer has the lines this rewrites")
+        text = text.replace(_DEFAULT_POOL, "_registry.POOL.AddSerializedFile(")
+        text = text.replace(_IMPORTS_END,
+                            _IMPORTS_END + "from batchgate.protos import registry as _registry\n")
+    return text
+
+
 def generate(out_dir: Path) -> None:
     """Write the generated modules under `out_dir` (`out_dir/protos/...`)."""
     (out_dir / "protos").mkdir(parents=True, exist_ok=True)
     _run_protoc([f"--python_out={out_dir}", f"--pyi_out={out_dir}", *PROTO_FILES])
     _run_protoc([f"--grpc_python_out={out_dir}", *SERVICE_PROTO_FILES])
+    for rel in GENERATED_FILES:
+        path = out_dir / rel
+        path.write_text(_namespaced(path.read_text(encoding="utf-8"), rel), encoding="utf-8")
 
 
 def stale_files() -> list[str]:

@@ -17,10 +17,10 @@ import time
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from batchgate.batcher.memory import DevicePools, PoolSettings
-from batchgate.protos import inference_pb2, inference_pb2_grpc
+from batchgate.protos import inference_pb2, inference_pb2_grpc, registry
 from batchgate.server import auth, tls
 from batchgate.server.codec import RequestLimits
 from batchgate.server.control import ControlPlane
@@ -35,6 +35,18 @@ from batchgate.server.settings import DEFAULT_REPOSITORY, Settings  # noqa: F401
 log = structlog.get_logger(__name__)
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+
+
+def _reflection_pool():
+    """batchgate's descriptor pool, holding health's and reflection's files too.
+
+    Reflection answers from one pool; ours is not protobuf's default one (see
+    ``batchgate.protos.registry``), where grpcio-health-checking and grpcio-reflection register.
+    Adding a file that is already there, unchanged, is a no-op, so every Gateway may call this.
+    """
+    for file in (health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR):
+        registry.POOL.AddSerializedFile(file.serialized_pb)
+    return registry.POOL
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -99,6 +111,7 @@ class Gateway:
                 [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                  reflection.SERVICE_NAME],
                 server,
+                pool=_reflection_pool(),
             )
         address = f"{s.host}:{s.grpc_port}" if ":" not in s.host else f"[{s.host}]:{s.grpc_port}"
         self.grpc_port = tls.bind(server, address, s)

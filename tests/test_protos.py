@@ -1,10 +1,10 @@
 """The generated protobuf modules are fresh and wire-compatible with Triton's.
 
 tritonclient ships Triton's own generated modules (`tritonclient.grpc.service_pb2`,
-`model_config_pb2`). They register the same `inference.*` symbols as ours in protobuf's default
-descriptor pool, so the two cannot be imported into one process (the second import raises
-TypeError). Triton's side therefore runs in a subprocess that prints a JSON description, and
-this module must never import tritonclient itself.
+`model_config_pb2`), registered in protobuf's default descriptor pool; ours register the same
+`inference.*` symbols in batchgate's own pool, so both load in one process (tests/test_namespace.py
+checks that). Triton's side still runs in a subprocess that prints a JSON description, so that
+what it describes comes from a process where batchgate was never imported.
 """
 
 from __future__ import annotations
