@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 
 .PHONY: serve test install tools native native-asan protos check-protos lint clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# constraints.txt pins torch to the CPU build on disk; never let pip resolve another.
