@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import inference_pb2 as protos_dot_inference__pb2
+from batchgate.protos import inference_pb2 as protos_dot_inference__pb2
 
 GRPC_GENERATED_VERSION = '1.81.1'
 GRPC_VERSION = grpc.__version__

@@ -1,5 +1,5 @@
-from protos import inference_pb2 as _inference_pb2
-from protos import model_config_pb2 as _model_config_pb2
+from batchgate.protos import inference_pb2 as _inference_pb2
+from batchgate.protos import model_config_pb2 as _model_config_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
