@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from prometheus_client import CollectorRegistry
 
 from batchgate.batcher.errors import (
@@ -27,7 +28,7 @@ from batchgate.batcher.forward import unpack_outputs
 from batchgate.batcher.metrics import BatcherMetrics
 from batchgate.batcher.model import ServedModel
 from batchgate.batcher.queue import ModelQueue
-from batchgate.batcher.spec import BatchingConfig, ModelSpec, QueuePolicy
+from batchgate.batcher.spec import BatchingConfig, ModelSpec, QueuePolicy, TensorSpec
 from tests.support.batching import RecordingModel, hold_executor, make_spec, request
 from tests.support.polling import apoll
 

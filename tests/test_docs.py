@@ -118,7 +118,7 @@ def links(path: Path) -> list[str]:
 
 def test_slug_follows_github():
     assert slug("`python -m batchgate.bench.deadline_sim`: the same comparison on a simulated clock") == \
-        "python--m-benchdeadline_sim-the-same-comparison-on-a-simulated-clock"
+        "python--m-batchgatebenchdeadline_sim-the-same-comparison-on-a-simulated-clock"
     assert slug("## `parameters` keys".lstrip("#")) == "parameters-keys"
     assert slug("Goodput at 5 × capacity") == "goodput-at-5--capacity"
 
