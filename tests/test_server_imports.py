@@ -22,10 +22,11 @@ from batchgate.server import cli
 
 
 def bench_modules():
-    return sorted(m for m in sys.modules if m.partition(".")[0] == "bench")
+    return sorted(m for m in sys.modules
+                  if m == "batchgate.bench" or m.startswith("batchgate.bench."))
 
 
-modules = sorted(info.name for info in pkgutil.walk_packages(server.__path__, "server."))
+modules = sorted(info.name for info in pkgutil.walk_packages(server.__path__, "batchgate.server."))
 assert "batchgate.server.cli" in modules and "batchgate.server.supervisor" in modules, modules
 for name in modules:
     importlib.import_module(name)

@@ -138,3 +138,33 @@ def test_nvml_figures_on_a_gpu():
     total = found["batchgate_gpu_memory_total_bytes"][0].value
     assert 0 < used <= total
     assert 0.0 <= found["batchgate_gpu_utilization_ratio"][0].value <= 1.0
+
+
+def test_observe_all_counts_as_observe_does():
+    """A batch's amounts written at once (one update per bucket) read back, through the
+    Prometheus text, exactly as one observe per amount does: bounds, below and above them.
+    It reads the Histogram's own buckets, so this also catches a prometheus_client that
+    changed them."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from batchgate.batcher.metrics import SECONDS_BUCKETS, observe_all
+
+    amounts = [0.0, *SECONDS_BUCKETS[:6], *(b * 1.5 for b in SECONDS_BUCKETS[:6]), 1e6, 3e-7]
+    samples = []
+    for write in ("one by one", "at once"):
+        registry = CollectorRegistry()
+        histogram = Histogram("h_seconds", "h", ["model"], registry=registry,
+                              buckets=SECONDS_BUCKETS)
+        child = histogram.labels(model="m")
+        if write == "at once":
+            observe_all(child, amounts)
+        else:
+            for amount in amounts:
+                child.observe(amount)
+        samples.append({(s.name, tuple(sorted(s.labels.items()))): s.value
+                        for family in text_string_to_metric_families(
+                            generate_latest(registry).decode())
+                        for s in family.samples if not s.name.endswith("_created")})
+    assert samples[0] == samples[1]
+    assert samples[1][("h_seconds_count", (("model", "m"),))] == len(amounts)
