@@ -61,3 +61,13 @@ def test_clients_import_without_torch():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def test_batchgate_exports_the_sdk_names():
+    """`batchgate` lists the SDK's names without importing it (so `import batchgate` stays cheap);
+    that list is the SDK's own `__all__`, and each name is the SDK's object."""
+    import batchgate
+    import batchgate.clients as sdk
+
+    assert sorted(batchgate._SDK_NAMES) == sorted(sdk.__all__)
+    assert all(getattr(batchgate, name) is getattr(sdk, name) for name in sdk.__all__)
