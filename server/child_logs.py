@@ -19,6 +19,8 @@ from typing import BinaryIO
 
 import structlog
 
+from batchgate.server.logs import write_stderr_bytes
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -34,13 +36,15 @@ class ChildLogs:
         self._renderer = None
         self._level = _level_number(log_level)
         self._lock = threading.Lock()
+        self._write = self._write_stream
         self.child_log_level = log_level if self._level <= logging.INFO else "info"
         """The level children are told to log at."""
 
     def open(self) -> None:
         """Pick the stream and how lines are rendered; before the first child starts."""
-        if self._stream is None:
+        if self._stream is None:  # this process's stderr, shared with its own log lines
             self._stream = sys.stderr.buffer
+            self._write = write_stderr_bytes
         if _resolve_format(self._format, self._stream) == "console":
             self._renderer = structlog.dev.ConsoleRenderer(colors=_isatty(self._stream))
 
@@ -63,12 +67,15 @@ class ChildLogs:
             line += b"\n"
         if self._renderer is not None and event is not None:
             line = (self._renderer(None, "", dict(event)) + "\n").encode()
+        try:
+            self._write(line)
+        except (OSError, ValueError):
+            pass  # our stderr is gone; keep reading so the child never blocks on the pipe
+
+    def _write_stream(self, line: bytes) -> None:
         with self._lock:
-            try:
-                self._stream.write(line)
-                self._stream.flush()
-            except (OSError, ValueError):
-                pass  # our stderr is gone; keep reading so the child never blocks on the pipe
+            self._stream.write(line)
+            self._stream.flush()
 
 
 def _level_number(level) -> int:
