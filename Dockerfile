@@ -63,7 +63,8 @@ COPY clients/ clients/
 COPY bench/ bench/
 RUN pip install --no-cache-dir -c constraints.txt ".[server,gpu]" \
     && batchgate serve --help > /dev/null \
-    && python -I -c "import batchgate.server.app, grpc_health.v1.health_pb2"
+    && python -I -c "import batchgate.server.app, grpc_health.v1.health_pb2" \
+    && python server/native/describe_health.py /src/health.binpb
 
 # ---------------------------------------------------------------------------------------------
 # The native front end (server/native): C++ on Ubuntu 24.04's gRPC C++ 1.51 and protobuf 3.21,
@@ -84,7 +85,11 @@ WORKDIR /src
 # The protocols are generated at build time from the repository's own .proto files.
 COPY protos/inference.proto protos/model_config.proto protos/wire.proto protos/
 COPY server/native/ server/native/
+# grpc.health.v1's descriptor, from the Python stage's grpcio-health-checking: reflection
+# describes the health service with it.
+COPY --from=builder /src/health.binpb /src/health.binpb
 RUN cmake -S server/native -B /build -DCMAKE_BUILD_TYPE=Release -DBATCHGATE_WERROR=ON \
+          -DBATCHGATE_HEALTH_DESCRIPTOR=/src/health.binpb \
     && cmake --build /build --parallel "$(nproc)" --target batchgate-frontend \
     && install -D -m 0755 /build/batchgate-frontend /opt/batchgate/bin/batchgate-frontend
 

@@ -237,11 +237,10 @@ def test_generated_modules_register_in_batchgate_pool():
 
 
 def test_reflection_describes_services_from_batchgate_pool(server):
-    symbols = ["inference.GRPCInferenceService", "inference.ModelInferRequest"]
-    if server.mode != "native":
-        # The Python front end adds health's file to the pool it serves; the native front end's
-        # health service (gRPC C++'s own) has no descriptor to describe.
-        symbols.append("grpc.health.v1.Health")
+    # Health too: the Python front end adds its file to the pool it serves, the native one
+    # links in code generated from grpcio-health-checking's descriptor.
+    symbols = ["inference.GRPCInferenceService", "inference.ModelInferRequest",
+               "grpc.health.v1.Health", "grpc.health.v1.HealthCheckResponse"]
     with grpc.insecure_channel(server.address) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         requests = [reflection_pb2.ServerReflectionRequest(file_containing_symbol=s) for s in symbols]

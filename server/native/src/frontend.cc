@@ -14,6 +14,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "grpc_health/v1/health.pb.h"
 #include "health_names.h"
 #include "log.h"
 #include "text.h"
@@ -210,7 +211,13 @@ bool Frontend::Start(std::string* error) {
 
   // -- the gRPC server
   grpc::EnableDefaultHealthCheckService(true);
-  if (h.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  if (h.reflection) {
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+    // Reflection describes what is in the generated descriptor pool. gRPC's health service has
+    // no descriptor of its own: naming one of the messages we generate for it links them in (an
+    // unreferenced object of a static library would be left out, and its file with it).
+    static_cast<void>(grpc::health::v1::HealthCheckRequest::descriptor());
+  }
   std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
   if (h.tls_cert) {
     grpc::SslServerCredentialsOptions options(
