@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import gc
 import itertools
 import logging
@@ -171,6 +172,19 @@ class _Remote:
             callback(self)
 
 
+class _Connection:
+    """One front end's connection, as ``wire.FrameReader`` hands it frames."""
+
+    __slots__ = ("frame", "_server", "_front")
+
+    def __init__(self, server: ExecutorServer, front: _FrontEnd) -> None:
+        self._server, self._front = server, front
+        self.frame = functools.partial(server.frame, front)  # one call per frame, no lookup
+
+    def lost(self, _reason: ConnectionError) -> None:
+        self._server.lost(self._front)
+
+
 class ExecutorServer:
     def __init__(self, arena: SharedArena, layout: ArenaLayout,
                  metrics: BatcherMetrics | None = None,
@@ -242,38 +256,39 @@ class ExecutorServer:
 
     # -- one front end -------------------------------------------------------------------------
 
-    async def handle(self, link: wire.FrontendLink) -> None:
+    def accept(self, link: wire.FrontendLink) -> _Connection:
+        """A front end connected: what handles its frames (``wire.serve_frontends``)."""
         front = _FrontEnd(link)
         self._fronts.add(front)
-        try:
-            while True:
-                frame = await link.receive()
-                if frame.HasField("hello"):
-                    self._hello(front, frame.hello)
-                infers = frame.infer
-                if len(infers) == 1:
-                    self._infer(front, infers[0], None)
-                elif infers:
-                    # The queue-depth gauge is written once per model per frame, not per request.
-                    touched: set[ServedModel] = set()
-                    for infer in infers:
-                        self._infer(front, infer, touched)
-                    for model in touched:
-                        model.publish_depth()
-                for rid in frame.cancel:
-                    self._cancel(front, rid)
-                if frame.free:
-                    self._free(front, frame.free)
-                for call in frame.call:
-                    # A strong reference until it ends: the loop keeps only weak ones.
-                    task = asyncio.create_task(self._call(front, call))
-                    self._calls.add(task)
-                    task.add_done_callback(self._calls.discard)
-        except ConnectionError:
-            pass
-        finally:
-            self._fronts.discard(front)
-            self._disconnect(front)
+        return _Connection(self, front)
+
+    def frame(self, front: _FrontEnd, frame: wire_pb2.ToExecutor) -> None:
+        """One frame of ``front``'s, in wire.proto's order: hello, infer, cancel, free, call."""
+        if frame.HasField("hello"):
+            self._hello(front, frame.hello)
+        infers = frame.infer
+        if len(infers) == 1:
+            self._infer(front, infers[0], None)
+        elif infers:
+            # The queue-depth gauge is written once per model per frame, not per request.
+            touched: set[ServedModel] = set()
+            for infer in infers:
+                self._infer(front, infer, touched)
+            for model in touched:
+                model.publish_depth()
+        for rid in frame.cancel:
+            self._cancel(front, rid)
+        if frame.free:
+            self._free(front, frame.free)
+        for call in frame.call:
+            # A strong reference until it ends: the loop keeps only weak ones.
+            task = asyncio.create_task(self._call(front, call))
+            self._calls.add(task)
+            task.add_done_callback(self._calls.discard)
+
+    def lost(self, front: _FrontEnd) -> None:
+        self._fronts.discard(front)
+        self._disconnect(front)
 
     def _hello(self, front: _FrontEnd, hello: wire_pb2.Hello) -> None:
         if not 0 <= hello.slot < self._layout.slots:
@@ -647,7 +662,7 @@ async def run(handover: dict) -> int:
     server.control = ControlPlane(repository,
                                   max_load_files_bytes=settings.max_load_files_bytes)
     sys.setswitchinterval(settings.switch_interval_s)
-    listener = await wire.serve_frontends(handover["socket"], server.handle)
+    listener = await wire.serve_frontends(handover["socket"], server.accept)
     await repository.load_all()
     if settings.gc_freeze:
         gc.collect()

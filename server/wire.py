@@ -8,7 +8,10 @@ front end, ``ToFrontend`` from the executor.
 Writing is batched per event-loop iteration: ``Link.out`` is the frame being filled, and it is
 written once, after the callbacks that are running now (a finished batch answers all its
 requests into one frame, which costs one ``write`` system call). Reading hands over one whole
-frame, which the receiver handles in one pass.
+frame, which the receiver handles in one pass. The executor's end reads in the transport's
+``data_received``: every whole frame of a read goes to its handler there and then, with no
+reader task to wake per frame (a front end's end, which reads far fewer frames, awaits
+``Link.receive``).
 
 An abstract socket has no file permissions, so any local user could connect: each end checks
 the other's credentials (SO_PEERCRED) and talks only to a process of its own user, which could
@@ -22,8 +25,8 @@ import asyncio
 import os
 import socket
 import struct
-from collections.abc import Awaitable, Callable
-from typing import Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
@@ -44,9 +47,13 @@ def socket_address(name: str) -> str:
 
 
 class Link(Generic[In, Out]):
-    """One end of a connection: frames of ``incoming`` type in, of ``outgoing`` type out."""
+    """One end of a connection: frames of ``incoming`` type in, of ``outgoing`` type out.
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+    ``writer``: a StreamWriter, or the transport itself (the executor's end, whose frames come
+    through ``FrameReader`` instead of ``receive``; ``reader`` is then None)."""
+
+    def __init__(self, reader: asyncio.StreamReader | None,
+                 writer: asyncio.StreamWriter | asyncio.WriteTransport,
                  incoming: type[In], outgoing: type[Out]) -> None:
         self._reader = reader
         self._writer = writer
@@ -118,18 +125,81 @@ async def connect_to_executor(name: str) -> ExecutorLink:
     return await Link.connect(name, wire_pb2.ToFrontend, wire_pb2.ToExecutor)
 
 
-async def serve_frontends(name: str, handler: Callable[[FrontendLink], Awaitable[None]]
+class FrameHandler(Protocol):
+    """What handles one front end's frames at the executor's end (``serve_frontends``)."""
+
+    def frame(self, frame: wire_pb2.ToExecutor) -> None:
+        """One whole frame, on the event loop, in order; ConnectionError ends the connection."""
+
+    def lost(self, reason: ConnectionError) -> None:
+        """The connection ended (``reason`` says how); called once, and no frame after it."""
+
+
+async def serve_frontends(name: str, accept: Callable[[FrontendLink], FrameHandler]
                           ) -> asyncio.AbstractServer:
-    """Listen on ``name``; ``handler(link)`` runs for each front end that connects."""
+    """Listen on ``name``; for each front end that connects (as this user), ``accept(link)``
+    gives the handler of its frames."""
+    loop = asyncio.get_running_loop()
+    return await loop.create_unix_server(lambda: FrameReader(accept), path=socket_address(name))
 
-    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if not same_user(writer.get_extra_info("socket")):
-            writer.close()  # before reading a byte of what it sent
+
+class FrameReader(asyncio.Protocol):
+    """The executor's end of one front end's connection: cuts what the socket reads into
+    frames and hands each whole one to its handler as soon as its last byte is read."""
+
+    def __init__(self, accept: Callable[[FrontendLink], FrameHandler]) -> None:
+        self._accept = accept
+        self._transport: asyncio.Transport | None = None
+        self._handler: FrameHandler | None = None
+        self._buffer = bytearray()  # a frame's first bytes, until the rest is read
+        self._reason: ConnectionError | None = None  # why we closed it, when we did
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+        if not same_user(transport.get_extra_info("socket")):
+            transport.close()  # before reading a byte of what it sent
             return
-        _tune(writer)
-        await handler(Link(reader, writer, wire_pb2.ToExecutor, wire_pb2.ToFrontend))
+        _tune(transport)
+        self._handler = self._accept(
+            Link(None, transport, wire_pb2.ToExecutor, wire_pb2.ToFrontend))
 
-    return await asyncio.start_unix_server(on_connect, path=socket_address(name))
+    def data_received(self, data: bytes) -> None:
+        if self._handler is None or self._reason is not None:
+            return
+        buffer = self._buffer
+        if buffer:
+            buffer += data
+            data = buffer
+        view, start, size = memoryview(data), 0, len(data)
+        try:
+            while size - start >= HEADER.size:
+                (length,) = HEADER.unpack_from(data, start)
+                if length > MAX_FRAME_BYTES:
+                    raise ConnectionError(f"the peer sent a {length}-byte frame")
+                end = start + HEADER.size + length
+                if end > size:
+                    break
+                try:
+                    frame = wire_pb2.ToExecutor.FromString(view[start + HEADER.size:end])
+                except DecodeError as exc:
+                    raise ConnectionError(f"the peer sent a malformed frame ({exc})") from exc
+                start = end
+                self._handler.frame(frame)
+        except ConnectionError as exc:
+            view.release()
+            self._reason = exc
+            self._transport.close()
+            return
+        view.release()
+        if data is buffer:
+            del buffer[:start]
+        elif start < size:
+            buffer += data[start:]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        handler, self._handler = self._handler, None
+        if handler is not None:
+            handler.lost(self._reason or ConnectionError("the peer closed the connection"))
 
 
 def same_user(sock: socket.socket | None) -> bool:
@@ -141,7 +211,7 @@ def same_user(sock: socket.socket | None) -> bool:
     return uid == os.getuid()
 
 
-def _tune(writer: asyncio.StreamWriter) -> None:
+def _tune(writer: asyncio.StreamWriter | asyncio.BaseTransport) -> None:
     sock = writer.get_extra_info("socket")
     if sock is not None:
         for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):

@@ -32,18 +32,24 @@ class _Executor:
         self.error: BaseException | None = None
         self.got = asyncio.Event()
 
-    async def handle(self, link: wire.FrontendLink) -> None:
-        try:
-            while True:
-                self.frames.append(await link.receive())
-                self.got.set()
-                if len(self.frames) == 1:
-                    link.out.welcome = True
-        except BaseException as exc:  # recorded for the test to look at
-            self.error = exc
-        finally:
-            link.close()
-            self.ended.set()
+    def accept(self, link: wire.FrontendLink) -> _Executor.Connection:
+        return self.Connection(self, link)
+
+    class Connection:
+        def __init__(self, executor: _Executor, link: wire.FrontendLink) -> None:
+            self.executor, self.link = executor, link
+
+        def frame(self, frame: wire_pb2.ToExecutor) -> None:
+            executor = self.executor
+            executor.frames.append(frame)
+            executor.got.set()
+            if len(executor.frames) == 1:
+                self.link.out.welcome = True
+
+        def lost(self, reason: ConnectionError) -> None:
+            self.executor.error = reason  # recorded for the test to look at
+            self.link.close()
+            self.executor.ended.set()
 
     async def wait_frames(self, count: int, timeout_s: float = 10.0) -> None:
         async def enough() -> None:
@@ -61,7 +67,7 @@ async def _connect(name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWrite
 @pytest.mark.asyncio
 async def test_frames_cut_anywhere_and_packed_together_arrive_whole_in_order() -> None:
     name, executor = _name(), _Executor()
-    server = await wire.serve_frontends(name, executor.handle)
+    server = await wire.serve_frontends(name, executor.accept)
     try:
         reader, writer = await _connect(name)
         frames = [wire_pb2.ToExecutor(cancel=[i, i + 1]) for i in range(1, 40, 2)]
@@ -93,7 +99,7 @@ async def test_frames_cut_anywhere_and_packed_together_arrive_whole_in_order() -
 @pytest.mark.asyncio
 async def test_a_large_frame_in_many_reads() -> None:
     name, executor = _name(), _Executor()
-    server = await wire.serve_frontends(name, executor.handle)
+    server = await wire.serve_frontends(name, executor.accept)
     try:
         _, writer = await _connect(name)
         big = wire_pb2.ToExecutor(free=list(range(1_000_000)))  # ~3 MB: many socket reads
@@ -115,7 +121,7 @@ async def test_a_large_frame_in_many_reads() -> None:
 ], ids=["oversized", "malformed"])
 async def test_a_broken_frame_ends_that_connection_only(garbage: bytes) -> None:
     name, executor = _name(), _Executor()
-    server = await wire.serve_frontends(name, executor.handle)
+    server = await wire.serve_frontends(name, executor.accept)
     try:
         reader, writer = await _connect(name)
         writer.write(_frame(wire_pb2.ToExecutor(cancel=[1])) + garbage)
@@ -129,7 +135,7 @@ async def test_a_broken_frame_ends_that_connection_only(garbage: bytes) -> None:
         # And it still takes new front ends.
         other = _Executor()
         server.close()
-        server = await wire.serve_frontends(name, other.handle)
+        server = await wire.serve_frontends(name, other.accept)
         _, writer2 = await _connect(name)
         writer2.write(_frame(wire_pb2.ToExecutor(cancel=[9])))
         await writer2.drain()
@@ -185,7 +191,7 @@ async def test_a_front_end_keeps_its_frames_under_the_limit_for_large_calls(monk
     monkeypatch.setattr(wire, "MAX_FRAME_BYTES", 64 * 1024)
     name = _name()
     executor = _Executor()
-    server = await wire.serve_frontends(name, executor.handle)
+    server = await wire.serve_frontends(name, executor.accept)
     repository = RemoteRepository(None, (0, 4096), 0, name)
     link = repository._link = await wire.connect_to_executor(name)
 
