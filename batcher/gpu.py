@@ -167,7 +167,7 @@ class ModelMemory:
     def __init__(self, device: str | torch.device, name: str = "", *,
                  pooled: bool = True) -> None:
         """``pooled=False``: no pool of its own on CUDA either (the caching allocator's shared
-        pool, as without this module; ``bench/gpu_check.py`` compares the two)."""
+        pool, as without this module; ``bench/gpu_check`` compares the two)."""
         self.device = torch.device(device)
         self.name = name
         self._lock = threading.Lock()

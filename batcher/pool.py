@@ -17,12 +17,12 @@ Why placement matters on a mixed-size trace: with plain best fit (every block at
 the smallest hole that fits) a model's large input buffers, each alive a step or two, land just
 above one another, and when the older one is freed its space and the leftover above the newer
 one are two holes split by it, each too small for the next: the pool must be far larger than
-what is live. ``bench/gpu_check.py`` (section b) replays ``mixed_trace`` (four models whose
+what is live. ``bench/gpu_check`` (section b) replays ``mixed_trace`` (four models whose
 per-sample sizes differ by orders of magnitude, random batch sizes, inputs freed 1-2 steps
 later, outputs 1-6, so lifetimes interleave) in the smallest pool that serves each seed without
 a refusal and reports peak bytes in use / bytes reserved, mean and worst over the seeds:
 
-- ``.venv/bin/python bench/gpu_check.py --cpu --sections b`` (seeds 0-7): plain best fit
+- ``.venv/bin/python -m batchgate.bench.gpu_check --cpu --sections b`` (seeds 0-7): plain best fit
   84.6 % / 70.0 %, this scheme **95.2 % / 87.2 %**;
 - held-out seeds (``.venv/bin/python -c "from batchgate.bench.gpu_check import pool_trace_figure as f;
   r = [f('cpu', s)['peak_in_use_fraction'] for s in range(8, 40)]; print(sum(r) / len(r),
@@ -31,7 +31,7 @@ a refusal and reports peak bytes in use / bytes reserved, mean and worst over th
 
 These figures are of this arena alone on a synthetic trace: they do not say what the server
 holds on a GPU, where weights, activations and graphs live in each model's own allocator pool
-(``batcher/gpu.py``); ``bench/gpu_check.py``'s server trace measures that, device-wide.
+(``batcher/gpu.py``); ``bench/gpu_check``'s server trace measures that, device-wide.
 Seeds 0-7 happen to favour the scheme; the held-out figures are the ones to expect. Schemes
 were compared on means over whole seed sets, never tuned per seed. Others tried, in an offset
 simulator, mean on seeds 0-7 / 8-39: address-ordered first fit 79.4 % / 83.5 %; large blocks
@@ -42,7 +42,7 @@ placing each short-lived block against its longer-lived neighbour.
 
 ``tests/test_pool.py`` replays ``mixed_trace`` through a pool reserved at 1.5x the trace's peak
 *live* bytes, on several seeds: no allocation is refused, and the peak bytes the allocator holds
-stay within 2 % of the peak live bytes (alignment is the only overhead). ``bench/gpu_check.py``
+stay within 2 % of the peak live bytes (alignment is the only overhead). ``bench/gpu_check``
 compares the peak in-use / reserved ratio with PyTorch's caching allocator on the same traces
 (on a GPU).
 

@@ -5,6 +5,7 @@ No timing is asserted: figures on a shared machine are for ``python -m batchgate
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,15 @@ def test_the_shared_memory_benchmark_model_and_table(tmp_path):
     assert "| single | system shared memory | 150 | 5.0 ms | 1,000 µs | 500 µs | 2.0 | " \
            "**1.50** | **0.50** | **0.25** |" in table
     assert "| native | skipped: not built |" in table
+
+
+def test_the_wire_read_benchmark_reads_every_frame_with_both_readers(tmp_path):
+    from batchgate.bench import wire_read
+
+    report = tmp_path / "wire.json"
+    assert wire_read.main(["--frames", "300", "--gap-us", "0", "--rounds", "1",
+                           "--json", str(report)]) == 0
+    figures = json.loads(report.read_text())
+    # measure() raises unless the reader handled every frame the child wrote.
+    assert set(figures["us_per_frame"]) == set(wire_read.READERS)
+    assert all(len(v) == 1 and v[0] > 0 for v in figures["us_per_frame"].values())
