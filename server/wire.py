@@ -170,27 +170,27 @@ class FrameReader(asyncio.Protocol):
         if buffer:
             buffer += data
             data = buffer
-        view, start, size = memoryview(data), 0, len(data)
-        try:
-            while size - start >= HEADER.size:
-                (length,) = HEADER.unpack_from(data, start)
-                if length > MAX_FRAME_BYTES:
-                    raise ConnectionError(f"the peer sent a {length}-byte frame")
-                end = start + HEADER.size + length
-                if end > size:
-                    break
-                try:
-                    frame = wire_pb2.ToExecutor.FromString(view[start + HEADER.size:end])
-                except DecodeError as exc:
-                    raise ConnectionError(f"the peer sent a malformed frame ({exc})") from exc
-                start = end
-                self._handler.frame(frame)
-        except ConnectionError as exc:
-            view.release()
-            self._reason = exc
-            self._transport.close()
-            return
-        view.release()
+        start, size = 0, len(data)
+        # The view goes before the buffer is resized, whatever the handler raised.
+        with memoryview(data) as view:
+            try:
+                while size - start >= HEADER.size:
+                    (length,) = HEADER.unpack_from(data, start)
+                    if length > MAX_FRAME_BYTES:
+                        raise ConnectionError(f"the peer sent a {length}-byte frame")
+                    end = start + HEADER.size + length
+                    if end > size:
+                        break
+                    try:
+                        frame = wire_pb2.ToExecutor.FromString(view[start + HEADER.size:end])
+                    except DecodeError as exc:
+                        raise ConnectionError(f"the peer sent a malformed frame ({exc})") from exc
+                    start = end
+                    self._handler.frame(frame)
+            except ConnectionError as exc:
+                self._reason = exc
+                self._transport.close()
+                return
         if data is buffer:
             del buffer[:start]
         elif start < size:
