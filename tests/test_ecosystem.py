@@ -19,7 +19,7 @@ import pytest
 from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import inference_pb2_grpc
 from tests.support.models import reference
-from tests.support.tools import PERF_ANALYZER, perf_analyzer_unavailable
+from tests.support.tools import PERF_ANALYZER, PERF_ANALYZER_ANY_STABILITY, perf_analyzer_unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -148,7 +148,7 @@ def test_perf_analyzer_concurrency_8_without_errors(server, tmp_path):
         done = subprocess.run(
             [str(PERF_ANALYZER), "-m", "mlp", "-i", "grpc", "-u", server.address,
              "--concurrency-range", "8:8", "--measurement-interval", "1000",
-             "--max-trials", "6", "--stability-percentage", "50", "-f", str(csv)],
+             "--max-trials", "6", *PERF_ANALYZER_ANY_STABILITY, "-f", str(csv)],
             capture_output=True, text=True, timeout=240,
         )
         after = stats()

@@ -26,7 +26,7 @@ from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import inference_pb2_grpc
 from tests.support.polling import poll
 from tests.support.servers import SERVER_MODES, start_in_mode
-from tests.support.tools import PERF_ANALYZER, perf_analyzer_unavailable
+from tests.support.tools import PERF_ANALYZER, PERF_ANALYZER_ANY_STABILITY, perf_analyzer_unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -419,7 +419,7 @@ def test_perf_analyzer_with_system_shared_memory_has_no_errors(shm_server, tmp_p
         [str(PERF_ANALYZER), "-m", "failing", "-i", "grpc", "-u", shm_server.address,
          "--shared-memory", "system", "--output-shared-memory-size", "64",
          "--concurrency-range", "4:4", "--measurement-interval", "1000",
-         "--max-trials", "6", "--stability-percentage", "50", "-f", str(csv)],
+         "--max-trials", "6", *PERF_ANALYZER_ANY_STABILITY, "-f", str(csv)],
         capture_output=True, text=True, timeout=240,
     )
     after = stats()
