@@ -856,15 +856,22 @@ def test_two_backlogged_members_get_device_time_in_the_ratio_of_their_weights():
     light = share.join("light", 1, backlog=working.is_set)
     grants: list[str] = []
     total = 400
+    peers, done = {"heavy": light, "light": heavy}, set()
 
     def executor(member) -> None:
+        peer = peers[member.name]
         while True:
             share.acquire(member)
             if len(grants) >= total:
                 working.clear()  # no reservation for a member that has stopped
+                done.add(member.name)
                 share.release(member, 0.0)
                 return
             grants.append(member.name)
+            # A real batch lasts long enough for the other executor to come back and wait for
+            # the device; these take no real time, so the batch waits for it (on a loaded
+            # machine it was sometimes not back yet, and this member ran twice in a row).
+            poll(lambda: peer.waiting or peer.name in done, 30, f"{peer.name} waiting")
             clock.advance(3.0)
             share.release(member, 3.0)  # every batch: 3 s of (fake) device time, exact passes
 
