@@ -11,7 +11,6 @@ The protocol is not copied into this repository: protoc reads it from here at bu
 import sys
 
 
-
 def main() -> int:
     if len(sys.argv) != 2:
         print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
