@@ -92,6 +92,10 @@ class ModelAccounting(BatchAccounting):
     def has_inflight(self) -> bool:
         return bool(self._inflight)
 
+    def inflight_count(self) -> int:
+        """How many batches are taken and not finished (read without the lock)."""
+        return len(self._inflight)
+
     def inflight(self) -> list[Batch]:
         """The batches taken and not finished."""
         with self._lock:

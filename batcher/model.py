@@ -65,6 +65,7 @@ from batchgate.batcher.errors import (
     ResourceExhausted,
 )
 from batchgate.batcher.batch import ExecutorPlan, Outcome, Slot
+from batchgate.batcher.expiry import Expiry
 from batchgate.batcher.executor import Executor
 from batchgate.batcher.forward import unpack_outputs
 from batchgate.batcher.tensors import TORCH_DTYPES, to_torch
@@ -169,6 +170,8 @@ class ServedModel:
         self._stager: InputStager | None = None
         self.load_report: dict[str, str] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Answers DEADLINE_EXCEEDED when a request's deadline passes, queued or running.
+        self._expiry = Expiry(self._expire)
         self._accepting = False
         self._accounting = ModelAccounting(stats=self.stats, profile=self.profile,
                                            metrics=self._metrics, slo_s=self._slo_s,
@@ -618,8 +621,7 @@ class ServedModel:
         if self._stager is not None:
             self._stager.put(request)
         if deadline is not None:
-            timer = loop.call_later(max(0.0, deadline - time.monotonic()), self._expire, request)
-            future.add_done_callback(lambda _: timer.cancel())
+            self._expiry.watch(request, loop)
         return future
 
     def publish_depth(self) -> None:
@@ -629,12 +631,16 @@ class ServedModel:
     def _admit(self, request: InferenceRequest) -> None:
         """Admission control (``batcher/admission.py``): raise, counted, if it cannot be in time."""
         now = time.monotonic()
+        admission, queue = self._admission, self._queue
+        if admission.surely_in_time(batch_size=request.batch_size, deadline=request.deadline,
+                                    now=now, samples_queued=queue.samples_ahead(request.level),
+                                    batches_in_flight=self._accounting.inflight_count()):
+            return
         in_flight_s, in_flight_var = self._accounting.inflight_work_s(now)
         try:
-            self._admission.check(batch_size=request.batch_size, deadline=request.deadline,
-                                  now=now,
-                                  samples_ahead=self._queue.samples_ahead(request.level, request),
-                                  in_flight_s=in_flight_s, in_flight_var=in_flight_var)
+            admission.check(batch_size=request.batch_size, deadline=request.deadline, now=now,
+                            samples_ahead=queue.samples_ahead(request.level, request),
+                            in_flight_s=in_flight_s, in_flight_var=in_flight_var)
         except AdmissionRefused:
             self._count_failure("rejected", [request])
             raise

@@ -129,6 +129,7 @@ class LatencyProfile:
         # size -> (mean, deviation) estimated from the measurements as they are; emptied by
         # every record. The queue asks for the same few sizes many times between batches.
         self._cache: dict[int, tuple[float, float]] = {}
+        self._ceiling: tuple[float, float] | None = None  # likewise ``ceiling()``
         self._lock = threading.Lock()
 
     def record(self, batch_size: int, seconds: float) -> int | None:
@@ -140,6 +141,7 @@ class LatencyProfile:
         bucket = bucket_for(size, self.buckets)
         with self._lock:
             self._cache = {}
+            self._ceiling = None
             state = self._measured.get(bucket)
             if state is None:
                 state = self._measured[bucket] = _Bucket(size, seconds)
@@ -214,6 +216,24 @@ class LatencyProfile:
         """A quick but common time for a batch of ``batch_size``: mean - 1 deviation."""
         estimate = self._estimate(batch_size, -1.0)
         return None if estimate is None else max(estimate, 0.0)
+
+    def ceiling(self) -> tuple[float, float] | None:
+        """(mean, deviation) no less than ``mean`` and ``deviation`` of any batch size, cached
+        until the next record (None: nothing measured yet): admission's quick bound."""
+        ceiling = self._ceiling
+        if ceiling is None:
+            with self._lock:
+                if not self._measured:
+                    return None
+                # Between measured classes the estimate lies between theirs; past the last
+                # one it grows with the size, so the largest size bounds it.
+                size = self.buckets[-1]
+                top_mean, top_deviation = (self._padded(size) if self.padded
+                                           else self._interpolated(size))
+                states = self._measured.values()
+                ceiling = self._ceiling = (max(top_mean, *(s.mean for s in states)),
+                                           max(top_deviation, *(s.deviation for s in states)))
+        return ceiling
 
     @property
     def measured(self) -> bool:

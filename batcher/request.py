@@ -48,6 +48,7 @@ class InferenceRequest:
         "on_release",
         "check_inputs",
         "input_error",
+        "__weakref__",  # batcher/expiry.py watches deadlines without keeping requests alive
     )
 
     def __init__(

@@ -477,6 +477,57 @@ def test_admission_estimates_the_wait_from_queue_depth_profile_and_instances():
     admission.check(batch_size=1, deadline=None, now=NOW, samples_ahead=1000)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    records=st.lists(st.tuples(st.integers(1, 16), st.floats(0.0, 0.05)), min_size=1,
+                     max_size=12),
+    padded=st.booleans(), include_own=st.booleans(), instances=st.integers(1, 3),
+    in_flight=st.lists(st.tuples(st.integers(1, 16), st.floats(0.0, 0.05) | st.none()),
+                       max_size=3),
+    samples_ahead=st.integers(0, 60), batch_size=st.integers(1, 16),
+    arrivals=st.lists(st.integers(1, 4), max_size=20), left_s=st.floats(0.0, 0.5),
+)
+def test_a_request_surely_in_time_is_one_the_full_check_admits(
+        records, padded, include_own, instances, in_flight, samples_ahead, batch_size,
+        arrivals, left_s):
+    """The quick bound never admits what the full estimate would refuse."""
+    profile = LatencyProfile(16, buckets=[1, 2, 4, 8, 16] if padded else None, padded=padded,
+                             response_margin_s=0.002)
+    for size, seconds in records:
+        profile.record(size, seconds)
+    profile.record_delivery(0.001)
+    admission = Admission("m", profile, max_batch=16, instances=instances,
+                          include_own=include_own)
+    for i, samples in enumerate(arrivals):
+        admission.queued(samples, NOW - 0.001 * (len(arrivals) - i))
+    # What ModelAccounting.inflight_work_s passes: each batch's work left, ran `ran` seconds.
+    work = variance = 0.0
+    for size, ran in in_flight:
+        mean = profile.mean(size)
+        work += mean if ran is None else max(0.0, mean - ran)
+        variance += profile.deviation(size) ** 2
+    deadline = NOW + left_s
+    if admission.surely_in_time(batch_size=batch_size, deadline=deadline, now=NOW,
+                                samples_queued=samples_ahead, batches_in_flight=len(in_flight)):
+        admission.check(batch_size=batch_size, deadline=deadline, now=NOW,
+                        samples_ahead=samples_ahead, in_flight_s=work, in_flight_var=variance)
+
+
+def test_admission_answers_a_loose_deadline_without_the_full_estimate(monkeypatch):
+    profile = profile_of({1: 0.01, 4: 0.1}, max_batch=4)
+    admission = Admission("m", profile, max_batch=4, instances=1, include_own=False)
+    # 2 batches in flight + 3 queued batches' worth: at most 5 x (0.1 + 3 deviations) s.
+    assert admission.surely_in_time(batch_size=1, deadline=NOW + 1.0, now=NOW,
+                                    samples_queued=11, batches_in_flight=2)
+    assert not admission.surely_in_time(batch_size=1, deadline=NOW + 0.3, now=NOW,
+                                        samples_queued=11, batches_in_flight=2)
+    assert LatencyProfile(4).ceiling() is None
+    assert Admission("m", LatencyProfile(4), max_batch=4, instances=1,
+                     include_own=True).surely_in_time(batch_size=1, deadline=NOW, now=NOW,
+                                                      samples_queued=100,
+                                                      batches_in_flight=1)
+
+
 def test_admission_keeps_the_margin_free_before_the_deadline():
     profile = profile_of({1: 0.01, 4: 0.1}, max_batch=4)
     fifo = Admission("m", profile, max_batch=4, instances=1, include_own=False)
