@@ -404,7 +404,7 @@ class ExecutorServer:
             if count * dtype.itemsize != nbytes or min(shape, default=0) < 0:
                 raise ValueError(f"shape {list(shape)} of {datatype} is not {nbytes} bytes")
             # The arena's checks, done above once for the whole request.
-            arrays.append(np.frombuffer(self._buffer, dtype, count, offset).reshape(shape))
+            arrays.append(np.ndarray(shape, dtype, self._buffer, offset))
         return arrays
 
 
@@ -534,7 +534,9 @@ class ExecutorServer:
 
     def _free(self, front: _FrontEnd, blocks) -> None:
         # A batch's requests share a block and are usually freed in one frame: one update each.
-        for block, count in collections.Counter(blocks).items():
+        # (At low load a frame frees one block: no Counter for it.)
+        counts = ((blocks[0], 1),) if len(blocks) == 1 else collections.Counter(blocks).items()
+        for block, count in counts:
             holding = front.blocks.get(block, 0)
             if holding < count:
                 log.error("bad_free", slot=front.slot, block=block)
