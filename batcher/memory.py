@@ -80,6 +80,7 @@ class DevicePools:
         self._caps: dict[str, int | None] = {}
         self._outside_fallbacks: dict[str, int] = {}
         self._fallbacks_seen: dict[str, int] = {}
+        self._published: dict[str, tuple[int, int, int]] = {}  # device -> the gauges written
         self._lock = threading.Lock()
 
     # --- accounting --------------------------------------------------------------------------
@@ -181,9 +182,15 @@ class DevicePools:
             fallbacks = self._outside_fallbacks.get(device, 0) + sum(a.fallbacks for a in arenas)
             new = fallbacks - self._fallbacks_seen.get(device, 0)
             self._fallbacks_seen[device] = fallbacks
-        metrics.pool_bytes_reserved.labels(device).set(sum(a.bytes_reserved for a in arenas))
-        metrics.pool_bytes_in_use.labels(device).set(sum(a.bytes_in_use for a in arenas))
-        metrics.pool_largest_free_block.labels(device).set(
-            max((a.largest_free_block for a in arenas), default=0))
+            gauges = (sum(a.bytes_reserved for a in arenas), sum(a.bytes_in_use for a in arenas),
+                      max((a.largest_free_block for a in arenas), default=0))
+            # Called after every batch, when they mostly have not moved: written on a change.
+            # Under the lock, so that two threads' writes cannot land in the wrong order.
+            if self._published.get(device) != gauges:
+                self._published[device] = gauges
+                reserved, in_use, largest = gauges
+                metrics.pool_bytes_reserved.labels(device).set(reserved)
+                metrics.pool_bytes_in_use.labels(device).set(in_use)
+                metrics.pool_largest_free_block.labels(device).set(largest)
         if new:
             metrics.pool_fallbacks.labels(device).inc(new)

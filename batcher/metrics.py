@@ -7,9 +7,9 @@ so the batch loop never resolves labels.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
-import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from batchgate.batcher.spec import DISPATCH_REASONS
@@ -44,18 +44,23 @@ def observe_all(histogram, amounts: Sequence[float]) -> None:
     A labelled Histogram child's ``observe`` writes two values (the sum and a bucket), each a
     locked write into the multiprocess mmap: a batch's queue waits, one per request, become
     one write of the sum and one per bucket the batch's waits fall in. The buckets are
-    Histogram.observe's own (the first whose bound is not below the amount)."""
+    Histogram.observe's own (the first whose bound is not below the amount). Sorted, the
+    amounts of one bucket are a run: two bisects per bucket touched, not work per amount."""
     if len(amounts) <= 2:
         for amount in amounts:
             histogram.observe(amount)
         return
     bounds = histogram._upper_bounds  # ends with +Inf: every amount has a bucket
-    counts = np.bincount(np.searchsorted(bounds, amounts, side="left"), minlength=len(bounds))
+    ordered = sorted(amounts)
     histogram._raise_if_not_observable()
     histogram._sum.inc(float(sum(amounts)))
     buckets = histogram._buckets
-    for index in np.flatnonzero(counts).tolist():
-        buckets[index].inc(int(counts[index]))
+    start, count = 0, len(ordered)
+    while start < count:
+        index = bisect.bisect_left(bounds, ordered[start])
+        end = bisect.bisect_right(ordered, bounds[index], start)
+        buckets[index].inc(end - start)
+        start = end
 
 
 class BatcherMetrics:
