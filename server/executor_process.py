@@ -451,10 +451,13 @@ class ExecutorServer:
         # Per output in the arena: its block, its bytes, its row offsets, its shape past rows.
         layout = {k: (block, nbytes, row_offsets[k], outputs[k].shape[1:])
                   for k, (block, nbytes) in blocks.items()}
-        held: collections.Counter[tuple[_FrontEnd, int]] = collections.Counter()
+        held: dict[tuple[_FrontEnd, int], int] = {}
+        frames: dict[_FrontEnd, wire_pb2.ToFrontend | None] = {}  # a batch has 1 or 2 fronts
         for index, remote in live:
             front = remote.front
-            out = front.out()
+            out = frames.get(front, frames)
+            if out is frames:
+                out = frames[front] = front.out()
             if out is None:
                 continue
             request = remote.request
@@ -480,7 +483,8 @@ class ExecutorServer:
                 else:
                     offset, shape = 0, outputs[k].shape
                 add(block=block, offset=block + offset, nbytes=nbytes, shape=shape)
-                held[front, block] += 1
+                key = (front, block)
+                held[key] = held.get(key, 0) + 1
             remote.answered = True
         referenced = set()
         for (front, block), count in held.items():
