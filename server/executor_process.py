@@ -330,7 +330,7 @@ class ExecutorServer:
         spec = model.spec
         placed: list[tuple[str, Placement]] = []
         try:
-            arrays = self._arrays(front, spec, dtypes, message.inputs, placed)
+            arrays = self._arrays(front, spec, dtypes, message.inputs[:], placed)
         except ValueError as exc:  # a front end's bug: its descriptors do not fit the model
             log.error("bad_descriptor", slot=front.slot, model=spec.name, error=str(exc))
             front.fail(rid, True, Code.INTERNAL,
@@ -339,7 +339,7 @@ class ExecutorServer:
         except BatchgateError as exc:  # a shared-memory input that cannot be read
             front.fail(rid, True, *status_of(exc))
             return
-        outputs = tuple(message.outputs)
+        outputs = tuple(message.outputs[:])  # a slice first: tuple() of upb's container is 2x
         placements = None
         wire_placements = message.placements
         if wire_placements:
@@ -385,7 +385,7 @@ class ExecutorServer:
         for tensor, (dtype, datatype), tspec in zip(tensors, dtypes, spec.inputs):
             if tensor.HasField("placement"):
                 p = tensor.placement
-                placement = Placement(p.region, p.offset, p.nbytes, tuple(tensor.shape))
+                placement = Placement(p.region, p.offset, p.nbytes, tuple(tensor.shape[:]))
                 if dtype is not None and (math.prod(placement.shape) * dtype.itemsize
                                           != placement.nbytes):
                     raise ValueError(f"shape {list(placement.shape)} of {datatype} is not "
@@ -393,7 +393,7 @@ class ExecutorServer:
                 arrays.append(self.shared_memory.input_array(placement, tspec.name, datatype))
                 placed.append((tspec.name, placement))
                 continue
-            offset, nbytes, shape = tensor.offset, tensor.nbytes, tuple(tensor.shape)
+            offset, nbytes, shape = tensor.offset, tensor.nbytes, tuple(tensor.shape[:])
             if offset < start or offset + nbytes > end:
                 raise ValueError(f"{nbytes} bytes at {offset} lie outside the front end's "
                                  f"region [{start}, {end})")
