@@ -107,8 +107,12 @@ class Executor:
         on_dead: Callable[[str], None] | None = None,
         plan: ExecutorPlan | None = None,
         turns: DeviceTurns | None = None,
+        views_wanted: Callable[[], bool] | None = None,
     ) -> None:
         self._spec = spec
+        # Asked per batch: False when whoever takes the outcome reads only its whole outputs
+        # (the executor process), so no request gets its own views of them.
+        self._views_wanted = views_wanted
         self._index = index
         self._next_batch = next_batch
         self._wake = wake
@@ -593,7 +597,9 @@ class Executor:
             infer_done = time.perf_counter_ns()
         try:
             host = [to_numpy(t, o.datatype) for t, o in zip(outputs, self._output_specs)]
-            results = self._split(batch.requests, host)
+            wanted = self._views_wanted
+            results = (self._split(batch.requests, host) if wanted is None or wanted()
+                       else None)
         except Exception as exc:
             log.exception("batch_outputs_failed", model=self._spec.name, batch=batch.id)
             self._fail(batch, ModelExecutionError(

@@ -177,10 +177,10 @@ class ServedModel:
                                            metrics=self._metrics, slo_s=self._slo_s,
                                            after_batch=self._after_batch)
         # Called on the loop once per finished batch, before the requests' futures are resolved:
-        # (the batch's requests, its outputs, each request's views of them). The executor
-        # process writes a batch's outputs into shared memory once, here, not once per request.
-        self.on_results: Callable[[list[InferenceRequest], list[np.ndarray],
-                                   list[dict[str, np.ndarray]]], None] | None = None
+        # (the batch's requests, its outputs). The executor process writes a batch's outputs
+        # into shared memory once, here, not once per request. With it set, no request gets
+        # views of its rows: the futures (the caller's own, see ``submit``) resolve to None.
+        self.on_results: Callable[[list[InferenceRequest], list[np.ndarray]], None] | None = None
 
     @property
     def spec(self) -> ModelSpec:
@@ -467,7 +467,7 @@ class ServedModel:
             spec, self._module, index=index, next_batch=self._queue.next_batch,
             wake=self._queue.wake, deliver=self._post, batch_ids=_next_batch_id,
             accounting=self._accounting, on_dead=self._instance_died, plan=plan,
-            turns=self._turns)
+            turns=self._turns, views_wanted=lambda: self.on_results is None)
 
     def _after_batch(self) -> None:
         """After each batch: the gauges that follow the memory in use."""
@@ -703,12 +703,14 @@ class ServedModel:
             if request.input_error is not None:  # its inputs could not be read: it alone fails
                 _reject(request.future, request.input_error)
         if self.on_results is not None:
-            self.on_results(requests, outcome.outputs, outcome.results)
+            self.on_results(requests, outcome.outputs)
         now = time.monotonic()
         if outcome.batch.finished_at is not None:
             self._accounting.delivered(now - outcome.batch.finished_at)
         answered = []
-        for request, result in zip(requests, outcome.results):
+        results = outcome.results
+        for request, result in zip(requests, results if results is not None
+                                   else itertools.repeat(None)):
             if request.future.done():  # expired or cancelled while its batch ran: counted then
                 continue
             request.future.set_result(result)

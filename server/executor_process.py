@@ -415,8 +415,7 @@ class ExecutorServer:
 
     # -- a batch's results ---------------------------------------------------------------------
 
-    def _on_results(self, requests: list[InferenceRequest], outputs: list[np.ndarray],
-                    results: list[dict[str, np.ndarray]]) -> None:
+    def _on_results(self, requests: list[InferenceRequest], outputs: list[np.ndarray]) -> None:
         """Write the batch's outputs into the arena once and describe each request's rows."""
         live = [(index, request.future) for index, request in enumerate(requests)
                 if isinstance(request.future, _Remote) and not request.future.done()
