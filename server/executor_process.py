@@ -198,6 +198,7 @@ class ExecutorServer:
         self._references: dict[int, int] = {}  # output block -> references held by front ends
         metrics = metrics if metrics is not None else BatcherMetrics()
         self._in_use = metrics.arena_bytes_in_use.labels("output")
+        self._in_use_shown = -1  # what the gauge holds: it is written only when that changes
         self._fronts: set[_FrontEnd] = set()
         self._calls: set[asyncio.Task] = set()
         # READY handle -> its model, its inputs' dtypes, whether it batches, and every output's
@@ -272,15 +273,20 @@ class ExecutorServer:
         elif infers:
             # The queue-depth gauge is written once per model per frame, not per request.
             touched: set[ServedModel] = set()
-            for infer in infers:
+            for infer in infers[:]:
                 self._infer(front, infer, touched)
             for model in touched:
                 model.publish_depth()
-        for rid in frame.cancel:
-            self._cancel(front, rid)
-        if frame.free:
-            self._free(front, frame.free)
-        for call in frame.call:
+        # Each field read makes a container object: read once, iterated only when not empty.
+        cancels = frame.cancel
+        if cancels:
+            for rid in cancels[:]:
+                self._cancel(front, rid)
+        free = frame.free
+        if free:
+            self._free(front, free[:])
+        calls = frame.call
+        for call in calls[:] if calls else ():
             # A strong reference until it ends: the loop keeps only weak ones.
             task = asyncio.create_task(self._call(front, call))
             self._calls.add(task)
@@ -311,7 +317,7 @@ class ExecutorServer:
         for block, count in front.blocks.items():
             self._drop_references(block, count)
         front.blocks.clear()
-        self._in_use.set(self._outputs.bytes_in_use)
+        self._show_in_use()
         front.link.close()
         log.info("frontend_disconnected", slot=front.slot, abandoned=abandoned)
 
@@ -493,7 +499,7 @@ class ExecutorServer:
         for block, _ in blocks.values():
             if block not in referenced:
                 self._outputs.free(block)
-        self._in_use.set(self._outputs.bytes_in_use)
+        self._show_in_use()
 
     def _place(self, remote: _Remote, index: int, spec: ModelSpec, outputs: list[np.ndarray],
                starts: list[int] | None) -> dict[int, tuple[int, tuple]]:
@@ -551,7 +557,14 @@ class ExecutorServer:
             else:
                 front.blocks[block] = holding - count
             self._drop_references(block, count)
-        self._in_use.set(self._outputs.bytes_in_use)
+        self._show_in_use()
+
+    def _show_in_use(self) -> None:
+        # Most frees drop one of a batch's references to a block and free nothing.
+        in_use = self._outputs.bytes_in_use
+        if in_use != self._in_use_shown:
+            self._in_use_shown = in_use
+            self._in_use.set(in_use)
 
     def _drop_references(self, block: int, count: int) -> None:
         left = self._references[block] - count
