@@ -11,6 +11,8 @@ ignored: a load takes ``config`` (a string: the ``ModelConfig`` as JSON, in plac
 ``config.pbtxt``) and ``file:<path>`` (bytes: a file of the model folder, which the files then
 make up whole; they need ``config``); an unload takes ``unload_dependents`` (a bool: batchgate
 has no ensembles, so no model depends on another and there is nothing more to unload).
+The three repository RPCs refuse a ``repository_name`` (UNIMPLEMENTED, as Triton does): the
+server serves one repository, and a name it cannot act on is not taken as "that one".
 
 Errors are ``batchgate.batcher.errors`` exceptions, as everywhere below the transport.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchgate.batcher.errors import InvalidRequest, ResourceExhausted, quoted
+from batchgate.batcher.errors import InvalidRequest, NotSupported, ResourceExhausted, quoted
 from batchgate.batcher.stats import BATCH_DURATIONS, INFER_DURATIONS, StatsSnapshot
 from batchgate.protos import inference_pb2 as pb
 from batchgate.server import model_config
@@ -46,6 +48,7 @@ class ControlPlane:
         return pb.ModelStatisticsResponse(model_stats=[_statistics(*s) for s in stats])
 
     async def index(self, request: pb.RepositoryIndexRequest) -> pb.RepositoryIndexResponse:
+        _one_repository(request.repository_name)
         entries = self._repository.index()
         if request.ready:
             entries = [e for e in entries if e.state == "READY"]
@@ -56,12 +59,14 @@ class ControlPlane:
         ])
 
     async def load(self, request: pb.RepositoryModelLoadRequest) -> pb.RepositoryModelLoadResponse:
+        _one_repository(request.repository_name)
         override = self._load_override(request.parameters) if request.parameters else None
         await self._repository.load(request.model_name, override)
         return pb.RepositoryModelLoadResponse()
 
     async def unload(self, request: pb.RepositoryModelUnloadRequest
                      ) -> pb.RepositoryModelUnloadResponse:
+        _one_repository(request.repository_name)
         for key in sorted(request.parameters):
             if key != UNLOAD_DEPENDENTS:
                 raise InvalidRequest(
@@ -101,6 +106,13 @@ class ControlPlane:
                 f"--max-load-files-bytes {limit}")
         config = None if config_text is None else model_config.config_from_json(config_text)
         return LoadOverride(config, files)
+
+
+def _one_repository(name: str) -> None:
+    if name:
+        raise NotSupported(
+            f"repository_name {quoted(name)} is not supported: this server serves one model "
+            "repository (--model-repository); leave repository_name empty")
 
 
 def _parameter(value: pb.ModelRepositoryParameter, key: str, kind: str, what: str):

@@ -223,3 +223,18 @@ def test_parameters_not_acted_on_are_refused(server, stub):
     assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "unknown unload parameter 'cascade'" in caught.value.details()
     assert stub.ModelReady(pb.ModelReadyRequest(name="plus"), timeout=TIMEOUT_S).ready
+
+    # A repository name is not taken for this server's one repository.
+    for rpc, request in (
+            ("RepositoryIndex", pb.RepositoryIndexRequest(repository_name="models")),
+            ("RepositoryModelLoad",
+             pb.RepositoryModelLoadRequest(repository_name="models", model_name="plus")),
+            ("RepositoryModelUnload",
+             pb.RepositoryModelUnloadRequest(repository_name="models", model_name="plus"))):
+        with pytest.raises(grpc.RpcError) as caught:
+            getattr(stub, rpc)(request, timeout=TIMEOUT_S)
+        assert (caught.value.code(), caught.value.details()) == (
+            grpc.StatusCode.UNIMPLEMENTED,
+            "repository_name 'models' is not supported: this server serves one model "
+            "repository (--model-repository); leave repository_name empty"), rpc
+    assert stub.ModelReady(pb.ModelReadyRequest(name="plus"), timeout=TIMEOUT_S).ready

@@ -269,6 +269,10 @@ def matrix() -> list[tuple[str, str, object]]:
                       ("RepositoryModelUnload", pb.RepositoryModelUnloadRequest)):
         for name in ("nope", "../mlp", "a/b", ".hidden", "x" * 300, ""):
             cases.append((f"{rpc} {name[:8]!r}", rpc, make(model_name=name)))
+        cases.append((f"{rpc} a repository name", rpc,
+                      make(repository_name="r'\n", model_name="mlp")))
+    cases.append(("RepositoryIndex a repository name", "RepositoryIndex",
+                  pb.RepositoryIndexRequest(repository_name="x" * 2000)))
     in_key = KEYS[IN_REGION]
     register = pb.SystemSharedMemoryRegisterRequest
     for what, rpc, request in (
