@@ -15,6 +15,7 @@ import textwrap
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import inference_pb2_grpc
@@ -237,4 +238,25 @@ def test_parameters_not_acted_on_are_refused(server, stub):
             grpc.StatusCode.UNIMPLEMENTED,
             "repository_name 'models' is not supported: this server serves one model "
             "repository (--model-repository); leave repository_name empty"), rpc
+    assert stub.ModelReady(pb.ModelReadyRequest(name="plus"), timeout=TIMEOUT_S).ready
+
+
+def test_a_health_watch_follows_a_model_through_unload_and_load(server, stub):
+    """Watch sends the model's status, then each one it takes: NOT_SERVING once unloaded,
+    SERVING once loaded again; a Watch of a name no model has says SERVICE_UNKNOWN."""
+    health = health_pb2.HealthCheckResponse
+    with grpc.insecure_channel(server.address) as channel:
+        watcher = health_pb2_grpc.HealthStub(channel)
+        unknown = watcher.Watch(health_pb2.HealthCheckRequest(service="nope"), timeout=TIMEOUT_S)
+        assert next(unknown).status == health.SERVICE_UNKNOWN
+        unknown.cancel()
+        watch = watcher.Watch(health_pb2.HealthCheckRequest(service="plus"), timeout=TIMEOUT_S)
+        assert next(watch).status == health.SERVING
+        stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="plus"),
+                                   timeout=TIMEOUT_S)
+        assert next(watch).status == health.NOT_SERVING
+        stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="plus"),
+                                 timeout=TIMEOUT_S)
+        assert next(watch).status == health.SERVING
+        watch.cancel()
     assert stub.ModelReady(pb.ModelReadyRequest(name="plus"), timeout=TIMEOUT_S).ready

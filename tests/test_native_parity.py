@@ -27,6 +27,7 @@ import uuid
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2
 
 from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import inference_pb2_grpc
@@ -442,6 +443,41 @@ def test_bad_input_is_answered_alike(stubs, what, rpc, request_):
     assert answers[0][0] != "OK" or rpc in ("ModelReady", "ModelStreamInfer") \
         or what in MAY_SUCCEED, answers[0]
     assert answers[1:] == answers[:1] * (len(stubs) - 1), dict(zip(MODES, answers))
+
+
+def health_answers(channel, request: bytes) -> tuple[tuple, tuple]:
+    """What Check, and the first message of Watch, answer to a HealthCheckRequest's bytes."""
+    def outcome(call):
+        try:
+            return "OK", health_pb2.HealthCheckResponse.FromString(call()).status
+        except grpc.RpcError as err:
+            return err.code().name, err.details() or ""
+
+    check = outcome(lambda: channel.unary_unary("/grpc.health.v1.Health/Check")(
+        request, timeout=60))
+    stream = channel.unary_stream("/grpc.health.v1.Health/Watch")(request, timeout=60)
+    watch = outcome(lambda: next(stream))
+    stream.cancel()
+    return check, watch
+
+
+def test_health_is_answered_alike(servers):
+    named = {"the server": "", "the service": "inference.GRPCInferenceService", "a model": "mlp",
+             "an unknown name": "nope", "a 300-byte name": "x" * 300, "a quote": "q'\n"}
+    cases = {what: health_pb2.HealthCheckRequest(service=name).SerializeToString()
+             for what, name in named.items()}
+    cases["bytes that do not parse"] = b"\xff\xff\xff"
+    channels = [grpc.insecure_channel(s.address) for s in servers]
+    try:
+        for what, request in cases.items():
+            answers = [health_answers(channel, request) for channel in channels]
+            assert answers[1:] == answers[:1] * (len(channels) - 1), (what, dict(zip(MODES, answers)))
+        assert health_answers(channels[0], cases["a model"]) == (("OK", 1), ("OK", 1))  # SERVING
+        assert health_answers(channels[0], cases["an unknown name"]) == (
+            ("NOT_FOUND", ""), ("OK", health_pb2.HealthCheckResponse.SERVICE_UNKNOWN))
+    finally:
+        for channel in channels:
+            channel.close()
 
 
 def test_shared_memory_replies_are_alike(stubs, regions):

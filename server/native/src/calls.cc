@@ -2,6 +2,7 @@
 
 #include <grpcpp/support/proto_buffer_reader.h>
 
+#include "health.h"
 #include "log.h"
 #include "metrics.h"
 #include "stream_call.h"
@@ -36,6 +37,7 @@ google::protobuf::Message* SharedMemoryRequest(Rpc rpc, wire::Call* call) {
 
 void ListenForEveryRpc(Worker& worker) {
   for (const RpcInfo& rpc : worker.frontend().rpcs()) Listen(worker, rpc);
+  ListenForHealth(worker);
 }
 
 void Listen(Worker& worker, const RpcInfo& rpc) {
@@ -49,12 +51,17 @@ void Listen(Worker& worker, const RpcInfo& rpc) {
 
 bool ParseRequest(grpc::ByteBuffer* bytes, google::protobuf::Message* message, const RpcInfo& rpc,
                   grpc::Status* error) {
+  return ParseRequest(bytes, message, rpc.input_type, error);
+}
+
+bool ParseRequest(grpc::ByteBuffer* bytes, google::protobuf::Message* message,
+                  const std::string& input_type, grpc::Status* error) {
   if (grpc::SerializationTraits<google::protobuf::Message>::Deserialize(bytes, message).ok()) {
     return true;
   }
   *error = grpc::Status(grpc::StatusCode::UNKNOWN,
                         "Unexpected <class 'google.protobuf.message.DecodeError'>: Error parsing "
-                        "message with type '" + rpc.input_type + "'");
+                        "message with type '" + input_type + "'");
   return false;
 }
 

@@ -26,6 +26,9 @@ void Listen(Worker& worker, const RpcInfo& rpc);
 // parse (grpcio's deserializer raising DecodeError: UNKNOWN "Unexpected ...").
 bool ParseRequest(grpc::ByteBuffer* bytes, google::protobuf::Message* message,
                   const RpcInfo& rpc, grpc::Status* error);
+// The same, the message's type named by `input_type` ("grpc.health.v1.HealthCheckRequest").
+bool ParseRequest(grpc::ByteBuffer* bytes, google::protobuf::Message* message,
+                  const std::string& input_type, grpc::Status* error);
 
 // Every unary RPC but ModelInfer.
 class UnaryCall final : public CallBase, public AnswerTarget {

@@ -15,7 +15,6 @@
 #include <sstream>
 
 #include "grpc_health/v1/health.pb.h"
-#include "health_names.h"
 #include "log.h"
 #include "text.h"
 #include "worker.h"
@@ -210,12 +209,13 @@ bool Frontend::Start(std::string* error) {
   if (!metrics_endpoint_->Start(h.metrics_socket, error)) return false;
 
   // -- the gRPC server
-  grpc::EnableDefaultHealthCheckService(true);
+  // grpc.health.v1 is ours (health.h), on the workers' queues.
+  grpc::EnableDefaultHealthCheckService(false);
   if (h.reflection) {
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-    // Reflection describes what is in the generated descriptor pool. gRPC's health service has
-    // no descriptor of its own: naming one of the messages we generate for it links them in (an
-    // unreferenced object of a static library would be left out, and its file with it).
+    // Reflection describes what is in the generated descriptor pool: naming one of health's
+    // messages links its file in (an unreferenced object of a static library would be left
+    // out).
     static_cast<void>(grpc::health::v1::HealthCheckRequest::descriptor());
   }
   std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
@@ -250,11 +250,7 @@ bool Frontend::Start(std::string* error) {
   builder.SetMaxReceiveMessageSize(static_cast<int>(h.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(h.max_message_bytes));
   builder.RegisterService(&service_);
-  {
-    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
-    interceptors.push_back(HealthNameInterceptors());
-    builder.experimental().SetInterceptorCreators(std::move(interceptors));
-  }
+  builder.RegisterService(&health_service_);
   // Reflection is gRPC's synchronous service, which brings its own polling threads; they take
   // part in the network work of every call, so keep them to one (more are started while one
   // is busy serving reflection).
@@ -274,8 +270,7 @@ bool Frontend::Start(std::string* error) {
     server_.reset();
     return false;
   }
-  health_ = server_->GetHealthCheckService();
-  // gRPC's default health service starts with "" SERVING: not before the executor is here.
+  // Not serving before the executor is here.
   SetHealth("", false);
   SetHealth(kServiceName, false);
   for (int i = 0; i < threads; ++i) {
@@ -290,7 +285,7 @@ bool Frontend::Start(std::string* error) {
 }
 
 void Frontend::SetHealth(const std::string& service, bool serving) {
-  if (health_ != nullptr) health_->SetServingStatus(service, serving);
+  health_.Set(service, serving);
 }
 
 void Frontend::OnConnectionChange(bool connected, size_t /*models*/) {
@@ -380,7 +375,7 @@ void Frontend::Drain() {
   using Clock = std::chrono::steady_clock;
   draining_.store(true, std::memory_order_release);
   for (auto& worker : workers_) worker->ListenDeeper();
-  if (health_ != nullptr) health_->Shutdown();
+  health_.Shutdown();
   Log(LogLevel::kInfo, "draining", {LogField("drain_timeout_s", handover_.drain_timeout_s)});
   const auto grace = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(handover_.drain_timeout_s));

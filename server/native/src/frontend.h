@@ -3,7 +3,6 @@
 // (server/app.py Gateway, server/frontend.py).
 #pragma once
 
-#include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/server.h>
 
 #include <atomic>
@@ -19,6 +18,7 @@
 #include "codec.h"
 #include "executor_link.h"
 #include "handover.h"
+#include "health.h"
 #include "input_region.h"
 #include "metrics.h"
 #include "model_table.h"
@@ -80,6 +80,8 @@ class Frontend final : public LinkObserver {
   const Handover& handover() const { return handover_; }
   const TokenAuth& auth() const { return *auth_; }
   RawInferenceService& service() { return service_; }
+  RawHealthService& health_service() { return health_service_; }
+  const HealthStatuses& health() const { return health_; }
   ModelTable& models() { return models_; }
   ExecutorLink& link() { return *link_; }
   const Arena& arena() const { return arena_; }
@@ -115,10 +117,12 @@ class Frontend final : public LinkObserver {
   std::unique_ptr<TokenAuth> auth_;
   std::unique_ptr<ExecutorLink> link_;
   RawInferenceService service_;
+  RawHealthService health_service_;
   std::vector<RpcInfo> rpcs_;
   RequestLimits limits_;
   std::unique_ptr<grpc::Server> server_;
-  grpc::HealthCheckServiceInterface* health_ = nullptr;
+  // Every change wakes the workers, whose watches write what changed.
+  HealthStatuses health_{[this] { for (auto& worker : workers_) worker->HealthChanged(); }};
   std::vector<std::unique_ptr<Worker>> workers_;
   std::vector<std::thread> threads_;
   int grpc_port_ = 0;

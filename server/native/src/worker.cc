@@ -6,6 +6,7 @@
 #include <string>
 
 #include "calls.h"
+#include "health.h"
 #include "log.h"
 #include "stream_call.h"
 
@@ -83,6 +84,8 @@ void Worker::ListenDeeper() { Enqueue(Mail{Command::kListenDeeper, nullptr, {}})
 
 void Worker::EndStreams() { Enqueue(Mail{Command::kEndStreams, nullptr, {}}); }
 
+void Worker::HealthChanged() { Enqueue(Mail{Command::kHealthChanged, nullptr, {}}); }
+
 void Worker::Park() { Enqueue(Mail{Command::kPark, nullptr, {}}); }
 
 void Worker::ReleaseParked() { Enqueue(Mail{Command::kReleaseParked, nullptr, {}}); }
@@ -141,6 +144,13 @@ void Worker::Deliver(Mail mail) {
       // A copy: ending a stream may finish it and take it out of the set.
       const std::vector<StreamInferCall*> streams(streams_.begin(), streams_.end());
       for (StreamInferCall* stream : streams) stream->EndForDrain();
+      const std::vector<HealthWatchCall*> watches(watches_.begin(), watches_.end());
+      for (HealthWatchCall* watch : watches) watch->EndForDrain();
+      break;
+    }
+    case Command::kHealthChanged: {
+      const std::vector<HealthWatchCall*> watches(watches_.begin(), watches_.end());
+      for (HealthWatchCall* watch : watches) watch->Refresh();
       break;
     }
     case Command::kQuit: {

@@ -22,6 +22,7 @@
 namespace batchgate {
 
 class Frontend;
+class HealthWatchCall;
 class StreamInferCall;
 struct RpcInfo;
 
@@ -90,9 +91,11 @@ class Worker {
   // Any thread, when the drain starts: keep many more calls of each RPC requested (see
   // kDrainListenDepth in worker.cc).
   void ListenDeeper();
-  // Any thread: end every open ModelStreamInfer stream once its answers are written (drain);
-  // streams that arrive later end at once.
+  // Any thread: end every open ModelStreamInfer stream once its answers are written, and every
+  // health Watch once its status is (drain); streams that arrive later end at once.
   void EndStreams();
+  // Any thread: a health status changed; the open Watch calls write it.
+  void HealthChanged();
   // Any thread: calls that arrive from now on wait, unanswered, until ReleaseParked().
   void Park();
   // Any thread: the parked calls go on.
@@ -119,9 +122,13 @@ class Worker {
 
   void AddStream(StreamInferCall* stream) { streams_.insert(stream); }
   void RemoveStream(StreamInferCall* stream) { streams_.erase(stream); }
+  void AddWatch(HealthWatchCall* watch) { watches_.insert(watch); }
+  void RemoveWatch(HealthWatchCall* watch) { watches_.erase(watch); }
 
  private:
-  enum class Command { kAnswer, kListenDeeper, kEndStreams, kPark, kReleaseParked, kQuit };
+  enum class Command {
+    kAnswer, kListenDeeper, kEndStreams, kHealthChanged, kPark, kReleaseParked, kQuit
+  };
   struct Mail {
     Command command;
     AnswerTarget* target;
@@ -141,6 +148,7 @@ class Worker {
   std::vector<CallBase*> parked_;  // this thread only
   size_t live_calls_ = 0;  // this thread only
   std::unordered_set<StreamInferCall*> streams_;  // this thread only
+  std::unordered_set<HealthWatchCall*> watches_;  // this thread only
 
   std::mutex mailbox_mu_;
   std::vector<Mail> mailbox_;
