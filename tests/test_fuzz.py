@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from grpc_health.v1 import health_pb2
 
 from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import inference_pb2_grpc
@@ -314,6 +315,43 @@ def test_model_names(fuzz_target, name, rpc, version):
             err.code(), err.details())
         # The message says which name, quoted as every front end quotes it.
         assert quoted(name[:20])[1:-1] in err.details()
+
+
+@pytest.fixture(scope="module")
+def health_calls(server):
+    """Health's Check and Watch, taking and giving raw bytes."""
+    with grpc.insecure_channel(server.address) as channel:
+        yield (channel.unary_unary("/grpc.health.v1.Health/Check"),
+               channel.unary_stream("/grpc.health.v1.Health/Watch"))
+
+
+health_requests = st.one_of(
+    texts.map(lambda name: health_pb2.HealthCheckRequest(service=name).SerializeToString()),
+    st.binary(max_size=64),
+)
+
+
+@FUZZ
+@given(request=health_requests)
+def test_health(fuzz_target, health_calls, request):
+    """Any bytes: a status, NOT_FOUND for a name nobody has, or UNKNOWN for bytes that do not
+    parse; and a Watch of them answers in the same terms as the Check."""
+    check, watch = health_calls
+    statuses = health_pb2.HealthCheckResponse
+    try:
+        known = statuses.FromString(check(request, timeout=CALL_TIMEOUT_S)).status
+        assert known in (statuses.SERVING, statuses.NOT_SERVING)
+    except grpc.RpcError as err:
+        assert err.code() in {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNKNOWN}, (
+            err.code(), err.details())
+        known = statuses.SERVICE_UNKNOWN if err.code() is grpc.StatusCode.NOT_FOUND else None
+    stream = watch(request, timeout=CALL_TIMEOUT_S)
+    try:
+        assert statuses.FromString(next(stream)).status == known
+    except grpc.RpcError as err:
+        assert known is None and err.code() is grpc.StatusCode.UNKNOWN, (err.code(), err.details())
+    finally:
+        stream.cancel()
 
 
 # -- what the fuzzer found, one regression test each ------------------------------------------
