@@ -152,6 +152,13 @@ class ServedModel:
             padded=bool(self._buckets.buckets),
             response_margin_s=batching.response_margin_ms / 1e3)
         self._slo_s = batching.slo_s
+        # What submit() reads of the batching config, per request: looked up once here.
+        self._levels = batching.levels
+        self._default_level = batching.default_level
+        self._policies = (None, *(
+            (policy.default_timeout_us, policy.allow_timeout_override,
+             bool(policy.timeout_action_delay))
+            for policy in map(batching.queue_policy, range(1, batching.levels + 1))))
         self._queue = ModelQueue(
             batching,
             on_depth_change=self._metrics.queue_depth.set if self._metrics else None,
@@ -588,20 +595,18 @@ class ServedModel:
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
-        batching = self._spec.batching
-        level = request.priority or batching.default_level
-        if level > batching.levels:
+        level = request.priority or self._default_level
+        if not 0 < level <= self._levels:
             raise InvalidRequest(
-                f"priority must lie in 1..{batching.levels} for model '{self._spec.name}' "
+                f"priority must lie in 1..{self._levels} for model '{self._spec.name}' "
                 f"(0 = default), got {request.priority}"
             )
         request.level = level
-        policy = batching.queue_policy(level)
-        timeout_us = policy.default_timeout_us
-        if request.timeout_us and (policy.allow_timeout_override or not timeout_us):
+        timeout_us, may_override, delays = self._policies[level]
+        if request.timeout_us and (may_override or not timeout_us):
             timeout_us = request.timeout_us
         deadline = request.deadline
-        if timeout_us and not policy.timeout_action_delay:
+        if timeout_us and not delays:
             by_timeout = request.arrival + timeout_us / 1e6
             deadline = by_timeout if deadline is None else min(deadline, by_timeout)
         request.deadline = deadline  # the queue's deadline policy reads it

@@ -86,6 +86,9 @@ class ModelQueue:
         # Executors waiting that would act on any arrival (not just on a full batch). put()
         # wakes a thread only when one of them exists or a batch just became full.
         self._eager_waiters = 0
+        # Whether they have been woken since the last of them began to wait: the puts that come
+        # before a woken executor takes the lock back wake nobody again.
+        self._eager_woken = False
 
     # -- the event loop's side ------------------------------------------------------------
 
@@ -113,7 +116,10 @@ class ModelQueue:
             self._samples_by_shape[request.shape_key] = waiting
             self._live += 1
             depth = self._live
-            if self._eager_waiters or waiting >= self._max_batch:
+            if waiting >= self._max_batch:
+                self._cond.notify_all()
+            elif self._eager_waiters and not self._eager_woken:
+                self._eager_woken = True
                 self._cond.notify_all()
         if publish_depth and self._on_depth_change is not None:
             self._on_depth_change(depth)
@@ -245,6 +251,7 @@ class ModelQueue:
     def _wait(self, timeout_s: float | None, *, eager: bool) -> None:
         if eager:
             self._eager_waiters += 1
+            self._eager_woken = False
             try:
                 self._cond.wait(timeout_s)
             finally:

@@ -21,7 +21,7 @@ def batch_shape_key(shapes: Sequence[tuple[int, ...]], *, batching: bool) -> tup
     """The key of the requests that may share a batch: only requests with equal keys do. It is
     the inputs' shapes (in the model's input order) without their batch dimension where the
     model batches, the whole shapes where it does not."""
-    return tuple(s[1:] for s in shapes) if batching else tuple(shapes)
+    return tuple([s[1:] for s in shapes]) if batching else tuple(shapes)
 
 
 class InferenceRequest:

@@ -39,7 +39,7 @@ from batchgate.batcher.errors import BatchgateError, ModelExecutionError
 from batchgate.batcher.memory import DevicePools, PoolSettings
 from batchgate.batcher.metrics import BatcherMetrics
 from batchgate.batcher.model import ServedModel
-from batchgate.batcher.request import InferenceRequest, batch_shape_key
+from batchgate.batcher.request import TAKEN, InferenceRequest
 from batchgate.batcher.spec import NUMPY_DTYPES, ModelSpec
 from batchgate.protos import wire_pb2
 from batchgate.server import wire
@@ -336,7 +336,7 @@ class ExecutorServer:
         spec = model.spec
         placed: list[tuple[str, Placement]] = []
         try:
-            arrays = self._arrays(front, spec, dtypes, message.inputs[:], placed)
+            arrays, shape_key = self._arrays(front, dtypes, message.inputs[:], placed, batching)
         except ValueError as exc:  # a front end's bug: its descriptors do not fit the model
             log.error("bad_descriptor", slot=front.slot, model=spec.name, error=str(exc))
             front.fail(rid, True, Code.INTERNAL,
@@ -366,7 +366,7 @@ class ExecutorServer:
             deadline=deadline_ns / 1e9 if deadline_ns else None,
             timeout_us=message.timeout_us,
             requested_outputs=[spec.outputs[i].name for i in outputs] if outputs else None,
-            shape_key=batch_shape_key([a.shape for a in arrays], batching=batching),
+            shape_key=shape_key,
         )
         if placed:
             request.check_inputs = self.shared_memory.checker(placed)
@@ -380,38 +380,41 @@ class ExecutorServer:
             return
         front.requests[rid] = remote
 
-    def _arrays(self, front: _FrontEnd, spec: ModelSpec, dtypes, tensors,
-                placed: list) -> list[np.ndarray]:
+    def _arrays(self, front: _FrontEnd, dtypes, tensors, placed: list, batching: bool
+                ) -> tuple[list[np.ndarray], tuple]:
         """Views of the request's tensors in the front end's region (BYTES decoded), or in
-        the client's shared-memory region; the placed ones' (name, Placement) into ``placed``."""
-        if len(tensors) != len(spec.inputs):
-            raise ValueError(f"{len(tensors)} tensors for {len(spec.inputs)} inputs")
+        the client's shared-memory region, and the request's ``batch_shape_key``; the placed
+        ones' (name, Placement) into ``placed``. ``dtypes``: per input (dtype, datatype, name)."""
+        if len(tensors) != len(dtypes):
+            raise ValueError(f"{len(tensors)} tensors for {len(dtypes)} inputs")
         start, end = front.region
         arrays = []
-        for tensor, (dtype, datatype), tspec in zip(tensors, dtypes, spec.inputs):
+        key = []  # the shapes, less the batch dimension when batching
+        for tensor, (dtype, datatype, name) in zip(tensors, dtypes):
+            shape = tuple(tensor.shape[:])
+            key.append(shape[1:] if batching else shape)
             if tensor.HasField("placement"):
                 p = tensor.placement
-                placement = Placement(p.region, p.offset, p.nbytes, tuple(tensor.shape[:]))
-                if dtype is not None and (math.prod(placement.shape) * dtype.itemsize
+                placement = Placement(p.region, p.offset, p.nbytes, shape)
+                if dtype is not None and (math.prod(shape) * dtype.itemsize
                                           != placement.nbytes):
-                    raise ValueError(f"shape {list(placement.shape)} of {datatype} is not "
+                    raise ValueError(f"shape {list(shape)} of {datatype} is not "
                                      f"{placement.nbytes} bytes")
-                arrays.append(self.shared_memory.input_array(placement, tspec.name, datatype))
-                placed.append((tspec.name, placement))
+                arrays.append(self.shared_memory.input_array(placement, name, datatype))
+                placed.append((name, placement))
                 continue
-            offset, nbytes, shape = tensor.offset, tensor.nbytes, tuple(tensor.shape[:])
+            offset, nbytes = tensor.offset, tensor.nbytes
             if offset < start or offset + nbytes > end:
                 raise ValueError(f"{nbytes} bytes at {offset} lie outside the front end's "
                                  f"region [{start}, {end})")
             if dtype is None:  # BYTES: decoded here, into the numpy object array models take
                 arrays.append(bytes_array(self._arena.read(offset, nbytes), shape))
                 continue
-            count = math.prod(shape)
-            if count * dtype.itemsize != nbytes or min(shape, default=0) < 0:
+            if math.prod(shape) * dtype.itemsize != nbytes or min(shape, default=0) < 0:
                 raise ValueError(f"shape {list(shape)} of {datatype} is not {nbytes} bytes")
             # The arena's checks, done above once for the whole request.
             arrays.append(np.ndarray(shape, dtype, self._buffer, offset))
-        return arrays
+        return arrays, tuple(key)
 
 
     def _cancel(self, front: _FrontEnd, rid: int) -> None:
@@ -474,7 +477,7 @@ class ExecutorServer:
                     remote.answered = True
                     front.fail(remote.rid, not request.holds_inputs, *status_of(exc))
                     continue
-            add = out.results.add(rid=remote.rid, released=not request.holds_inputs).outputs.add
+            add = out.results.add(rid=remote.rid, released=request.state != TAKEN).outputs.add
             rows, first = request.batch_size, starts[index]
             for k in remote.outputs:
                 if placed is not None and k in placed:
@@ -482,12 +485,14 @@ class ExecutorServer:
                     add(placed=True, nbytes=nbytes, shape=shape)  # no block to free
                     continue
                 block, nbytes, per_row, tail = layout[k]
-                if split:
-                    offset, nbytes = _rows_of(per_row, first, rows)
-                    shape = (rows, *tail)
+                if not split:
+                    add(block=block, offset=block, nbytes=nbytes, shape=outputs[k].shape)
+                elif per_row.__class__ is int:  # fixed-size rows
+                    add(block=block, offset=block + first * per_row, nbytes=rows * per_row,
+                        shape=(rows, *tail))
                 else:
-                    offset, shape = 0, outputs[k].shape
-                add(block=block, offset=block + offset, nbytes=nbytes, shape=shape)
+                    offset, nbytes = _rows_of(per_row, first, rows)
+                    add(block=block, offset=block + offset, nbytes=nbytes, shape=(rows, *tail))
                 key = (front, block)
                 held[key] = held.get(key, 0) + 1
             remote.answered = True
@@ -543,8 +548,13 @@ class ExecutorServer:
 
     def _free(self, front: _FrontEnd, blocks) -> None:
         # A batch's requests share a block and are usually freed in one frame: one update each.
-        # (At low load a frame frees one block: no Counter for it.)
-        counts = ((blocks[0], 1),) if len(blocks) == 1 else collections.Counter(blocks).items()
+        if len(blocks) == 1:
+            counts = ((blocks[0], 1),)
+        else:
+            tally: dict[int, int] = {}
+            for block in blocks:
+                tally[block] = tally.get(block, 0) + 1
+            counts = tally.items()
         for block, count in counts:
             holding = front.blocks.get(block, 0)
             if holding < count:
@@ -614,10 +624,10 @@ def _rows_of(row_offsets: np.ndarray | int, first: int, rows: int) -> tuple[int,
     return begin, int(row_offsets[first + rows]) - begin
 
 
-def _input_dtypes(spec: ModelSpec) -> tuple[tuple[np.dtype | None, str], ...]:
-    """Per input, its numpy dtype (None for BYTES) and datatype."""
-    return tuple((None if t.datatype == "BYTES" else NUMPY_DTYPES[t.datatype], t.datatype)
-                 for t in spec.inputs)
+def _input_dtypes(spec: ModelSpec) -> tuple[tuple[np.dtype | None, str, str], ...]:
+    """Per input, its numpy dtype (None for BYTES), datatype and name."""
+    return tuple((None if t.datatype == "BYTES" else NUMPY_DTYPES[t.datatype], t.datatype,
+                  t.name) for t in spec.inputs)
 
 
 def _describe(spec: ModelSpec, into: wire_pb2.ModelSpec) -> None:
