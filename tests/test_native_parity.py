@@ -617,7 +617,18 @@ def test_sanitizers_report_nothing(servers, stubs):
     with Load(sanitized.address, clients=8) as load:
         load.progress(400, 120, "answers under load from the sanitized front end")
     assert load.wrong == 0 and not load.failures
+    # A health watch open through the drain: its end runs too.
+    channel = grpc.insecure_channel(sanitized.address)
+    watch = channel.unary_stream("/grpc.health.v1.Health/Watch")(
+        health_pb2.HealthCheckRequest(service="mlp").SerializeToString(), timeout=120)
+    statuses = health_pb2.HealthCheckResponse
+    assert statuses.FromString(next(watch)).status == statuses.SERVING
     sanitized.stop()
+    assert statuses.FromString(next(watch)).status == statuses.NOT_SERVING
+    with pytest.raises(grpc.RpcError) as ended:
+        next(watch)
+    assert ended.value.code() is grpc.StatusCode.UNAVAILABLE
+    channel.close()
     log = b"".join(sanitized.supervisor.lines)
     found = [marker for marker in SANITIZER_REPORTS if marker in log]
     assert not found, log[log.find(found[0]) - 200:][:4000].decode(errors="replace")
