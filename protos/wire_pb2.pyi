@@ -101,20 +101,22 @@ class Call(_message.Message):
     def __init__(self, cid: _Optional[int] = ..., statistics: _Optional[_Union[_inference_pb2.ModelStatisticsRequest, _Mapping]] = ..., index: _Optional[_Union[_inference_pb2.RepositoryIndexRequest, _Mapping]] = ..., load: _Optional[_Union[_inference_pb2.RepositoryModelLoadRequest, _Mapping]] = ..., unload: _Optional[_Union[_inference_pb2.RepositoryModelUnloadRequest, _Mapping]] = ..., system_status: _Optional[_Union[_inference_pb2.SystemSharedMemoryStatusRequest, _Mapping]] = ..., system_register: _Optional[_Union[_inference_pb2.SystemSharedMemoryRegisterRequest, _Mapping]] = ..., system_unregister: _Optional[_Union[_inference_pb2.SystemSharedMemoryUnregisterRequest, _Mapping]] = ..., cuda_status: _Optional[_Union[_inference_pb2.CudaSharedMemoryStatusRequest, _Mapping]] = ..., cuda_register: _Optional[_Union[_inference_pb2.CudaSharedMemoryRegisterRequest, _Mapping]] = ..., cuda_unregister: _Optional[_Union[_inference_pb2.CudaSharedMemoryUnregisterRequest, _Mapping]] = ...) -> None: ...
 
 class ToFrontend(_message.Message):
-    __slots__ = ("welcome", "models", "results", "failures", "released", "replies")
+    __slots__ = ("welcome", "models", "results", "failures", "released", "replies", "batches")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     REPLIES_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
     welcome: bool
     models: _containers.RepeatedCompositeFieldContainer[ModelState]
     results: _containers.RepeatedCompositeFieldContainer[Result]
     failures: _containers.RepeatedCompositeFieldContainer[Failure]
     released: _containers.RepeatedScalarFieldContainer[int]
     replies: _containers.RepeatedCompositeFieldContainer[Reply]
-    def __init__(self, welcome: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[ModelState, _Mapping]]] = ..., results: _Optional[_Iterable[_Union[Result, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., replies: _Optional[_Iterable[_Union[Reply, _Mapping]]] = ...) -> None: ...
+    batches: _containers.RepeatedCompositeFieldContainer[Batch]
+    def __init__(self, welcome: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[ModelState, _Mapping]]] = ..., results: _Optional[_Iterable[_Union[Result, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., replies: _Optional[_Iterable[_Union[Reply, _Mapping]]] = ..., batches: _Optional[_Iterable[_Union[Batch, _Mapping]]] = ...) -> None: ...
 
 class ModelState(_message.Message):
     __slots__ = ("name", "state", "reason", "handle", "spec", "config")
@@ -181,6 +183,30 @@ class Output(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     placed: bool
     def __init__(self, block: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., placed: _Optional[bool] = ...) -> None: ...
+
+class Batch(_message.Message):
+    __slots__ = ("rids", "first_rows", "rows", "released", "outputs")
+    RIDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    rids: _containers.RepeatedScalarFieldContainer[int]
+    first_rows: _containers.RepeatedScalarFieldContainer[int]
+    rows: _containers.RepeatedScalarFieldContainer[int]
+    released: bool
+    outputs: _containers.RepeatedCompositeFieldContainer[BatchOutput]
+    def __init__(self, rids: _Optional[_Iterable[int]] = ..., first_rows: _Optional[_Iterable[int]] = ..., rows: _Optional[_Iterable[int]] = ..., released: _Optional[bool] = ..., outputs: _Optional[_Iterable[_Union[BatchOutput, _Mapping]]] = ...) -> None: ...
+
+class BatchOutput(_message.Message):
+    __slots__ = ("block", "row_bytes", "tail")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TAIL_FIELD_NUMBER: _ClassVar[int]
+    block: int
+    row_bytes: int
+    tail: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block: _Optional[int] = ..., row_bytes: _Optional[int] = ..., tail: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Failure(_message.Message):
     __slots__ = ("rid", "released", "code", "message")

@@ -425,7 +425,8 @@ class ExecutorServer:
     # -- a batch's results ---------------------------------------------------------------------
 
     def _on_results(self, requests: list[InferenceRequest], outputs: list[np.ndarray]) -> None:
-        """Write the batch's outputs into the arena once and describe each request's rows."""
+        """Write the batch's outputs into the arena once and describe each request's rows: in one
+        Batch per front end where every request takes every output in fixed-size rows."""
         live = [(index, request.future) for index, request in enumerate(requests)
                 if isinstance(request.future, _Remote) and not request.future.done()
                 and not request.future.front.closed]
@@ -459,7 +460,28 @@ class ExecutorServer:
         # Per output in the arena: its block, its bytes, its row offsets, its shape past rows.
         layout = {k: (block, nbytes, row_offsets[k], outputs[k].shape[1:])
                   for k, (block, nbytes) in blocks.items()}
-        held: dict[tuple[_FrontEnd, int], int] = {}
+        held: dict[tuple[_FrontEnd, int], int] = {}  # (front end, block) -> references
+        every = tuple(range(len(spec.outputs)))
+        if (split and len(layout) == len(every)
+                and all(entry[2].__class__ is int for entry in layout.values())
+                and all(r.placements is None and r.outputs == every for _, r in live)):
+            self._describe_batch(live, spec, outputs, starts, layout, held)
+        else:
+            self._describe_each(live, spec, outputs, starts, split, layout, held)
+        referenced = set()
+        for (front, block), count in held.items():
+            front.blocks[block] += count
+            self._references[block] = self._references.get(block, 0) + count
+            referenced.add(block)
+        for block, _ in blocks.values():
+            if block not in referenced:
+                self._outputs.free(block)
+        self._show_in_use()
+
+    def _describe_each(self, live: list[tuple[int, _Remote]], spec: ModelSpec,
+                       outputs: list[np.ndarray], starts: list[int], split: bool,
+                       layout: dict, held: dict) -> None:
+        """One Result per request: its rows of each output it asked for (or its placements)."""
         frames: dict[_FrontEnd, wire_pb2.ToFrontend | None] = {}  # a batch has 1 or 2 fronts
         for index, remote in live:
             front = remote.front
@@ -496,15 +518,40 @@ class ExecutorServer:
                 key = (front, block)
                 held[key] = held.get(key, 0) + 1
             remote.answered = True
-        referenced = set()
-        for (front, block), count in held.items():
-            front.blocks[block] += count
-            self._references[block] = self._references.get(block, 0) + count
-            referenced.add(block)
-        for block, _ in blocks.values():
-            if block not in referenced:
-                self._outputs.free(block)
-        self._show_in_use()
+
+    def _describe_batch(self, live: list[tuple[int, _Remote]], spec: ModelSpec,
+                        outputs: list[np.ndarray], starts: list[int], layout: dict,
+                        held: dict) -> None:
+        """Every request takes every output, whose rows have a fixed size: one Batch per front
+        end (wire.proto) in place of a Result each."""
+        groups: dict[_FrontEnd, list[tuple[int, _Remote]]] = {}
+        for entry in live:
+            front = entry[1].front
+            group = groups.get(front)
+            if group is None:
+                groups[front] = [entry]
+            else:
+                group.append(entry)
+        described = [layout[k] for k in sorted(layout)]
+        for front, members in groups.items():
+            out = front.out()
+            if out is None:
+                continue
+            released = members[0][1].request.state != TAKEN
+            if any((remote.request.state != TAKEN) is not released for _, remote in members):
+                # A batch's requests are released together (ServedModel._deliver); were they
+                # not, each says so in its own Result.
+                self._describe_each(members, spec, outputs, starts, True, layout, held)
+                continue
+            batch = out.batches.add(released=released)
+            batch.rids.extend([remote.rid for _, remote in members])
+            batch.first_rows.extend([starts[index] for index, _ in members])
+            batch.rows.extend([remote.request.batch_size for _, remote in members])
+            for block, _, row_bytes, tail in described:
+                batch.outputs.add(block=block, row_bytes=row_bytes, tail=tail)
+                held[(front, block)] = held.get((front, block), 0) + len(members)
+            for _, remote in members:
+                remote.answered = True
 
     def _place(self, remote: _Remote, index: int, spec: ModelSpec, outputs: list[np.ndarray],
                starts: list[int] | None) -> dict[int, tuple[int, tuple]]:

@@ -132,6 +132,9 @@ class RemoteRepository:
             self._set_state(state)
         for result in frame.results:
             self._result(result)
+        for batch in frame.batches:
+            for result in wire.batch_results(batch):
+                self._result(result)
         for failure in frame.failures:
             pending = self._settle(failure.rid, failure.released)
             if pending is not None and not pending.future.done():

@@ -117,6 +117,19 @@ class Link(Generic[In, Out]):
         return self._writer.is_closing()
 
 
+def batch_results(batch: wire_pb2.Batch) -> list[wire_pb2.Result]:
+    """The Results a Batch stands for (wire.proto), one per request, in its order."""
+    outputs = [(o.block, o.row_bytes, tuple(o.tail)) for o in batch.outputs]
+    results = []
+    for rid, first, rows in zip(batch.rids, batch.first_rows, batch.rows):
+        result = wire_pb2.Result(rid=rid, released=batch.released)
+        for block, row_bytes, tail in outputs:
+            result.outputs.add(block=block, offset=block + first * row_bytes,
+                               nbytes=rows * row_bytes, shape=(rows, *tail))
+        results.append(result)
+    return results
+
+
 ExecutorLink = Link[wire_pb2.ToExecutor, wire_pb2.ToFrontend]  # a front end's end
 FrontendLink = Link[wire_pb2.ToFrontend, wire_pb2.ToExecutor]  # the executor's end of one
 

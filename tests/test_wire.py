@@ -8,6 +8,7 @@ import asyncio
 import os
 import socket
 
+import numpy as np
 import pytest
 
 from batchgate.protos import wire_pb2
@@ -213,3 +214,83 @@ async def test_a_front_end_keeps_its_frames_under_the_limit_for_large_calls(monk
             call.cancel()
         link.close()
         server.close()
+
+
+# -- a batch's answers: one Batch, or a Result each ---------------------------------------------
+
+
+class _FrameSink:
+    """A front end's link as the executor sees it: ``out`` is the frame being filled."""
+
+    def __init__(self) -> None:
+        self.out = wire_pb2.ToFrontend()
+
+
+def _answer_batch(rows: list[int], released: bool, wants: dict[int, tuple[int, ...]]):
+    """What a front end reads of one batch of requests of ``rows`` each (``wants``: rid -> the
+    outputs it names; every output otherwise): per rid, its outputs' bytes and shapes, read from
+    the arena as a front end copies them; the frame's Batch count; the references it holds."""
+    from batchgate.batcher.arena import ArenaLayout, SharedArena
+    from batchgate.batcher.request import DONE, TAKEN, InferenceRequest
+    from batchgate.batcher.spec import BatchingConfig, ModelSpec, TensorSpec
+    from batchgate.server import executor_process as ep
+
+    arena = SharedArena.create(1 << 20)
+    try:
+        server = ep.ExecutorServer(arena, ArenaLayout(1 << 20, 1))
+        front = ep._FrontEnd(_FrameSink())
+        spec = ModelSpec(name="m", version="1", platform="test",
+                         inputs=(TensorSpec("x", "FP32", (2,)),),
+                         outputs=(TensorSpec("y", "FP32", (2,)),
+                                  TensorSpec("z", "INT64", (3, 1))),
+                         batching=BatchingConfig(max_batch_size=8), warmup=False)
+        model = type("Model", (), {"spec": spec})()
+        outputs = _batch_outputs(sum(rows))
+        requests = []
+        for rid, n in enumerate(rows, start=1):
+            request = InferenceRequest([np.zeros((n, 2), np.float32)], batch_size=n)
+            request.state = DONE if released else TAKEN
+            request.future = ep._Remote(front, rid, model, request, wants.get(rid, (0, 1)))
+            front.requests[rid] = request.future
+            requests.append(request)
+        server._on_results(requests, outputs)
+        frame = front.link.out
+        results = [*frame.results, *(r for b in frame.batches for r in wire.batch_results(b))]
+        seen = {r.rid: (r.released, [(bytes(arena.read(o.offset, o.nbytes)), tuple(o.shape))
+                                     for o in r.outputs]) for r in results}
+        return seen, len(frame.batches), dict(front.blocks)
+    finally:
+        arena.close()
+
+
+def _batch_outputs(total: int) -> list[np.ndarray]:
+    return [np.arange(total * 2, dtype=np.float32).reshape(total, 2),
+            np.arange(total * 3, dtype=np.int64).reshape(total, 3, 1)]
+
+
+def _expected(rows: list[int], released: bool, wants: dict[int, tuple[int, ...]]) -> dict:
+    outputs = _batch_outputs(sum(rows))
+    expected, first = {}, 0
+    for rid, n in enumerate(rows, start=1):
+        expected[rid] = (released, [(outputs[k][first:first + n].tobytes(),
+                                     outputs[k][first:first + n].shape)
+                                    for k in wants.get(rid, (0, 1))])
+        first += n
+    return expected
+
+
+@pytest.mark.parametrize("released", [True, False])
+def test_a_batch_whose_requests_take_every_output_is_one_batch_message(released: bool) -> None:
+    rows = [1, 3, 2, 1]
+    seen, batches, blocks = _answer_batch(rows, released, {})
+    assert seen == _expected(rows, released, {})
+    assert batches == 1
+    assert sorted(blocks.values()) == [len(rows), len(rows)]  # a reference per request
+
+
+def test_a_batch_with_a_request_naming_its_outputs_is_a_result_each() -> None:
+    rows, wants = [2, 1, 1], {2: (1,)}
+    seen, batches, blocks = _answer_batch(rows, True, wants)
+    assert seen == _expected(rows, True, wants)
+    assert batches == 0
+    assert sorted(blocks.values()) == [2, 3]  # y: requests 1 and 3; z: all three

@@ -82,6 +82,30 @@ grpc::StatusCode CodeOf(uint32_t number) {
 
 }  // namespace
 
+bool AppendBatchResults(const wire::Batch& batch, std::vector<std::unique_ptr<wire::Result>>* results) {
+  const int count = batch.rids_size();
+  if (batch.first_rows_size() != count || batch.rows_size() != count) return false;
+  results->reserve(results->size() + static_cast<size_t>(count));
+  for (int i = 0; i < count; ++i) {
+    auto result = std::make_unique<wire::Result>();
+    result->set_rid(batch.rids(i));
+    result->set_released(batch.released());
+    const uint64_t first = batch.first_rows(i);
+    const uint64_t rows = batch.rows(i);
+    for (const wire::BatchOutput& output : batch.outputs()) {
+      wire::Output* out = result->add_outputs();
+      out->set_block(output.block());
+      out->set_offset(output.block() + first * output.row_bytes());
+      out->set_nbytes(rows * output.row_bytes());
+      out->mutable_shape()->Reserve(output.tail_size() + 1);
+      out->add_shape(static_cast<int64_t>(rows));
+      for (const int64_t dim : output.tail()) out->add_shape(dim);
+    }
+    results->push_back(std::move(result));
+  }
+  return true;
+}
+
 // A connected socket, closed when the last thread using it lets it go.
 struct ExecutorLink::Socket {
   explicit Socket(int descriptor) : fd(descriptor) {}
@@ -374,7 +398,18 @@ void ExecutorLink::HandleFrame(wire::ToFrontend& frame, uint64_t generation) {
   std::vector<std::pair<AnswerTarget*, ExecutorAnswer>> answers;
   std::vector<uint64_t> released;
   std::vector<std::unique_ptr<wire::Result>> orphans;
-  answers.reserve(static_cast<size_t>(frame.results_size() + frame.failures_size()));
+  // Taken out of the frame in its order, so that a stream answers in the order results came;
+  // a batch's after them.
+  std::vector<wire::Result*> extracted(static_cast<size_t>(frame.results_size()));
+  frame.mutable_results()->ExtractSubrange(0, frame.results_size(), extracted.data());
+  std::vector<std::unique_ptr<wire::Result>> results(extracted.begin(), extracted.end());
+  for (const wire::Batch& batch : frame.batches()) {
+    if (!AppendBatchResults(batch, &results)) {
+      Log(LogLevel::kError, "executor_protocol_error",
+          {LogField("error", std::string("a batch's rids, first_rows and rows differ in length"))});
+    }
+  }
+  answers.reserve(results.size() + static_cast<size_t>(frame.failures_size()));
   {
     std::lock_guard<std::mutex> lock(mu_);
     const auto settle = [&](uint64_t rid, bool inputs_released) -> AnswerTarget* {
@@ -389,11 +424,7 @@ void ExecutorLink::HandleFrame(wire::ToFrontend& frame, uint64_t generation) {
       infers_.erase(it);
       return target;
     };
-    // Taken out of the frame in its order, so that a stream answers in the order results came.
-    std::vector<wire::Result*> results(static_cast<size_t>(frame.results_size()));
-    frame.mutable_results()->ExtractSubrange(0, frame.results_size(), results.data());
-    for (wire::Result* released_result : results) {
-      std::unique_ptr<wire::Result> result(released_result);
+    for (std::unique_ptr<wire::Result>& result : results) {
       AnswerTarget* target = settle(result->rid(), result->released());
       if (target == nullptr) {
         orphans.push_back(std::move(result));

@@ -72,6 +72,10 @@ class LinkObserver {
   ~LinkObserver() = default;
 };
 
+// The Results a Batch stands for (wire.proto), one per request, appended to `results` in its
+// order; false (nothing appended) when its lists do not line up.
+bool AppendBatchResults(const wire::Batch& batch, std::vector<std::unique_ptr<wire::Result>>* results);
+
 class ExecutorLink {
  public:
   ExecutorLink(std::string socket_name, uint32_t slot, InputRegion& region, ModelTable& models,

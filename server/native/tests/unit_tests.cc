@@ -14,6 +14,7 @@
 
 #include "auth.h"
 #include "codec.h"
+#include "executor_link.h"
 #include "handover.h"
 #include "input_region.h"
 #include "metrics.h"
@@ -651,6 +652,31 @@ void TestMetrics() {
 
 }  // namespace
 
+// A Batch stands for one Result per request (wire.proto).
+void TestBatchResults() {
+  batchgate::wire::Batch batch;
+  for (const uint64_t rid : {7u, 9u}) batch.add_rids(rid);
+  for (const uint64_t first : {0u, 3u}) batch.add_first_rows(first);
+  for (const uint64_t rows : {3u, 1u}) batch.add_rows(rows);
+  batch.set_released(true);
+  auto* output = batch.add_outputs();
+  output->set_block(4096);
+  output->set_row_bytes(8);
+  output->add_tail(2);
+  std::vector<std::unique_ptr<batchgate::wire::Result>> results;
+  CHECK(batchgate::AppendBatchResults(batch, &results));
+  CHECK(results.size() == 2);
+  CHECK(results[1]->rid() == 9 && results[1]->released());
+  CHECK(results[1]->outputs_size() == 1);
+  const auto& out = results[1]->outputs(0);
+  CHECK(out.block() == 4096 && out.offset() == 4096 + 3 * 8 && out.nbytes() == 8);
+  CHECK(out.shape_size() == 2 && out.shape(0) == 1 && out.shape(1) == 2);
+  CHECK(results[0]->outputs(0).offset() == 4096 && results[0]->outputs(0).nbytes() == 24);
+  batch.add_rows(5);  // the lists no longer line up: nothing is appended
+  CHECK(!batchgate::AppendBatchResults(batch, &results));
+  CHECK(results.size() == 2);
+}
+
 int main() {
   TestQuotingAndCutting();
   TestShapes();
@@ -663,6 +689,7 @@ int main() {
   TestPlacedOutputReply();
   TestHandoverSharedMemory();
   TestMetrics();
+  TestBatchResults();
   std::fprintf(stderr, "%d of %d checks failed\n", g_failures, g_checks);
   return g_failures ? 1 : 0;
 }
