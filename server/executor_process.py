@@ -39,7 +39,7 @@ from batchgate.batcher.errors import BatchgateError, ModelExecutionError
 from batchgate.batcher.memory import DevicePools, PoolSettings
 from batchgate.batcher.metrics import BatcherMetrics
 from batchgate.batcher.model import ServedModel
-from batchgate.batcher.request import TAKEN, InferenceRequest
+from batchgate.batcher.request import InferenceRequest
 from batchgate.batcher.spec import NUMPY_DTYPES, ModelSpec
 from batchgate.protos import wire_pb2
 from batchgate.server import wire
@@ -499,7 +499,7 @@ class ExecutorServer:
                     remote.answered = True
                     front.fail(remote.rid, not request.holds_inputs, *status_of(exc))
                     continue
-            add = out.results.add(rid=remote.rid, released=request.state != TAKEN).outputs.add
+            add = out.results.add(rid=remote.rid, released=not request.holds_inputs).outputs.add
             rows, first = request.batch_size, starts[index]
             for k in remote.outputs:
                 if placed is not None and k in placed:
@@ -509,7 +509,7 @@ class ExecutorServer:
                 block, nbytes, per_row, tail = layout[k]
                 if not split:
                     add(block=block, offset=block, nbytes=nbytes, shape=outputs[k].shape)
-                elif per_row.__class__ is int:  # fixed-size rows
+                elif per_row.__class__ is int:  # fixed-size rows; else BYTES' row offsets
                     add(block=block, offset=block + first * per_row, nbytes=rows * per_row,
                         shape=(rows, *tail))
                 else:
@@ -537,8 +537,8 @@ class ExecutorServer:
             out = front.out()
             if out is None:
                 continue
-            released = members[0][1].request.state != TAKEN
-            if any((remote.request.state != TAKEN) is not released for _, remote in members):
+            released = not members[0][1].request.holds_inputs
+            if any(remote.request.holds_inputs is released for _, remote in members):
                 # A batch's requests are released together (ServedModel._deliver); were they
                 # not, each says so in its own Result.
                 self._describe_each(members, spec, outputs, starts, True, layout, held)
@@ -662,11 +662,9 @@ class _OutputRegionFull(Exception):
         self.status = status_of(self.error)
 
 
-def _rows_of(row_offsets: np.ndarray | int, first: int, rows: int) -> tuple[int, int]:
-    """``(offset, nbytes)`` of rows ``first .. first + rows`` in an output's block: offsets of
-    every row (BYTES), or the bytes of one (numeric)."""
-    if isinstance(row_offsets, int):
-        return first * row_offsets, rows * row_offsets
+def _rows_of(row_offsets: np.ndarray, first: int, rows: int) -> tuple[int, int]:
+    """``(offset, nbytes)`` of rows ``first .. first + rows`` in a BYTES output's block, from the
+    offsets of every row (fixed-size rows are ``first * row_bytes``, ``rows * row_bytes``)."""
     begin = int(row_offsets[first])
     return begin, int(row_offsets[first + rows]) - begin
 
