@@ -35,7 +35,7 @@ class UnaryCall final : public CallBase, public AnswerTarget {
  public:
   UnaryCall(Worker& worker, const RpcInfo& rpc);
 
-  Worker& worker() override { return worker_; }
+  void Deliver(ExecutorAnswer answer) override { worker_.Post(this, std::move(answer)); }
   void OnExecutorAnswer(ExecutorAnswer answer) override;
 
  private:
@@ -64,7 +64,7 @@ class InferCall final : public CallBase, public AnswerTarget {
  public:
   InferCall(Worker& worker, const RpcInfo& rpc);
 
-  Worker& worker() override { return worker_; }
+  void Deliver(ExecutorAnswer answer) override { worker_.Post(this, std::move(answer)); }
   void OnExecutorAnswer(ExecutorAnswer answer) override;
 
  private:

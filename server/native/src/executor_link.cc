@@ -13,7 +13,6 @@
 #include "log.h"
 #include "model_table.h"
 #include "text.h"
-#include "worker.h"
 
 namespace batchgate {
 namespace {
@@ -64,13 +63,75 @@ bool ReceiveAll(int fd, char* data, size_t size) {
   return true;
 }
 
-// Header and body in one buffer, so that the frame goes out in one system call.
-bool SendFrame(int fd, const google::protobuf::MessageLite& message, std::string& buffer) {
+// Appends one frame, header and body, to `buffer`, so that everything goes out in one system
+// call.
+void AppendFrame(const google::protobuf::MessageLite& message, std::string& buffer) {
   const size_t size = message.ByteSizeLong();
-  buffer.resize(4 + size);
-  for (int i = 0; i < 4; ++i) buffer[i] = static_cast<char>((size >> (8 * i)) & 0xFF);
-  message.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(&buffer[4]));
+  const size_t at = buffer.size();
+  buffer.resize(at + 4 + size);
+  for (int i = 0; i < 4; ++i) buffer[at + i] = static_cast<char>((size >> (8 * i)) & 0xFF);
+  message.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(&buffer[at + 4]));
+}
+
+bool SendFrame(int fd, const google::protobuf::MessageLite& message, std::string& buffer) {
+  buffer.clear();
+  AppendFrame(message, buffer);
   return SendAll(fd, buffer.data(), buffer.size());
+}
+
+// `frame` as the bytes of one frame, or of several when it would pass kMaxFrameBytes (only a
+// flood of large calls gets there): Infers and Calls first, cancels and frees last, so that each
+// cancel still finds its Infer already sent. Empties `frame`'s repeated fields when it splits.
+void Encode(wire::ToExecutor& frame, std::string& buffer) {
+  buffer.clear();
+  if (frame.ByteSizeLong() <= kMaxFrameBytes) {
+    AppendFrame(frame, buffer);
+    return;
+  }
+  wire::ToExecutor part;
+  const auto flush = [&] {
+    if (part.ByteSizeLong() > 0) AppendFrame(part, buffer);
+    part.Clear();
+  };
+  for (auto& infer : *frame.mutable_infer()) {
+    part.add_infer()->Swap(&infer);
+    if (part.ByteSizeLong() > kSplitFrameBytes) flush();
+  }
+  for (auto& call : *frame.mutable_call()) {
+    part.add_call()->Swap(&call);
+    if (part.ByteSizeLong() > kSplitFrameBytes) flush();
+  }
+  flush();
+  part.mutable_cancel()->Swap(frame.mutable_cancel());
+  part.mutable_free()->Swap(frame.mutable_free());
+  flush();
+}
+
+// Writes what the socket takes now without blocking: the bytes written, or -1 when the
+// connection is broken.
+ssize_t SendSome(int fd, const char* data, size_t size) {
+  size_t sent = 0;
+  while (sent < size) {
+    const ssize_t n = ::send(fd, data + sent, size - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+      return -1;
+    }
+    sent += static_cast<size_t>(n);
+  }
+  return static_cast<ssize_t>(sent);
+}
+
+// A writing thread's frame and bytes, kept between frames so that their memory is reused.
+struct WriteScratch {
+  wire::ToExecutor frame;
+  std::string bytes;
+};
+
+WriteScratch& ThreadScratch() {
+  thread_local WriteScratch scratch;
+  return scratch;
 }
 
 grpc::StatusCode CodeOf(uint32_t number) {
@@ -164,7 +225,7 @@ bool ExecutorLink::SubmitInfer(std::unique_ptr<wire::Infer> infer, std::vector<u
   infer->set_rid(*rid);
   infers_.emplace(*rid, PendingInfer{target, std::move(blocks)});
   pending_.mutable_infer()->AddAllocated(infer.release());
-  Signal(lock, true);
+  Flush(lock, true);
   return true;
 }
 
@@ -172,7 +233,7 @@ void ExecutorLink::Cancel(uint64_t rid) {
   std::unique_lock<std::mutex> lock(mu_);
   if (!socket_ || !infers_.count(rid)) return;  // answered meanwhile, or the connection is gone
   pending_.add_cancel(rid);
-  Signal(lock, true);
+  Flush(lock, true);
 }
 
 void ExecutorLink::FreeOutputs(uint64_t generation, const wire::Result& result) {
@@ -186,7 +247,7 @@ void ExecutorLink::FreeOutputs(uint64_t generation, const wire::Result& result) 
     // One written into the client's region has no block.
     if (!output.placed()) pending_.add_free(output.block());
   }
-  Signal(lock, false);
+  Flush(lock, false);
 }
 
 bool ExecutorLink::SubmitCall(std::unique_ptr<wire::Call> call, AnswerTarget* target,
@@ -206,7 +267,7 @@ bool ExecutorLink::SubmitCall(std::unique_ptr<wire::Call> call, AnswerTarget* ta
   call->set_cid(cid);
   calls_.emplace(cid, target);
   pending_.mutable_call()->AddAllocated(call.release());
-  Signal(lock, true);
+  Flush(lock, true);
   return true;
 }
 
@@ -215,75 +276,99 @@ size_t ExecutorLink::InFlightInfers() const {
   return infers_.size();
 }
 
-void ExecutorLink::Signal(std::unique_lock<std::mutex>& lock, bool urgent) {
-  // The first entry wakes the writer, the others ride along in the same frame. Returned output
-  // blocks are not urgent: they wait for the next request's frame, or kFreeDelay at most, so
-  // that answering a request does not cost a frame of its own.
+void ExecutorLink::Flush(std::unique_lock<std::mutex>& lock, bool urgent) {
+  // Returned output blocks are not urgent: they wait for the next request's frame, or
+  // kFreeDelay at most (the writer thread's), so that answering a request does not cost a frame
+  // of its own.
   bool wake;
-  if (urgent) {
-    wake = !pending_urgent_ && writer_state_ != WriterState::kBusy;
-    pending_urgent_ = true;
-  } else {
-    wake = writer_state_ == WriterState::kIdle;
+  if (!urgent) {
     pending_frees_ = true;
+    wake = !writing_ && writer_state_ == WriterState::kIdle;
+  } else {
+    pending_urgent_ = true;
+    // Whoever holds the write token takes this entry in its next round.
+    if (writing_) return;
+    writing_ = true;
+    WriteNow(lock);
+    wake = (pending_urgent_ && writer_state_ != WriterState::kBusy) ||
+           (pending_frees_ && writer_state_ == WriterState::kIdle) || !handoff_.empty();
   }
   lock.unlock();
   if (wake) wake_writer_.notify_one();
 }
 
+void ExecutorLink::WriteNow(std::unique_lock<std::mutex>& lock) {
+  // A few rounds at most: a worker's calls wait while it writes for the others.
+  constexpr int kRounds = 4;
+  WriteScratch& scratch = ThreadScratch();
+  for (int round = 0; round < kRounds && pending_urgent_; ++round) {
+    scratch.frame.Swap(&pending_);
+    pending_urgent_ = pending_frees_ = false;
+    const std::shared_ptr<Socket> socket = socket_;
+    lock.unlock();
+    ssize_t written = 0;
+    if (socket) {
+      Encode(scratch.frame, scratch.bytes);
+      written = SendSome(socket->fd, scratch.bytes.data(), scratch.bytes.size());
+      // A broken connection: the reader sees it end and handles the loss, in one place.
+      if (written < 0) socket->Shutdown();
+    }
+    scratch.frame.Clear();  // keeps the messages allocated, for the next frames to reuse
+    lock.lock();
+    if (written >= 0 && static_cast<size_t>(written) < scratch.bytes.size() && socket) {
+      // The socket buffer is full: the writer thread writes the rest, blocking, and holds the
+      // token until then. Nothing else may go out in between.
+      handoff_.assign(scratch.bytes, static_cast<size_t>(written), std::string::npos);
+      handoff_socket_ = socket;
+      return;
+    }
+  }
+  writing_ = false;
+}
+
 void ExecutorLink::WriteLoop() {
   pthread_setname_np(pthread_self(), "bg-link-write");
-  wire::ToExecutor frame;
-  std::string buffer;
-  while (true) {
-    std::shared_ptr<Socket> socket;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      while (!closing_ && !pending_urgent_) {
-        if (!pending_frees_) {
-          writer_state_ = WriterState::kIdle;
-          wake_writer_.wait(lock);
-        } else {
-          writer_state_ = WriterState::kHoldingFrees;
-          if (wake_writer_.wait_for(lock, kFreeDelay) == std::cv_status::timeout) break;
-        }
-      }
+  using Clock = std::chrono::steady_clock;
+  std::unique_lock<std::mutex> lock(mu_);
+  bool holding = false;  // returned blocks wait for a request's frame until `frees_due`
+  Clock::time_point frees_due;
+  while (!closing_) {
+    if (!handoff_.empty()) {
+      // The rest of a worker's frame; the token is ours until it is written.
       writer_state_ = WriterState::kBusy;
-      if (closing_) return;
-      frame.Swap(&pending_);
-      pending_urgent_ = pending_frees_ = false;
-      socket = socket_;
+      std::string bytes;
+      bytes.swap(handoff_);
+      const std::shared_ptr<Socket> socket = std::move(handoff_socket_);
+      handoff_socket_.reset();
+      lock.unlock();
+      if (!SendAll(socket->fd, bytes.data(), bytes.size())) socket->Shutdown();
+      lock.lock();
+      writing_ = false;
+      continue;
     }
-    if (socket) {
-      bool sent = true;
-      if (frame.ByteSizeLong() <= kMaxFrameBytes) {
-        sent = SendFrame(socket->fd, frame, buffer);
-      } else {
-        // Only a flood of large calls gets here. Infers and calls go first, in several frames;
-        // cancels last, so that each still finds its Infer already sent.
-        wire::ToExecutor part;
-        const auto flush = [&] {
-          if (part.ByteSizeLong() > 0) sent = sent && SendFrame(socket->fd, part, buffer);
-          part.Clear();
-        };
-        for (auto& infer : *frame.mutable_infer()) {
-          part.add_infer()->Swap(&infer);
-          if (part.ByteSizeLong() > kSplitFrameBytes) flush();
-        }
-        for (auto& call : *frame.mutable_call()) {
-          part.add_call()->Swap(&call);
-          if (part.ByteSizeLong() > kSplitFrameBytes) flush();
-        }
-        flush();
-        part.mutable_cancel()->Swap(frame.mutable_cancel());
-        part.mutable_free()->Swap(frame.mutable_free());
-        flush();
+    if (!writing_ && pending_frees_ && !pending_urgent_) {
+      const Clock::time_point now = Clock::now();
+      if (!holding) {
+        holding = true;
+        frees_due = now + kFreeDelay;
       }
-      // A failed write means the connection is broken: the reader sees it end and handles the
-      // loss, in one place.
-      if (!sent) socket->Shutdown();
+      if (now < frees_due) {
+        writer_state_ = WriterState::kHoldingFrees;
+        wake_writer_.wait_until(lock, frees_due);
+        continue;
+      }
+      pending_urgent_ = true;  // due: they go now
     }
-    frame.Clear();  // keeps the messages allocated, for the next frames to reuse
+    if (!writing_ && pending_urgent_) {
+      holding = false;
+      writer_state_ = WriterState::kBusy;
+      writing_ = true;
+      WriteNow(lock);
+      continue;
+    }
+    holding = holding && pending_frees_;
+    writer_state_ = WriterState::kIdle;
+    wake_writer_.wait(lock);
   }
 }
 
@@ -474,7 +559,7 @@ void ExecutorLink::HandleFrame(wire::ToFrontend& frame, uint64_t generation) {
     Log(LogLevel::kWarning, "executor_unknown_request", {LogField("rid", orphan->rid())});
     FreeOutputs(generation, *orphan);
   }
-  for (auto& [target, answer] : answers) target->worker().Post(target, std::move(answer));
+  for (auto& [target, answer] : answers) target->Deliver(std::move(answer));
 }
 
 void ExecutorLink::Lose(bool closing) {
@@ -490,6 +575,13 @@ void ExecutorLink::Lose(bool closing) {
     calls.swap(calls_);
     pending_.Clear();
     pending_urgent_ = pending_frees_ = false;
+    if (!handoff_.empty()) {
+      // The rest of a frame for the lost connection, not taken yet: it goes nowhere, and the
+      // token it held is free.
+      handoff_.clear();
+      handoff_socket_.reset();
+      writing_ = false;
+    }
   }
   // Nothing reads this front end's input blocks any more: all of them are free again.
   for (const auto& [rid, pending] : infers) FreeBlocks(pending.blocks);
@@ -498,12 +590,12 @@ void ExecutorLink::Lose(bool closing) {
   for (const auto& [rid, pending] : infers) {
     ExecutorAnswer answer;
     answer.status = lost;
-    pending.target->worker().Post(pending.target, std::move(answer));
+    pending.target->Deliver(std::move(answer));
   }
   for (const auto& [cid, target] : calls) {
     ExecutorAnswer answer;
     answer.status = lost;
-    target->worker().Post(target, std::move(answer));
+    target->Deliver(std::move(answer));
   }
   for (const auto& change : models_.Disconnect(kRestarting)) {
     observer_.OnModelChange(change.name, change.serving);

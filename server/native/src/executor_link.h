@@ -3,15 +3,19 @@
 // One Unix stream socket in the abstract namespace, frames of a 4-byte little-endian length and
 // one serialized message (ToExecutor out, ToFrontend in). Two threads own the socket:
 //
-//   - the writer: gRPC workers append Infer / cancel / free / Call entries to the pending
-//     ToExecutor under the mutex and signal; the writer swaps the whole frame out, then
-//     serializes and writes it outside the lock, so one write carries every entry that was
-//     ready and no lock is ever held across a socket write;
+//   - writing: gRPC workers append Infer / cancel / free / Call entries to the pending
+//     ToExecutor under the mutex. The thread that finds nobody writing takes the write token,
+//     swaps the whole frame out and writes it outside the lock, without blocking; entries
+//     appended meanwhile go in its next frame. So a request goes out on the thread that
+//     decoded it (no hand-off to wake), one write carries every entry that was ready, and no
+//     lock is ever held across a socket write. The writer thread writes what a worker could
+//     not (a full socket buffer: the rest of a frame, blocking), and returned output blocks
+//     that no request's frame carried within kFreeDelay;
 //   - the reader: connects (again every 50 ms until the executor listens), checks that the
 //     peer runs as this user, sends Hello alone, then reads whole frames and handles each in
 //     one pass in the order wire.proto gives: models, results, failures, released, replies.
 //
-// Answers go to the gRPC worker that owns the request (AnswerTarget::worker()), never handled
+// Answers go to the gRPC worker that owns the request (AnswerTarget::Deliver()), never handled
 // on the reader thread: building a reply copies the outputs out of the arena, and that work
 // spreads over the workers like the requests do.
 //
@@ -37,7 +41,6 @@ namespace batchgate {
 
 class InputRegion;
 class ModelTable;
-class Worker;
 
 // What the executor answered to one request or call, as its worker receives it.
 struct ExecutorAnswer {
@@ -51,9 +54,10 @@ struct ExecutorAnswer {
 // Something waiting for an executor answer: an inference request or a forwarded call.
 class AnswerTarget {
  public:
-  // The worker whose thread receives the answer (the one the gRPC call lives on).
-  virtual Worker& worker() = 0;
-  // On that worker's thread; exactly once per submitted Infer or Call.
+  // Any thread (the link's), exactly once per submitted Infer or Call: hands `answer` to the
+  // thread that handles it, the worker the gRPC call lives on (Worker::Post).
+  virtual void Deliver(ExecutorAnswer answer) = 0;
+  // On that worker's thread, once Deliver() handed it over.
   virtual void OnExecutorAnswer(ExecutorAnswer answer) = 0;
 
  protected:
@@ -118,8 +122,13 @@ class ExecutorLink {
   void HandleFrame(wire::ToFrontend& frame, uint64_t generation);
   void Lose(bool closing);
   void FreeBlocks(const std::vector<uint64_t>& blocks);
-  // Wakes the writer for a new entry (`urgent`: anything but returned output blocks).
-  void Signal(std::unique_lock<std::mutex>& lock, bool urgent);
+  // After a new entry (`urgent`: anything but returned output blocks): an urgent one is written
+  // now, on this thread, unless another thread holds the write token; returned blocks wait.
+  void Flush(std::unique_lock<std::mutex>& lock, bool urgent);
+  // With the write token: writes the pending frame, and again while urgent entries came
+  // meanwhile (a few rounds). Gives the token back, or to the writer thread when the socket
+  // buffer was full.
+  void WriteNow(std::unique_lock<std::mutex>& lock);
 
   const std::string socket_name_;
   const uint32_t slot_;
@@ -138,6 +147,11 @@ class ExecutorLink {
   wire::ToExecutor pending_;        // the next frame
   bool pending_urgent_ = false;     // it holds an Infer, cancel or Call
   bool pending_frees_ = false;      // it holds returned output blocks
+  bool writing_ = false;            // the write token: one thread writes to the socket at a time
+  // The rest of a frame a worker could not write (the socket buffer was full): the writer
+  // thread holds the write token until it has written it, to `handoff_socket_`.
+  std::string handoff_;
+  std::shared_ptr<Socket> handoff_socket_;
   enum class WriterState { kBusy, kIdle, kHoldingFrees } writer_state_ = WriterState::kBusy;
   std::unordered_map<uint64_t, PendingInfer> infers_;                 // rid -> request
   std::unordered_map<uint64_t, std::vector<uint64_t>> unreleased_;   // rid -> input blocks

@@ -24,6 +24,7 @@ namespace batchgate {
 class Frontend;
 class HealthWatchCall;
 class StreamInferCall;
+class Worker;
 struct RpcInfo;
 
 // A completion-queue tag: what to run when its operation completes.

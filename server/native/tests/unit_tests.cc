@@ -3,11 +3,18 @@
 // metrics exposition. Expected texts were produced by the Python code they mirror. No framework:
 // a failed check prints where and what, and the exit status counts the failures.
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <mutex>
+#include <thread>
 #include <random>
 #include <string>
 #include <vector>
@@ -677,6 +684,162 @@ void TestBatchResults() {
   CHECK(results.size() == 2);
 }
 
+// -- the executor link's writing --------------------------------------------------------------
+
+// The executor's end of a link, played by the test: one abstract socket, frames read and written
+// whole.
+class FakeExecutor {
+ public:
+  explicit FakeExecutor(const std::string& name) {
+    listener_ = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un address{};
+    address.sun_family = AF_UNIX;
+    std::memcpy(address.sun_path + 1, name.data(), name.size());
+    const auto length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+    CHECK(bind(listener_, reinterpret_cast<sockaddr*>(&address), length) == 0);
+    CHECK(listen(listener_, 1) == 0);
+  }
+  ~FakeExecutor() {
+    if (fd_ >= 0) close(fd_);
+    close(listener_);
+  }
+  void Accept() {
+    fd_ = accept(listener_, nullptr, nullptr);
+    CHECK(fd_ >= 0);
+    // A frame that never comes fails the test instead of hanging it.
+    const timeval limit{10, 0};
+    setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof limit);
+  }
+  bool Read(batchgate::wire::ToExecutor* frame) {
+    unsigned char header[4];
+    if (!ReadAll(reinterpret_cast<char*>(header), 4)) return false;
+    const uint32_t size = header[0] | header[1] << 8 | header[2] << 16 | uint32_t{header[3]} << 24;
+    std::string body(size, '\0');
+    return ReadAll(body.data(), size) && frame->ParseFromString(body);
+  }
+  void Write(const batchgate::wire::ToFrontend& frame) {
+    std::string bytes = frame.SerializeAsString();
+    const uint32_t size = static_cast<uint32_t>(bytes.size());
+    std::string all(4, '\0');
+    for (int i = 0; i < 4; ++i) all[i] = static_cast<char>((size >> (8 * i)) & 0xFF);
+    all += bytes;
+    CHECK(send(fd_, all.data(), all.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(all.size()));
+  }
+
+ private:
+  bool ReadAll(char* data, size_t size) {
+    while (size > 0) {
+      const ssize_t n = recv(fd_, data, size, 0);
+      if (n <= 0) return false;
+      data += n;
+      size -= static_cast<size_t>(n);
+    }
+    return true;
+  }
+  int listener_ = -1;
+  int fd_ = -1;
+};
+
+class LinkEvents final : public batchgate::LinkObserver {
+ public:
+  void OnConnectionChange(bool connected, size_t /*models*/) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    connected_ = connected;
+    changed_.notify_all();
+  }
+  void OnModelChange(const std::string& /*name*/, bool /*serving*/) override {}
+  bool WaitConnected() {
+    std::unique_lock<std::mutex> lock(mu_);
+    return changed_.wait_for(lock, std::chrono::seconds(10), [&] { return connected_; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable changed_;
+  bool connected_ = false;
+};
+
+// Counts the answers the link hands over (when it closes, everything in flight is answered).
+class CountingTarget final : public batchgate::AnswerTarget {
+ public:
+  void Deliver(batchgate::ExecutorAnswer answer) override {
+    if (answer.status.error_code() == grpc::StatusCode::UNAVAILABLE) ++unavailable;
+  }
+  void OnExecutorAnswer(batchgate::ExecutorAnswer /*answer*/) override {}
+  std::atomic<int> unavailable{0};
+};
+
+void TestLinkWritesEveryEntryInOrder() {
+  // Several threads submit while the executor reads nothing: far more than a socket holds (the
+  // link asks for 4 MiB buffers), so a submitter's write stops part-way and the writer thread
+  // finishes it, while later entries wait. Submitting never blocks. Every Infer must reach the
+  // executor once, in rid order (rids are taken in the order entries join the frame), each
+  // cancel after its Infer.
+  const std::string name = "batchgate-unit-" + std::to_string(getpid());
+  FakeExecutor executor(name);
+  batchgate::InputRegion region(0, 1 << 20);
+  batchgate::ModelTable models;
+  LinkEvents events;
+  CountingTarget target;
+  batchgate::ExecutorLink link(name, 0, region, models, events);
+  link.Start();
+  executor.Accept();
+  batchgate::wire::ToExecutor frame;
+  CHECK(executor.Read(&frame) && frame.has_hello());
+  batchgate::wire::ToFrontend welcome;
+  welcome.set_welcome(true);
+  executor.Write(welcome);
+  CHECK(events.WaitConnected());
+
+  constexpr int kThreads = 3;
+  constexpr int kPerThread = 40;
+  const std::string id(128 << 10, 'x');  // 15 MiB in all
+  std::atomic<int> refused{0};
+  std::vector<std::thread> submitters;
+  for (int t = 0; t < kThreads; ++t) {
+    submitters.emplace_back([&] {
+      for (int i = 0; i < kPerThread; ++i) {
+        auto infer = std::make_unique<batchgate::wire::Infer>();
+        infer->set_id(id);
+        uint64_t rid = 0;
+        grpc::Status refusal;
+        if (!link.SubmitInfer(std::move(infer), {}, 1, &target, &rid, &refusal)) {
+          ++refused;
+          continue;
+        }
+        if (rid % 7 == 0) link.Cancel(rid);
+      }
+    });
+  }
+  for (auto& thread : submitters) thread.join();
+  uint64_t last = 0;
+  int infers = 0;
+  bool ordered = true;
+  std::map<uint64_t, bool> cancel_after_infer;  // rid -> its Infer came first
+  while (infers < kThreads * kPerThread && executor.Read(&frame)) {
+    for (const auto& infer : frame.infer()) {
+      ordered = ordered && infer.rid() == last + 1 && infer.id() == id;
+      last = infer.rid();
+      ++infers;
+    }
+    for (const uint64_t rid : frame.cancel()) cancel_after_infer[rid] = rid <= last;
+  }
+  CHECK_EQ(refused.load(), 0);
+  CHECK_EQ(infers, kThreads * kPerThread);
+  CHECK(ordered);
+  // Cancels of the last rids may come in a frame after the last Infer: read until all are in.
+  const size_t cancels = static_cast<size_t>(kThreads * kPerThread / 7);
+  while (cancel_after_infer.size() < cancels && executor.Read(&frame)) {
+    for (const uint64_t rid : frame.cancel()) cancel_after_infer[rid] = rid <= last;
+  }
+  CHECK_EQ(cancel_after_infer.size(), cancels);
+  bool all_after = true;
+  for (const auto& [rid, after] : cancel_after_infer) all_after = all_after && after;
+  CHECK(all_after);
+  link.Close();  // answers what is in flight: every request, UNAVAILABLE
+  CHECK_EQ(target.unavailable.load(), kThreads * kPerThread);
+}
+
 int main() {
   TestQuotingAndCutting();
   TestShapes();
@@ -690,6 +853,7 @@ int main() {
   TestHandoverSharedMemory();
   TestMetrics();
   TestBatchResults();
+  TestLinkWritesEveryEntryInOrder();
   std::fprintf(stderr, "%d of %d checks failed\n", g_failures, g_checks);
   return g_failures ? 1 : 0;
 }
