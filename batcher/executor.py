@@ -58,7 +58,7 @@ import numpy as np
 import structlog
 import torch
 
-from batchgate.batcher import gpu
+from batchgate.batcher import gpu, scheduling
 from batchgate.batcher import graphs as cuda_graphs
 from batchgate.batcher.assembly import BatchAssembly
 from batchgate.batcher.batch import (
@@ -302,6 +302,8 @@ class Executor:
     # -- the threads ---------------------------------------------------------------------------
 
     def _configure_thread(self) -> None:
+        # Not the request path's SCHED_BATCH, which it would inherit (batcher/scheduling.py).
+        scheduling.model_thread(threading.current_thread().name)
         if self._cuda:  # the current device is per thread too (events are made on it)
             torch.cuda.set_device(self._device)
         # OpenMP's thread count is per calling thread: set it here, not on the main thread.
@@ -319,6 +321,7 @@ class Executor:
                     _interop_set = True
 
     def _assemble_loop(self) -> None:
+        scheduling.model_thread(threading.current_thread().name)
         if self._cuda:
             torch.cuda.set_device(self._device)
         try:
@@ -406,6 +409,7 @@ class Executor:
                 self._runner.close()
 
     def _finish_loop(self) -> None:
+        scheduling.model_thread(threading.current_thread().name)
         torch.cuda.set_device(self._device)
         try:
             while (item := self._finishing.get()) is not None:

@@ -25,6 +25,7 @@ import structlog
 from batchgate.batcher import gpu_env
 from batchgate.server import native
 from batchgate.server.logs import configure_logging
+from batchgate.server.posix import schedule_request_path
 from batchgate.server.settings import TOKEN_ENV, Settings, check_devices
 from batchgate.server.supervisor import Supervisor
 
@@ -185,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         log.info("frontend_chosen", frontend=frontend, frontends=frontends, reason=why)
     if supervisor is not None:
         return supervisor.run()
+    # Before the server's threads start: they inherit it, and model threads take SCHED_OTHER
+    # back (batchgate.batcher.scheduling).
+    schedule_request_path(settings.request_scheduling)
     asyncio.run(serve(settings))
     return 0
 

@@ -47,6 +47,7 @@ from batchgate.server.codec import bytes_array, bytes_encoding, bytes_row_offset
 from batchgate.server.control import ControlPlane
 from batchgate.server.logs import announce, configure_logging, runtime_facts
 from batchgate.server.multiproc_metrics import read_pid_once
+from batchgate.server.posix import schedule_request_path
 from batchgate.server.repository import READY, ModelIndexEntry, ModelRepository
 from batchgate.server.settings import Settings, check_devices, read_handover
 from batchgate.server.shared_memory import Placement, SharedMemoryRegistry
@@ -762,6 +763,8 @@ def main() -> int:
     read_pid_once()
     handover = read_handover()
     configure_logging(handover["settings"]["log_level"], "json")
+    # Before any thread starts: they inherit it, and model threads take the process's back.
+    schedule_request_path(handover["settings"]["request_scheduling"])
     structlog.contextvars.bind_contextvars(role="executor")
     return asyncio.run(run(handover))
 

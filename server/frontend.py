@@ -24,6 +24,7 @@ from batchgate.batcher.arena import SharedArena
 from batchgate.server.app import Gateway
 from batchgate.server.logs import announce, configure_logging, runtime_facts
 from batchgate.server.multiproc_metrics import read_pid_once
+from batchgate.server.posix import schedule_request_path
 from batchgate.server.remote import RemoteRepository
 from batchgate.server.settings import Settings, read_handover
 
@@ -54,6 +55,7 @@ def main() -> int:
     read_pid_once()
     handover = read_handover()
     configure_logging(handover["settings"]["log_level"], "json")
+    schedule_request_path(handover["settings"]["request_scheduling"])  # before any thread
     # Every line says which process wrote it: the supervisor forwards all children's lines.
     structlog.contextvars.bind_contextvars(role="frontend", slot=handover["slot"])
     asyncio.run(run(handover))

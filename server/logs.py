@@ -92,7 +92,10 @@ def runtime_facts() -> dict[str, object]:
     that tests and operators see the effect, not only the flag."""
     import gc
 
-    return {"gc_frozen": gc.get_freeze_count() > 0, "switch_interval_s": sys.getswitchinterval()}
+    from batchgate.batcher import scheduling
+
+    return {"gc_frozen": gc.get_freeze_count() > 0, "switch_interval_s": sys.getswitchinterval(),
+            "scheduling": scheduling.current()}
 
 
 def announce(event: str, **fields) -> None:

@@ -1,5 +1,6 @@
 """POSIX pieces of starting and watching child processes: the port reservation, the child's
-death with its parent, its handover on standard input, and how it exited.
+death with its parent, its handover on standard input, and how it exited; and a serving
+process's scheduling policy.
 
 No torch, no grpc: the supervisor imports it.
 """
@@ -12,6 +13,12 @@ import signal
 import socket
 import subprocess
 from collections.abc import Callable
+
+import structlog
+
+from batchgate.batcher import scheduling
+
+log = structlog.get_logger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -75,3 +82,14 @@ def exit_fields(returncode: int) -> dict:
 def describe_exit(how: dict) -> str:
     """``exit_fields`` in words."""
     return f"exit code {how['exit_code']}" if "exit_code" in how else f"killed by {how['signal']}"
+
+
+def schedule_request_path(policy: str) -> None:
+    """On a serving process's main thread, before it starts other threads: the request path's
+    scheduling policy (``--request-scheduling``, ``batchgate.batcher.scheduling``); one warning
+    where the system refuses it, and the server goes on as the process started."""
+    why = scheduling.request_path(policy)
+    if why is not None:
+        log.warning("request_scheduling_not_applied", policy=policy, reason=why,
+                    effect="the request path may preempt model threads under load")
+

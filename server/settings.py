@@ -38,6 +38,7 @@ PEM_MARKERS = {
 FRONTENDS = ("auto", "native", "python")
 LOG_FORMATS = ("auto", "json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+REQUEST_SCHEDULING = ("batch", "normal")  # batchgate.batcher.scheduling.POLICIES (no torch here)
 
 # The processes of a multi-process server; a single-process server is all three at once.
 SUPERVISOR = "supervisor"
@@ -188,6 +189,12 @@ class Settings:
     drain_timeout_s: float = setting(
         30.0, parse=float, roles=ALL,
         help="on SIGTERM/SIGINT, how long queued requests may take to finish")
+    request_scheduling: str = setting(
+        "batch", choices=REQUEST_SCHEDULING, roles=SERVING,
+        help="Linux scheduling policy of the request path's threads (front ends, the "
+             "executor's event loop): batch (SCHED_BATCH) does not preempt a running model "
+             "thread when it wakes, so model threads keep their cores under load; normal: "
+             "as the process started (SCHED_OTHER)")
     switch_interval_s: float = setting(
         0.0005, parse=float, roles=SERVING,
         help="Python's GIL switch interval; shorter keeps model threads fed")
@@ -222,7 +229,8 @@ class Settings:
         if not self.model_repository.is_dir():
             raise ValueError(f"model_repository must be a folder, got {str(self.model_repository)!r}")
         for name, choices in (("frontend", FRONTENDS), ("log_format", LOG_FORMATS),
-                              ("log_level", LOG_LEVELS)):
+                              ("log_level", LOG_LEVELS),
+                              ("request_scheduling", REQUEST_SCHEDULING)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, "
                                  f"got {getattr(self, name)!r}")

@@ -95,6 +95,7 @@ CHECKED = {
     "--arena-bytes": "the executor's arena size; refused with one process",
     "--drain-timeout-s": "every process drains with it",
     "--switch-interval-s": "the Python processes' GIL switch interval",
+    "--request-scheduling": "no serving thread runs SCHED_BATCH",
     "--no-gc-freeze": "the Python processes' garbage collector is not frozen",
     "--log-level": "debug lines are written",
     "--log-format": "every line is JSON",
@@ -181,7 +182,8 @@ def running(request, tmp_path_factory, pki):
         "--tls-client-ca", str(pki["ca"]), "--admin-token-file", str(root / "admin"),
         "--infer-token-file", str(root / "infer"), "--device-pool-bytes", str(POOL_BYTES),
         "--device-pool-permissive", "--drain-timeout-s", str(DRAIN_S),
-        "--switch-interval-s", str(SWITCH_S), "--no-gc-freeze", "--log-level", "debug",
+        "--switch-interval-s", str(SWITCH_S), "--no-gc-freeze", "--request-scheduling", "normal",
+        "--log-level", "debug",
         "--log-format", "json", "--shared-memory", env=env)
     try:
         process.wait_for("serving")
@@ -304,6 +306,9 @@ def test_the_process_flags(running):
     python_lines = [e for e in python_lines if "switch_interval_s" in e]
     assert python_lines and all(e["switch_interval_s"] == SWITCH_S for e in python_lines)
     assert all(e["gc_frozen"] is False for e in python_lines)
+    # --request-scheduling normal: the request path stays as started (the default's SCHED_BATCH
+    # is tests/test_scheduling.py's).
+    assert all(e["scheduling"] == "normal" for e in python_lines)
     if running.mode == "single":
         return
     # --frontend, --frontends, --frontend-threads: the processes that run.
@@ -316,6 +321,7 @@ def test_the_process_flags(running):
         workers = [t for t in Path(f"/proc/{pid}/task").iterdir()
                    if (t / "comm").read_text().startswith("bg-worker")]
         assert len(workers) == THREADS
+        assert {os.sched_getscheduler(int(t.name)) for t in workers} == {os.SCHED_OTHER}
     else:
         assert b"batchgate.server.frontend" in command
     # --arena-bytes: the executor's memfd.

@@ -169,6 +169,11 @@ bool ParseHandover(const std::string& json, Handover* out, std::string* error) {
   out->infer_token = s.OptionalString("infer_token");
   out->frontend_threads = static_cast<int>(s.Integer("frontend_threads", 0, 4096));
   out->shared_memory = s.Bool("shared_memory");
+  const std::string scheduling = s.String("request_scheduling");
+  if (s.ok() && scheduling != "batch" && scheduling != "normal") {
+    s.Fail("request_scheduling", "must be batch or normal");
+  }
+  out->batch_scheduling = scheduling == "batch";
   const std::string level = s.String("log_level");
   if (s.ok() && !ParseLogLevel(level, &out->log_level)) {
     s.Fail("log_level", "must be debug, info, warning, error or critical");

@@ -34,6 +34,7 @@ struct Handover {
   std::optional<std::string> admin_token, infer_token;
   int frontend_threads = 0;  // 0: the CPUs this process may run on
   bool shared_memory = false;  // requests may name shared-memory regions
+  bool batch_scheduling = true;  // the process's threads under SCHED_BATCH (request_scheduling)
   LogLevel log_level = LogLevel::kInfo;
 };
 

@@ -6,6 +6,7 @@
 // when it cannot start.
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/signalfd.h>
@@ -98,6 +99,18 @@ int main() {
   }
   batchgate::SetLogSlot(handover.slot);
   batchgate::SetLogLevel(handover.log_level);
+  // The whole process is request path: under SCHED_BATCH its threads (all started after this,
+  // and inheriting it) do not preempt the executor's model threads when they wake. Only from
+  // SCHED_OTHER: a policy someone chose for the process (chrt) stays.
+  if (handover.batch_scheduling && sched_getscheduler(0) == SCHED_OTHER) {
+    const sched_param normal{};
+    if (sched_setscheduler(0, SCHED_BATCH, &normal) != 0) {
+      batchgate::Log(batchgate::LogLevel::kWarning, "request_scheduling_not_applied",
+                     {batchgate::LogField("policy", std::string("batch")),
+                      batchgate::LogField("reason", std::string("sched_setscheduler: ") + std::strerror(errno)),
+                      batchgate::LogField("effect", std::string("the request path may preempt model threads under load"))});
+    }
+  }
 
   batchgate::Frontend frontend(std::move(handover));
   SignalThread signal_thread;

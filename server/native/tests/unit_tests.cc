@@ -619,7 +619,7 @@ void TestHandoverSharedMemory() {
           "max_request_bytes": 4096, "max_tensor_elements": 100, "drain_timeout_s": 1,
           "reflection": true, "tls_cert": null, "tls_key": null, "tls_client_ca": null,
           "admin_token": null, "infer_token": null, "frontend_threads": 1,
-          "log_level": "info")";
+          "request_scheduling": "normal", "log_level": "info")";
   batchgate::Handover handover;
   std::string error;
   CHECK(batchgate::ParseHandover(head + R"(, "shared_memory": true}})", &handover, &error));
@@ -634,6 +634,17 @@ void TestHandoverSharedMemory() {
   batchgate::Handover wrong;
   CHECK(!batchgate::ParseHandover(head + R"(, "shared_memory": 1}})", &wrong, &error));
   CHECK_EQ(error, std::string("handover key 'settings.shared_memory' must be true or false"));
+  CHECK(!off.batch_scheduling);
+  std::string batch = head + R"(, "shared_memory": false}})";
+  batch.replace(batch.find("\"normal\""), 8, "\"batch\"");
+  batchgate::Handover batched;
+  CHECK(batchgate::ParseHandover(batch, &batched, &error));
+  CHECK(batched.batch_scheduling);
+  std::string other = head + R"(, "shared_memory": false}})";
+  other.replace(other.find("\"normal\""), 8, "\"fifo\"");
+  batchgate::Handover refused;
+  CHECK(!batchgate::ParseHandover(other, &refused, &error));
+  CHECK_EQ(error, std::string("handover key 'settings.request_scheduling' must be batch or normal"));
 }
 
 void TestMetrics() {

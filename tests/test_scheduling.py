@@ -1,0 +1,114 @@
+"""The request path runs under SCHED_BATCH and model threads as the process started
+(``batchgate.batcher.scheduling``, ``--request-scheduling``), in every mode, read from ``/proc``.
+``--request-scheduling normal`` is in ``tests/test_settings.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.harness import start_process
+from tests.support.repository import model_config, tensor, write_model
+from tests.support.servers import SERVER_MODES, native_or_skip
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling only")
+
+MODEL = """
+import torch
+
+
+def build_model(parameters):
+    return torch.nn.Identity()
+"""
+
+
+def threads(pid: int) -> dict[int, tuple[str, int]]:
+    """tid -> (name, scheduling policy) of every thread of ``pid``."""
+    found = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found[int(task.name)] = ((task / "comm").read_text().strip(),
+                                     os.sched_getscheduler(int(task.name)))
+        except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
+            pass
+    return found
+
+
+@pytest.mark.parametrize("mode", SERVER_MODES)
+def test_request_path_under_sched_batch_and_model_threads_not(mode, tmp_path):
+    if mode == "native":
+        native_or_skip()
+    write_model(tmp_path, model_config("ident", max_batch_size=4,
+                                       input=[tensor("X", "FP32", [2])],
+                                       output=[tensor("Y", "FP32", [2])]), MODEL)
+    server = start_process(tmp_path, mode, frontends=0 if mode == "single" else 1,
+                           models=["ident"])
+    try:
+        # The process that runs the models: its event loop (the main thread) is request path.
+        runner = (server.supervisor.proc.pid if mode == "single"
+                  else server.supervisor.pids("executor")[None])
+        found = threads(runner)
+        assert found[runner][1] == os.SCHED_BATCH
+        model = [policy for name, policy in found.values() if name == "ident-0-batch"]
+        assert model == [os.SCHED_OTHER], found
+        if mode == "single":
+            return
+        [frontend] = server.supervisor.pids("frontend").values()
+        found = threads(frontend)
+        if mode == "native":  # every thread of the process is request path
+            assert {policy for _, policy in found.values()} == {os.SCHED_BATCH}, found
+            assert any(name.startswith("bg-worker") for name, _ in found.values())
+        else:
+            assert found[frontend][1] == os.SCHED_BATCH
+    finally:
+        server.stop()
+
+
+SCRIPT = """
+import json, os, threading
+from batchgate.batcher import scheduling
+
+if os.environ["STARTED"] == "batch":  # as under chrt --batch
+    os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+scheduling.request_path(os.environ["POLICY"])
+seen = {"main": scheduling.current()}
+
+def thread():
+    seen["inherited"] = scheduling.current()
+    scheduling.model_thread("a-model-thread-name")
+    seen["model"] = scheduling.current()
+    seen["name"] = open(f"/proc/self/task/{threading.get_native_id()}/comm").read().strip()
+
+t = threading.Thread(target=thread)
+t.start()
+t.join()
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize("policy, started, expected", [
+    ("batch", "normal", {"main": "batch", "inherited": "batch", "model": "normal"}),
+    ("normal", "normal", {"main": "normal", "inherited": "normal", "model": "normal"}),
+    # A policy chosen for the whole process (chrt --batch) is left to every thread.
+    ("batch", "batch", {"main": "batch", "inherited": "batch", "model": "batch"}),
+])
+def test_threads_inherit_the_request_path_and_model_threads_take_the_process_policy(
+        policy, started, expected):
+    out = subprocess.run([sys.executable, "-c", SCRIPT],
+                         env={**os.environ, "POLICY": policy, "STARTED": started}, check=True,
+                         capture_output=True, text=True).stdout
+    seen = json.loads(out)
+    assert {k: seen[k] for k in expected} == expected
+    assert seen["name"] == "a-model-thread-"  # 15 bytes: what Linux keeps
+
+
+def test_an_unknown_policy_is_refused():
+    from batchgate.batcher import scheduling
+
+    with pytest.raises(ValueError, match="got 'fifo'"):
+        scheduling.request_path("fifo")
