@@ -23,8 +23,11 @@ constexpr uint32_t kMaxFrameBytes = 64u << 20;
 constexpr size_t kSplitFrameBytes = 16u << 20;
 constexpr auto kReconnectInterval = std::chrono::milliseconds(50);
 constexpr int kSocketBufferBytes = 4 << 20;
-// How long returned output blocks may wait for a request's frame to carry them.
-constexpr auto kFreeDelay = std::chrono::microseconds(200);
+// How long returned output blocks may wait for a request's frame to carry them. Under load the
+// next request comes long before; a client that sends one request at a time sends its next
+// within a round trip, and a frame of their own would cost the executor a wake-up per request.
+// Held blocks stay taken meanwhile: at most this long's worth of outputs, once traffic stops.
+constexpr auto kFreeDelay = std::chrono::milliseconds(10);
 
 const char* const kRestarted = "the executor process restarted; retry the request";
 const char* const kNotConnected = "the executor process is not connected; retry";
@@ -282,6 +285,7 @@ void ExecutorLink::Flush(std::unique_lock<std::mutex>& lock, bool urgent) {
   // of its own.
   bool wake;
   if (!urgent) {
+    if (!pending_frees_) frees_since_ = std::chrono::steady_clock::now();
     pending_frees_ = true;
     wake = !writing_ && writer_state_ == WriterState::kIdle;
   } else {
@@ -328,10 +332,7 @@ void ExecutorLink::WriteNow(std::unique_lock<std::mutex>& lock) {
 
 void ExecutorLink::WriteLoop() {
   pthread_setname_np(pthread_self(), "bg-link-write");
-  using Clock = std::chrono::steady_clock;
   std::unique_lock<std::mutex> lock(mu_);
-  bool holding = false;  // returned blocks wait for a request's frame until `frees_due`
-  Clock::time_point frees_due;
   while (!closing_) {
     if (!handoff_.empty()) {
       // The rest of a worker's frame; the token is ours until it is written.
@@ -347,26 +348,21 @@ void ExecutorLink::WriteLoop() {
       continue;
     }
     if (!writing_ && pending_frees_ && !pending_urgent_) {
-      const Clock::time_point now = Clock::now();
-      if (!holding) {
-        holding = true;
-        frees_due = now + kFreeDelay;
-      }
-      if (now < frees_due) {
+      // Returned blocks wait for a request's frame to carry them, kFreeDelay at most.
+      const auto due = frees_since_ + kFreeDelay;
+      if (std::chrono::steady_clock::now() < due) {
         writer_state_ = WriterState::kHoldingFrees;
-        wake_writer_.wait_until(lock, frees_due);
+        wake_writer_.wait_until(lock, due);
         continue;
       }
       pending_urgent_ = true;  // due: they go now
     }
     if (!writing_ && pending_urgent_) {
-      holding = false;
       writer_state_ = WriterState::kBusy;
       writing_ = true;
       WriteNow(lock);
       continue;
     }
-    holding = holding && pending_frees_;
     writer_state_ = WriterState::kIdle;
     wake_writer_.wait(lock);
   }

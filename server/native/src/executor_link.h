@@ -26,6 +26,7 @@
 
 #include <grpcpp/support/status.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -147,6 +148,7 @@ class ExecutorLink {
   wire::ToExecutor pending_;        // the next frame
   bool pending_urgent_ = false;     // it holds an Infer, cancel or Call
   bool pending_frees_ = false;      // it holds returned output blocks
+  std::chrono::steady_clock::time_point frees_since_;  // when the first of them was returned
   bool writing_ = false;            // the write token: one thread writes to the socket at a time
   // The rest of a frame a worker could not write (the socket buffer was full): the writer
   // thread holds the write token until it has written it, to `handoff_socket_`.
