@@ -202,6 +202,7 @@ class ExecutorServer:
         self._in_use_shown = -1  # what the gauge holds: it is written only when that changes
         self._fronts: set[_FrontEnd] = set()
         self._calls: set[asyncio.Task] = set()
+        self._touched: set[ServedModel] = set()  # models whose queue depth is to be published
         # READY handle -> its model, its inputs' dtypes, whether it batches, and every output's
         # index (what a request that names none asks for): looked up once per request
         self._handles: dict[int, tuple[ServedModel, tuple, bool, tuple[int, ...]]] = {}
@@ -270,14 +271,10 @@ class ExecutorServer:
             self._hello(front, frame.hello)
         infers = frame.infer
         if len(infers) == 1:
-            self._infer(front, infers[0], None)
+            self._infer(front, infers[0])
         elif infers:
-            # The queue-depth gauge is written once per model per frame, not per request.
-            touched: set[ServedModel] = set()
             for infer in infers[:]:
-                self._infer(front, infer, touched)
-            for model in touched:
-                model.publish_depth()
+                self._infer(front, infer)
         # Each field read makes a container object: read once, iterated only when not empty.
         cancels = frame.cancel
         if cancels:
@@ -292,6 +289,11 @@ class ExecutorServer:
             task = asyncio.create_task(self._call(front, call))
             self._calls.add(task)
             task.add_done_callback(self._calls.discard)
+
+    def _publish_depths(self) -> None:
+        touched, self._touched = self._touched, set()
+        for model in touched:
+            model.publish_depth()
 
     def lost(self, front: _FrontEnd) -> None:
         self._fronts.discard(front)
@@ -324,10 +326,8 @@ class ExecutorServer:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def _infer(self, front: _FrontEnd, message: wire_pb2.Infer,
-               touched: set[ServedModel] | None) -> None:
-        """Submit one request. With ``touched``, its model joins it and the queue's depth is
-        left for the caller to publish once the frame's requests are in."""
+    def _infer(self, front: _FrontEnd, message: wire_pb2.Infer) -> None:
+        """Submit one request."""
         rid = message.rid
         served = self._handles.get(message.model)
         if served is None:
@@ -372,14 +372,19 @@ class ExecutorServer:
         if placed:
             request.check_inputs = self.shared_memory.checker(placed)
         remote = _Remote(front, rid, model, request, outputs or every_output, placements)
-        if touched is not None:
-            touched.add(model)
         try:
-            model.submit(request, remote, publish_depth=touched is None)
+            model.submit(request, remote, publish_depth=False)
         except BatchgateError as exc:
             front.fail(rid, True, *status_of(exc))
             return
         front.requests[rid] = remote
+        # The queue-depth gauge is written once per model per turn of the loop, after every
+        # frame this turn read, not per request (a read carries many frames under load).
+        touched = self._touched
+        if model not in touched:
+            if not touched:
+                asyncio.get_running_loop().call_soon(self._publish_depths)
+            touched.add(model)
 
     def _arrays(self, front: _FrontEnd, dtypes, tensors, placed: list, batching: bool
                 ) -> tuple[list[np.ndarray], tuple]:
