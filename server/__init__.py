@@ -11,10 +11,16 @@ SERVER_EXTENSIONS = (
     "schedule_policy",
     "health",
 )
-# Listed when the server serves shared-memory tensors (--shared-memory).
+# Listed when the server serves shared-memory tensors (--shared-memory); CUDA's only where the
+# process that holds the models has a CUDA device (its registrations need one).
 SHARED_MEMORY_EXTENSIONS = ("system_shared_memory",)
+CUDA_SHARED_MEMORY_EXTENSION = "cuda_shared_memory"
 
 
-def server_extensions(shared_memory: bool) -> tuple[str, ...]:
-    """What ServerMetadata lists, with the settings ``shared_memory`` on or off."""
-    return SERVER_EXTENSIONS + (SHARED_MEMORY_EXTENSIONS if shared_memory else ())
+def server_extensions(shared_memory: bool, cuda: bool = False) -> tuple[str, ...]:
+    """What ServerMetadata lists, with the settings ``shared_memory`` on or off, on a server
+    whose models run where there is a CUDA device (``cuda``) or not."""
+    if not shared_memory:
+        return SERVER_EXTENSIONS
+    return (SERVER_EXTENSIONS + SHARED_MEMORY_EXTENSIONS
+            + ((CUDA_SHARED_MEMORY_EXTENSION,) if cuda else ()))

@@ -53,9 +53,12 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 class Gateway:
     def __init__(self, settings: Settings, *, metrics: ServerMetrics | None = None,
-                 repository=None, reuse_port: bool = False) -> None:
+                 repository=None, reuse_port: bool = False,
+                 extensions: tuple[str, ...] | None = None) -> None:
         """``repository``: a front end's ``RemoteRepository``; by default the models load here.
-        ``reuse_port``: bind the gRPC port with SO_REUSEPORT (front ends sharing it)."""
+        ``reuse_port``: bind the gRPC port with SO_REUSEPORT (front ends sharing it).
+        ``extensions``: what ServerMetadata lists, as the supervisor handed it to a front end
+        (default: what this process serves)."""
         self.settings = settings
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self.health = health.aio.HealthServicer()
@@ -85,7 +88,7 @@ class Gateway:
                               if not self._remote else None)
         self.service = InferenceService(self.repository, self.metrics, limits, control,
                                         shared_memory=settings.shared_memory,
-                                        registry=self.shared_memory)
+                                        registry=self.shared_memory, extensions=extensions)
         self.grpc_port = 0
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None

@@ -747,8 +747,9 @@ async def run(handover: dict) -> int:
         gc.collect()
         gc.freeze()
     ready = [e.name for e in repository.index() if e.state == READY]
+    # Whether CUDA regions can be registered here: ServerMetadata's cuda_shared_memory.
     announce("executor_ready", models=ready, socket=handover["socket"], pid=os.getpid(),
-             **runtime_facts())
+             cuda_shared_memory=server.shared_memory.cuda_available(), **runtime_facts())
 
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -39,7 +39,8 @@ async def run(handover: dict) -> None:
     slot = handover["slot"]
     repository = RemoteRepository(arena, tuple(handover["input_region"]), slot,
                                   handover["executor_socket"])
-    gateway = Gateway(settings, repository=repository, reuse_port=True)
+    gateway = Gateway(settings, repository=repository, reuse_port=True,
+                      extensions=tuple(handover["extensions"]))
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -48,18 +48,24 @@ SHUTTING_DOWN_MESSAGE = "the server is shutting down; retry on another replica"
 class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, repository, metrics: ServerMetrics,
                  limits: RequestLimits = DEFAULT_LIMITS, control=None, *,
-                 shared_memory: bool = False, registry=None) -> None:
+                 shared_memory: bool = False, registry=None,
+                 extensions: tuple[str, ...] | None = None) -> None:
         """``control``: what answers the control RPCs (default: ``ControlPlane(repository)``;
         a front end's ``RemoteRepository`` forwards them). ``shared_memory``: whether
         shared-memory tensors are served (``--shared-memory``); ``registry``: the
         ``SharedMemoryRegistry`` of a single-process server, which maps regions here (None: the
-        ``control`` forwards the registration RPCs, and requests carry their placements)."""
+        ``control`` forwards the registration RPCs, and requests carry their placements).
+        ``extensions``: what ServerMetadata lists (default: ``server_extensions`` of
+        ``shared_memory``, CUDA's by the registry's own device)."""
         self._repository = repository
         self._control = control if control is not None else ControlPlane(repository)
         self._shared_memory = shared_memory
         self._registry = registry
         self._regions = registry if registry is not None else self._control
-        self._extensions = server_extensions(shared_memory)
+        if extensions is None:
+            extensions = server_extensions(
+                shared_memory, cuda=registry is not None and registry.cuda_available())
+        self._extensions = tuple(extensions)
         self._metrics = metrics
         self._limits = limits
         self._ready = False

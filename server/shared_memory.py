@@ -374,6 +374,14 @@ class SharedMemoryRegistry:
         if not self.enabled:
             raise NotSupported(OFF_MESSAGE)
 
+    def cuda_available(self) -> bool:
+        """Whether CUDA regions can be registered here: on, and a CUDA device in this process."""
+        if not self.enabled:
+            return False
+        from batchgate.server import cuda_ipc
+
+        return cuda_ipc.available()
+
     def _check_cuda(self):
         self._check_enabled()
         if self._cuda_ipc is None:

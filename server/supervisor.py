@@ -32,6 +32,7 @@ which is why one supervisor thread spawns every child and outlives them all
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import queue
@@ -117,9 +118,12 @@ class ChildInfo:
 
 
 class _Child:
-    """One child's place: its command line and handover, and the process currently filling it."""
+    """One child's place: its command line and handover, and the process currently filling it.
+    ``handover()`` makes the handover at each start: a front end's carries what the executor
+    that is ready then said of itself."""
 
-    def __init__(self, role: str, slot: int | None, argv: list[str], handover: bytes) -> None:
+    def __init__(self, role: str, slot: int | None, argv: list[str],
+                 handover: Callable[[], bytes]) -> None:
         self.role = role
         self.slot = slot
         self.argv = argv
@@ -195,6 +199,10 @@ class Supervisor:
         self.metrics_dir = None
         self.socket_name = f"batchgate-{os.getpid()}-{secrets.token_hex(4)}"
         self.models: list[str] = []
+        # Whether the executor can map clients' CUDA regions (its ready line says): front ends
+        # then list cuda_shared_memory. They start after it is ready, and every restart of it
+        # says again.
+        self.cuda_shared_memory = False
         self.serving = False
         self.exit_code: int | None = None
 
@@ -244,9 +252,9 @@ class Supervisor:
         self._env = {k: v for k, v in {**os.environ, **self._metrics.child_env()}.items()
                      if k not in TOKEN_ENV.values()}
         self._children = [_Child("executor", None, self.executor_command,
-                                 self._handover_of_executor())]
+                                 self._handover_of_executor)]
         self._children += [_Child("frontend", slot, self.frontend_command,
-                                  self._handover_of_frontend(slot))
+                                  functools.partial(self._handover_of_frontend, slot))
                            for slot in range(self.frontends)]
         self._thread = threading.Thread(target=self._supervise, name="batchgate-supervisor",
                                         daemon=True)
@@ -396,6 +404,7 @@ class Supervisor:
                 child.ready_deadline = None
                 if child.role == "executor":
                     self.models = list(info.get("models") or [])
+                    self.cuda_shared_memory = bool(info.get("cuda_shared_memory"))
                 elif self.frontend == "native":
                     self._metrics.native_process(self._metrics_socket(child.slot), proc.pid)
         elif kind == "exit":
@@ -504,7 +513,8 @@ class Supervisor:
             "input_region": [offset, size], "executor_socket": self.socket_name,
             "metrics_socket": self._metrics_socket(slot), "grpc_port": self.grpc_port,
             "version": __version__,
-            "extensions": list(server_extensions(self.settings.shared_memory)),
+            "extensions": list(server_extensions(self.settings.shared_memory,
+                                                 cuda=self.cuda_shared_memory)),
             "seconds_buckets": list(SECONDS_BUCKETS),
             "settings": self._settings_for(FRONTEND),
         })
@@ -532,7 +542,7 @@ class Supervisor:
                 # thread could have held at fork time.
                 preexec_fn=die_with_parent(os.getpid()),  # noqa: PLW1509
             )
-            hand_over(proc, child.handover)
+            hand_over(proc, child.handover())
         except OSError as exc:
             log.error("child_start_failed", role=child.role, slot=child.slot, error=str(exc))
             if self._phase == "starting":

@@ -196,6 +196,8 @@ def run_tritonclient(address: str) -> dict:
 def test_tritonclient_shared_memory(shm_server):
     out = run_tritonclient(shm_server.address)
     assert "system_shared_memory" in out["extensions"]
+    # CUDA's only where the models' process has a device to map a client's regions on.
+    assert ("cuda_shared_memory" in out["extensions"]) == _has_cuda()
     x = np.array([[1.5, -2.0], [3.0, 4.25]], dtype=np.float32)
 
     # Inputs read from the region at its offset, outputs written into the other.
@@ -447,6 +449,8 @@ def test_cuda_shared_memory_inputs_and_outputs(shm_server):
             tensor.data_ptr())) == 0
         handles.append(bytes(handle))
     stub = _stub(shm_server.address)
+    assert "cuda_shared_memory" in stub.ServerMetadata(pb.ServerMetadataRequest(),
+                                                       timeout=30).extensions
     for name, handle in zip(("gx", "gy"), handles):
         stub.CudaSharedMemoryRegister(pb.CudaSharedMemoryRegisterRequest(
             name=name, raw_handle=handle, device_id=0, byte_size=8), timeout=30)

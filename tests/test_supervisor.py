@@ -97,7 +97,9 @@ STANDIN = textwrap.dedent('''
            if os.path.exists(f"/proc/self/fd/{{fd}}")]
     say(f"{{ROLE}}_ready", slot=handover.get("slot"), grpc_port=handover.get("grpc_port"),
         models=["standin"], arena=os.readlink(f"/proc/self/fd/{{arena_fd}}"), fds=fds,
-        settings=sorted(settings), environ=sorted(os.environ))
+        settings=sorted(settings), environ=sorted(os.environ),
+        extensions=handover.get("extensions"),
+        cuda_shared_memory=(HERE / "cuda-executor").exists())
     signal.sigwait({{signal.SIGTERM}})
     say("standin_sigterm")
     linger = HERE / f"linger-{{ROLE}}"
@@ -192,14 +194,14 @@ def make_supervisor(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
 
     def make(frontends: int = 2, *, drain_timeout_s: float = 5.0, log_level: str = "info",
-             log_format: str = "json",
-             policy: RestartPolicy | None = None) -> tuple[Supervisor, LogSink]:
+             log_format: str = "json", policy: RestartPolicy | None = None,
+             shared_memory: bool = False) -> tuple[Supervisor, LogSink]:
         folder = standin_dir(tmp_path)
         script = str(folder / "standin.py")
         settings = Settings(host="127.0.0.1", grpc_port=0, metrics_port=0,
                             model_repository=tmp_path, drain_timeout_s=drain_timeout_s,
                             arena_bytes=1 << 20, log_format=log_format, log_level=log_level,
-                            admin_token="a" * 20)
+                            admin_token="a" * 20, shared_memory=shared_memory)
         sink = LogSink()
         supervisor = Supervisor(
             settings, frontends=frontends, executor_command=[sys.executable, script, "executor"],
@@ -269,6 +271,20 @@ def test_starts_the_executor_first_then_front_ends_and_forwards_their_lines(make
     assert not any(alive(pid) for pid in children)
     assert not metrics_dir.exists()
     assert {n for n in os.listdir("/dev/shm") if "batchgate" in n} <= shm_before
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_front_ends_list_cuda_shared_memory_where_the_executor_can_map_cuda_regions(
+        make_supervisor, tmp_path, cuda):
+    # The stand-in executor's ready line says what a real one says of its device.
+    if cuda:
+        (standin_dir(tmp_path) / "cuda-executor").touch()
+    supervisor, sink = make_supervisor(frontends=1, shared_memory=True)
+    supervisor.start()
+    [ready] = [e for e in sink.events() if e["event"] == "frontend_ready"]
+    assert "system_shared_memory" in ready["extensions"]
+    assert ("cuda_shared_memory" in ready["extensions"]) is cuda
+    assert supervisor.stop() == 0
 
 
 def test_one_scrape_sums_every_process_under_the_single_process_names(make_supervisor):
