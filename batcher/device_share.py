@@ -21,6 +21,7 @@ and a decision taken in that moment among the members already waiting would hand
 the other member every time (1 : 1 whatever the weights). So a member that releases the device
 while it still has work (``backlog()``: requests queued or a batch formed) keeps a *reservation*
 for ``reserve_s``: until it comes back, expires or leaves, it competes as if it were waiting.
+Each member has its own: another member's turn meanwhile does not end it.
 
 Members that set no weight are not members: they run when they like, as before.
 """
@@ -40,7 +41,8 @@ DEFAULT_RESERVE_S = 0.002
 class ShareMember:
     """One model (all its instances) in one device's share."""
 
-    __slots__ = ("backlog", "name", "on_charge", "order", "pass_", "waiting", "weight")
+    __slots__ = ("backlog", "name", "on_charge", "order", "pass_", "reserved_until", "waiting",
+                 "weight")
 
     def __init__(self, name: str, weight: float, backlog: Callable[[], bool],
                  on_charge: Callable[[float], None] | None, order: int) -> None:
@@ -50,6 +52,7 @@ class ShareMember:
         self.on_charge = on_charge
         self.pass_ = 0.0
         self.waiting = 0  # executor threads of this member waiting for a turn
+        self.reserved_until = 0.0  # it competes as if waiting until then (its reservation)
         self.order = order
 
 
@@ -65,8 +68,6 @@ class DeviceShare:
         self._members: list[ShareMember] = []
         self._orders = itertools.count()
         self._holder: ShareMember | None = None
-        self._reserved: ShareMember | None = None
-        self._reserved_until = 0.0
         self._vtime = 0.0
 
     def join(self, name: str, weight: float, *, backlog: Callable[[], bool] = lambda: False,
@@ -84,8 +85,7 @@ class DeviceShare:
         with self._cond:
             if member in self._members:
                 self._members.remove(member)
-            if self._reserved is member:
-                self._reserved = None
+            member.reserved_until = 0.0
             self._cond.notify_all()
 
     def now(self) -> float:
@@ -94,8 +94,9 @@ class DeviceShare:
     def acquire(self, member: ShareMember, *, blocking: bool = True) -> bool:
         """Take the device for ``member``; without ``blocking``, only if it is its turn now."""
         with self._cond:
-            if member is not self._reserved:
+            if member.reserved_until <= self._clock():  # an idle member banks no credit
                 member.pass_ = max(member.pass_, self._vtime)
+            member.reserved_until = 0.0  # it came back: it competes as waiting from now on
             member.waiting += 1
             try:
                 while not self._may_start(member):
@@ -105,7 +106,6 @@ class DeviceShare:
             finally:
                 member.waiting -= 1
             self._holder = member
-            self._reserved = None
             self._vtime = max(self._vtime, member.pass_)
             return True
 
@@ -115,8 +115,7 @@ class DeviceShare:
             self._holder = None
             member.pass_ += max(seconds, 0.0) / member.weight
             if member in self._members and member.backlog():
-                self._reserved = member
-                self._reserved_until = self._clock() + self._reserve_s
+                member.reserved_until = self._clock() + self._reserve_s
             self._cond.notify_all()
         if member.on_charge is not None:
             member.on_charge(seconds)
@@ -128,17 +127,15 @@ class DeviceShare:
             return False
         if member not in self._members:
             return True  # a thread of a member that left (a model being replaced): let it finish
-        reserved = self._reserved
-        if reserved is not None and self._clock() >= self._reserved_until:
-            reserved = self._reserved = None
-        contenders = [m for m in self._members if m.waiting or m is reserved]
+        now = self._clock()
+        contenders = [m for m in self._members if m.waiting or m.reserved_until > now]
         return min(contenders, key=lambda m: (m.pass_, m.order)) is member
 
     def _recheck_s(self) -> float | None:
         # Waiters must look again when a reservation runs out, not only when notified.
-        if self._reserved is None:
-            return None
-        return max(self._reserved_until - self._clock(), 0.0) or self._reserve_s
+        now = self._clock()
+        ends = [m.reserved_until for m in self._members if m.reserved_until > now]
+        return min(ends) - now if ends else None
 
 
 class DeviceTurns:

@@ -965,6 +965,25 @@ def test_a_member_that_just_ran_keeps_its_turn_while_it_has_work():
     share.release(light, 1.0)
 
 
+def test_a_reservation_lasts_through_another_members_turn():
+    clock = FakeClock()
+    share = DeviceShare("cpu", clock=clock, reserve_s=0.002)
+    a = share.join("a", 1, backlog=lambda: True)
+    b = share.join("b", 1)
+    c = share.join("c", 1)
+    assert share.acquire(c, blocking=False)
+    share.release(c, 3.0)  # c's pass: 3
+    assert share.acquire(a, blocking=False)
+    share.release(a, 1.0)  # a's pass: 1, and a has more work: reserved
+    assert share.acquire(b, blocking=False)  # b's pass (0) is lower than a's: b's turn
+    share.release(b, 0.5)
+    # a has not come back yet, but its reservation stands: c (pass 3) must not overtake it.
+    assert not share.acquire(c, blocking=False)
+    clock.advance(0.003)  # a did not come back within its reservation
+    assert share.acquire(c, blocking=False)
+    share.release(c, 1.0)
+
+
 def test_a_member_alone_gets_the_whole_device_and_idling_banks_no_credit():
     clock = FakeClock()
     share = DeviceShare("cpu", clock=clock)
