@@ -10,9 +10,10 @@ stream, ending with an event the compute stream waits for. Models whose inputs h
 dims or are BYTES have no fixed buffers: their batches are concatenated on the host and copied
 to the device as they are.
 
-A request whose inputs must be checked right before they are read (``check_inputs``: a
-shared-memory region that may have shrunk) is checked here; when the check fails, that request
-alone is answered with the error and the batch reads zeros in its place.
+A request whose inputs must be checked or read right before the batch reads them
+(``check_inputs``: a shared-memory region, read then, which may have shrunk) is checked here;
+when the check fails, that request alone is answered with the error and the batch reads zeros
+in its place.
 """
 
 from __future__ import annotations
@@ -184,7 +185,7 @@ def _check_inputs(request: InferenceRequest) -> None:
     """Run the request's check right before its inputs are read; when it fails, the request
     is answered with that error and the batch reads zeros in its place (never its memory)."""
     try:
-        request.check_inputs()
+        request.check_inputs(request)
     except BatchgateError as exc:
         request.input_error = exc
         request.inputs = [

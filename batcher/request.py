@@ -82,11 +82,11 @@ class InferenceRequest:
         # Called on the event loop when a taken request's batch has finished (its inputs may
         # live in shared memory that their owner reuses only after this).
         self.on_release: Callable[[], None] | None = None
-        # Called by the batch right before it reads the inputs (on its thread): raises a
-        # BatchgateError when they can no longer be read (a client's shared memory that
-        # shrank). The request then fails alone with that error, and the batch reads zeros in
-        # its place.
-        self.check_inputs: Callable[[], None] | None = None
+        # Called with the request by the batch right before it reads the inputs (on its
+        # thread): puts in ``inputs`` what must be read then (a client's shared memory), or
+        # raises a BatchgateError when they can no longer be read (its region shrank). The
+        # request then fails alone with that error, and the batch reads zeros in its place.
+        self.check_inputs: Callable[[InferenceRequest], None] | None = None
         self.input_error: BaseException | None = None
 
     @property

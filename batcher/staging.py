@@ -165,8 +165,8 @@ class InputStager:
     def _stage(self, request: InferenceRequest) -> None:
         if request.check_inputs is not None or any(
                 isinstance(a, torch.Tensor) for a in request.inputs):
-            # In a client's shared memory: the batch copies them itself, right after checking
-            # they can still be read (a tensor on a device needs no staging).
+            # In a client's shared memory: the batch reads them from the region itself (a tensor
+            # on a device needs no staging).
             return
         nbytes = sum(a.nbytes for a in request.inputs)
         with self._lock:  # reserve the bytes; the copies run outside the lock

@@ -335,7 +335,7 @@ class ExecutorServer:
             return
         model, dtypes, batching, every_output = served
         spec = model.spec
-        placed: list[tuple[str, Placement]] = []
+        placed: list[tuple[int, str, Placement]] = []
         try:
             arrays, shape_key = self._arrays(front, dtypes, message.inputs[:], placed, batching)
         except ValueError as exc:  # a front end's bug: its descriptors do not fit the model
@@ -390,7 +390,8 @@ class ExecutorServer:
                 ) -> tuple[list[np.ndarray], tuple]:
         """Views of the request's tensors in the front end's region (BYTES decoded), or in
         the client's shared-memory region, and the request's ``batch_shape_key``; the placed
-        ones' (name, Placement) into ``placed``. ``dtypes``: per input (dtype, datatype, name)."""
+        ones' (index, name, Placement) into ``placed``. ``dtypes``: per input (dtype, datatype,
+        name)."""
         if len(tensors) != len(dtypes):
             raise ValueError(f"{len(tensors)} tensors for {len(dtypes)} inputs")
         start, end = front.region
@@ -406,8 +407,8 @@ class ExecutorServer:
                                           != placement.nbytes):
                     raise ValueError(f"shape {list(shape)} of {datatype} is not "
                                      f"{placement.nbytes} bytes")
+                placed.append((len(arrays), name, placement))
                 arrays.append(self.shared_memory.input_array(placement, name, datatype))
-                placed.append((name, placement))
                 continue
             offset, nbytes = tensor.offset, tensor.nbytes
             if offset < start or offset + nbytes > end:

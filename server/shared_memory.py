@@ -7,22 +7,23 @@ lives in the process that holds the models (the executor process, or the single-
 server): front ends only check the parameters and forward them (``protos/wire.proto``,
 ``Placement``).
 
-Inputs are numpy views of the mapped region (read-only, like the arena's views): the batch
-copies them into its batch buffer, which is the only copy. Outputs are written with
-``os.pwrite`` once the batch is done. Registrations belong to the server, not to a
-connection; unregister-all and ``close`` (at exit) release every one. A region still read by
-requests in flight is unmapped when the last of them ends.
+Inputs are read from the region's file with ``pread``, never through a mapping: a client that
+truncates its file while the server reads a mapping would make the read fault (SIGBUS) and kill
+the process, where ``pread`` just comes back short. A tensor of a fixed-size datatype is read
+right before its batch reads it (the request's ``check_inputs``), into a buffer of its own that
+the batch copies from; until then the request holds a read-only view of the mapping as a
+placeholder of its shape, which nothing reads. BOOL and BYTES tensors are read when the
+request arrives, as their bytes are checked then. A request whose region shrank fails alone
+with INVALID_ARGUMENT. Outputs are written with ``os.pwrite`` once the batch is done.
+Registrations belong to the server, not to a connection; unregister-all and ``close`` (at exit)
+release every one. A region still referred to by requests in flight is unmapped when the last
+of them ends.
 
-A client that truncates its file while the server reads it would make the read fault (SIGBUS)
-and kill the process, so the file's size is checked (``fstat`` on the descriptor kept open)
-when the request arrives and again right before its batch reads it (the request's
-``check_inputs``); a request whose region shrank fails alone with INVALID_ARGUMENT. What
-remains is the instant between that last check and the copy: this extension is for trusted
-local clients (the same user, or a container sharing ``/dev/shm`` on purpose), as a client
-that can write into the server's memory must be anyway. A region whose key was unlinked while
-registered is refused as well (its pages would otherwise keep being served while nobody else
-can see them). Bytes the client changes while its request is in flight are the client's
-business: the request reads whatever is there when its batch copies it.
+A region whose key was unlinked while registered is refused (its pages would otherwise keep
+being served while nobody else can see them). Bytes the client changes while its request is in
+flight are the client's business: the request reads whatever is there when it is read. The
+extension is still for trusted local clients (the same user, or a container sharing
+``/dev/shm`` on purpose): the registration RPCs open files with the server's permissions.
 """
 
 from __future__ import annotations
@@ -119,6 +120,19 @@ class _SystemRegion:
                 f"{what}: shared-memory region {quoted(self.name)} shrank: key "
                 f"{quoted(self.key)} has {size} bytes, its registration needs "
                 f"{self.offset + self.byte_size}; register it again")
+
+    def read_into(self, out, offset: int, what: str) -> None:
+        """Fill ``out`` (a writable buffer) with the bytes at ``offset`` of the registration,
+        by ``pread``: InvalidRequest when the file shrank under them (never a fault)."""
+        view = memoryview(out).cast("B")
+        done, size = 0, len(view)
+        while done < size:
+            read = os.preadv(self.fd, [view[done:]], self.offset + offset + done)
+            if read == 0:
+                self.check(what)  # says by how much it shrank
+                raise InvalidRequest(f"{what}: shared-memory region {quoted(self.name)} "
+                                     f"ended {size - done} bytes early; register it again")
+            done += read
 
     def check_key(self, what: str) -> None:
         """InvalidRequest when the key was unlinked (or replaced) since registration."""
@@ -263,7 +277,7 @@ class SharedMemoryRegistry:
         for index, (placement, tspec) in enumerate(zip(request.input_placements, spec.inputs)):
             if placement is not None:
                 request.inputs[index] = self.input_array(placement, tspec.name, tspec.datatype)
-                named.append((tspec.name, placement))
+                named.append((index, tspec.name, placement))
         request.check_inputs = self.checker(named)
 
     def place_outputs(self, request, spec, outputs: dict) -> dict:
@@ -277,8 +291,10 @@ class SharedMemoryRegistry:
         return placed
 
     def input_array(self, placement: Placement, name: str, datatype: str):
-        """The input's array: a read-only numpy view of a system region (BYTES decoded), or a
-        tensor on the device of a CUDA region. InvalidRequest / NOT_FOUND saying why not."""
+        """The input's array: for a system region, a read-only view of its mapping that only
+        stands for the tensor's shape until ``checker``'s check reads it (BOOL and BYTES:
+        read now); a tensor on the device of a CUDA region. InvalidRequest / NOT_FOUND saying
+        why not."""
         what = f"input {quoted(name)}"
         region = self._region(placement, what)
         if not isinstance(region, _SystemRegion):
@@ -290,9 +306,10 @@ class SharedMemoryRegistry:
         if datatype == "BYTES":
             from batchgate.server.codec import bytes_array
 
+            data = bytearray(placement.nbytes)
+            region.read_into(data, placement.offset, what)
             try:
-                return bytes_array(region.mapping[start:start + placement.nbytes],
-                                   placement.shape)
+                return bytes_array(bytes(data), placement.shape)
             except ValueError:
                 raise InvalidRequest(
                     f"{what}: the {placement.nbytes} bytes in shared-memory region "
@@ -300,28 +317,38 @@ class SharedMemoryRegistry:
                     f"{list(placement.shape)} (per element, a 4-byte little-endian length, "
                     "then that many bytes)") from None
         dtype = NUMPY_DTYPES[datatype]
+        if datatype == "BOOL":  # its bytes are checked now: read now
+            array = np.empty(placement.shape, dtype)
+            region.read_into(array, placement.offset, what)
+            if array.size and array.view(np.uint8).max() > 1:
+                raise InvalidRequest(f"{what}: a BOOL tensor must hold bytes 0 and 1 only")
+            return array
         count = placement.nbytes // dtype.itemsize
         array = np.frombuffer(region.mapping, dtype, count, start).reshape(placement.shape)
-        # Read-only: a model that writes to its inputs gets a copy, not the client's memory.
         array.flags.writeable = False
-        if datatype == "BOOL" and array.size and array.view(np.uint8).max() > 1:
-            raise InvalidRequest(f"{what}: a BOOL tensor must hold bytes 0 and 1 only")
         return array
 
     def checker(self, placements) -> object:
-        """A request's ``check_inputs``: the size check of its system regions, right before
-        its batch reads them (None when none of its inputs is in one)."""
-        regions = []
-        for name, placement in placements:
+        """A request's ``check_inputs`` (``placements``: its placed inputs' (index, name,
+        Placement)): right before its batch reads them, the inputs still standing for a system
+        region are read from it into buffers of their own (None when none is left to read)."""
+        unread = []
+        for index, name, placement in placements:
             region = self._system.get(placement.region)
             if region is not None:
-                regions.append((f"input {quoted(name)}", region))
-        if not regions:
+                unread.append((index, f"input {quoted(name)}", region, placement.offset))
+        if not unread:
             return None
 
-        def check_inputs() -> None:
-            for what, region in regions:
-                region.check(what)
+        def check_inputs(request) -> None:
+            inputs = request.inputs
+            for index, what, region, offset in unread:
+                standing = inputs[index]
+                if standing.flags.writeable:  # read already (a BOOL tensor, a second batch)
+                    continue
+                array = np.empty(standing.shape, standing.dtype)
+                region.read_into(array, offset, what)
+                inputs[index] = array
         return check_inputs
 
     def write_output(self, placement: Placement, name: str, datatype: str,
