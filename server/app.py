@@ -24,11 +24,11 @@ from batchgate.protos import inference_pb2, inference_pb2_grpc, registry
 from batchgate.server import auth, tls
 from batchgate.server.codec import RequestLimits
 from batchgate.server.control import ControlPlane
-from batchgate.server.drain import GOAWAY_PROPAGATION_S, LAST_ANSWERS_S
+from batchgate.server.drain import GOAWAY_PROPAGATION_S, LAST_ANSWERS_S, DrainGate
 from batchgate.server.logs import runtime_facts
 from batchgate.server.metrics import ServerMetrics
 from batchgate.server.repository import ModelRepository
-from batchgate.server.service import InferenceService
+from batchgate.server.service import SHUTTING_DOWN_MESSAGE, InferenceService
 from batchgate.server.shared_memory import SharedMemoryRegistry
 from batchgate.server.settings import DEFAULT_REPOSITORY, Settings  # noqa: F401 (re-exported)
 
@@ -51,6 +51,39 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+class _Health(health.aio.HealthServicer):
+    """grpcio-health-checking's servicer, whose open Watch streams the drain ends with
+    UNAVAILABLE once their NOT_SERVING is written, as the native front end does: left open, a
+    client's Watch (gRPC's client-side health checking keeps one) held the shutdown until its
+    grace ran out."""
+
+    def __init__(self, drain: DrainGate) -> None:
+        super().__init__()
+        self._drain = drain
+
+    async def Watch(self, request, context) -> None:
+        if self._drain.streams_ended:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN_MESSAGE)
+        watching = asyncio.ensure_future(super().Watch(request, context))
+        ended_by_drain = False
+
+        def end_for_drain() -> None:
+            nonlocal ended_by_drain
+            ended_by_drain = True
+            watching.cancel()
+
+        self._drain.watch_stream(end_for_drain)
+        try:
+            await watching
+        except asyncio.CancelledError:
+            if not ended_by_drain:
+                raise
+        finally:
+            self._drain.forget_stream(end_for_drain)
+            watching.cancel()  # the client went away: so does the watch
+        await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN_MESSAGE)
+
+
 class Gateway:
     def __init__(self, settings: Settings, *, metrics: ServerMetrics | None = None,
                  repository=None, reuse_port: bool = False,
@@ -61,7 +94,8 @@ class Gateway:
         (default: what this process serves)."""
         self.settings = settings
         self.metrics = metrics if metrics is not None else ServerMetrics()
-        self.health = health.aio.HealthServicer()
+        self.drain = DrainGate()
+        self.health = _Health(self.drain)
         self._remote = repository is not None
         self._reuse_port = reuse_port
         if repository is None:
@@ -88,7 +122,8 @@ class Gateway:
                               if not self._remote else None)
         self.service = InferenceService(self.repository, self.metrics, limits, control,
                                         shared_memory=settings.shared_memory,
-                                        registry=self.shared_memory, extensions=extensions)
+                                        registry=self.shared_memory, extensions=extensions,
+                                        drain=self.drain)
         self.grpc_port = 0
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
@@ -145,7 +180,7 @@ class Gateway:
         """Drain and stop: NOT_SERVING first, then finish what was accepted, then close."""
         grace = self.settings.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         deadline = time.monotonic() + grace
-        drain = self.service.drain
+        drain = self.drain
         self.service.start_draining()
         await self.health.enter_graceful_shutdown()
         log.info("draining", drain_timeout_s=grace)

@@ -49,14 +49,16 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, repository, metrics: ServerMetrics,
                  limits: RequestLimits = DEFAULT_LIMITS, control=None, *,
                  shared_memory: bool = False, registry=None,
-                 extensions: tuple[str, ...] | None = None) -> None:
+                 extensions: tuple[str, ...] | None = None,
+                 drain: DrainGate | None = None) -> None:
         """``control``: what answers the control RPCs (default: ``ControlPlane(repository)``;
         a front end's ``RemoteRepository`` forwards them). ``shared_memory``: whether
         shared-memory tensors are served (``--shared-memory``); ``registry``: the
         ``SharedMemoryRegistry`` of a single-process server, which maps regions here (None: the
         ``control`` forwards the registration RPCs, and requests carry their placements).
         ``extensions``: what ServerMetadata lists (default: ``server_extensions`` of
-        ``shared_memory``, CUDA's by the registry's own device)."""
+        ``shared_memory``, CUDA's by the registry's own device). ``drain``: the gate the
+        server's other services share (health's Watch streams end with the drain too)."""
         self._repository = repository
         self._control = control if control is not None else ControlPlane(repository)
         self._shared_memory = shared_memory
@@ -69,7 +71,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         self._metrics = metrics
         self._limits = limits
         self._ready = False
-        self.drain = DrainGate()
+        self.drain = drain if drain is not None else DrainGate()
         self._status_counters: dict[tuple[str, grpc.StatusCode], object] = {}
         self._latency: dict[str, object] = {}
 
