@@ -11,13 +11,13 @@ Inputs are read from the region's file with ``pread``, never through a mapping: 
 truncates its file while the server reads a mapping would make the read fault (SIGBUS) and kill
 the process, where ``pread`` just comes back short. A tensor of a fixed-size datatype is read
 right before its batch reads it (the request's ``check_inputs``), into a buffer of its own that
-the batch copies from; until then the request holds a read-only view of the mapping as a
-placeholder of its shape, which nothing reads. BOOL and BYTES tensors are read when the
-request arrives, as their bytes are checked then. A request whose region shrank fails alone
-with INVALID_ARGUMENT. Outputs are written with ``os.pwrite`` once the batch is done.
+the batch copies from; until then the request holds a read-only placeholder of its shape and
+datatype (no memory behind it). BOOL and BYTES tensors are read when the request arrives, as
+their bytes are checked then. A request whose region shrank fails alone with INVALID_ARGUMENT.
+Outputs are written with ``os.pwrite`` once the batch is done. Nothing maps a client's file.
 Registrations belong to the server, not to a connection; unregister-all and ``close`` (at exit)
-release every one. A region still referred to by requests in flight is unmapped when the last
-of them ends.
+release every one. A region's descriptor is closed once nothing refers to it: its
+registration, or requests in flight that still read it.
 
 A region whose key was unlinked while registered is refused (its pages would otherwise keep
 being served while nobody else can see them). Bytes the client changes while its request is in
@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import gc
-import mmap
 import os
 import stat
 import weakref
@@ -74,11 +72,10 @@ class Placed:
 
 
 class _SystemRegion:
-    """One registration of a ``/dev/shm`` file: its descriptor, kept open to check the file's
-    size and identity at use, and its mapping."""
+    """One registration of a ``/dev/shm`` file: its descriptor, kept open to read and write it
+    and to check the file's size and identity at use."""
 
-    __slots__ = ("name", "key", "offset", "byte_size", "fd", "inode", "mapping", "base",
-                 "__weakref__")
+    __slots__ = ("name", "key", "offset", "byte_size", "fd", "inode", "__weakref__")
 
     def __init__(self, name: str, key: str, offset: int, byte_size: int) -> None:
         self.name, self.key, self.offset, self.byte_size = name, key, offset, byte_size
@@ -98,16 +95,12 @@ class _SystemRegion:
                 raise StatusError(Code.INVALID_ARGUMENT, (
                     f"shared-memory region {quoted(name)}: offset {offset} + byte_size "
                     f"{byte_size} is past the end of key {quoted(key)} ({info.st_size} bytes)"))
-            start = offset - offset % mmap.ALLOCATIONGRANULARITY
-            self.mapping = mmap.mmap(fd, offset + byte_size - start, mmap.MAP_SHARED,
-                                     mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
         except BaseException:
             os.close(fd)
             raise
         self.fd = fd
         self.inode = (info.st_dev, info.st_ino)
-        self.base = offset - start  # the registration's first byte in the mapping
-        # The descriptor outlives an unregister while requests in flight still check it.
+        # The descriptor outlives an unregister while requests in flight still read it.
         weakref.finalize(self, os.close, fd)
 
     def check(self, what: str) -> None:
@@ -146,14 +139,6 @@ class _SystemRegion:
                 f"{what}: shared-memory key {quoted(self.key)} of region {quoted(self.name)} "
                 "was removed (unlinked) by its owner while registered; unregister the region "
                 "and register it again")
-
-    def release(self) -> bool:
-        """Unmap now (True), or once the views of requests in flight have gone (False)."""
-        try:
-            self.mapping.close()
-        except BufferError:
-            return False
-        return True
 
 
 class SharedMemoryRegistry:
@@ -204,21 +189,10 @@ class SharedMemoryRegistry:
         """An unknown name is not an error (Triton's behaviour): the region is not there."""
         self._check_enabled()
         names = [request.name] if request.name else list(self._system)
-        deferred = []
         for name in names:
-            region = self._system.pop(name, None)
-            if region is not None and not region.release():
-                deferred.append(region)
-            elif region is not None:
-                log.info("shared_memory_unregistered", kind="system", region=name, unmapped=True)
-        if deferred:
-            # Finished requests caught in reference cycles may still hold views: collect them
-            # now (a rare control-plane call) rather than keep the client's file mapped until
-            # the collector happens to run. Requests still in flight keep theirs.
-            gc.collect()
-            for region in deferred:
-                log.info("shared_memory_unregistered", kind="system", region=region.name,
-                         unmapped=region.release())
+            # Its descriptor closes once requests in flight that still read it have gone.
+            if self._system.pop(name, None) is not None:
+                log.info("shared_memory_unregistered", kind="system", region=name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     async def cuda_status(self, request: pb.CudaSharedMemoryStatusRequest
@@ -264,7 +238,7 @@ class SharedMemoryRegistry:
 
     def close(self) -> None:
         """Release every registration (the server is stopping)."""
-        for region in (*self._system.values(), *self._cuda.values()):
+        for region in self._cuda.values():
             region.release()
         self._system.clear()
         self._cuda.clear()
@@ -291,10 +265,9 @@ class SharedMemoryRegistry:
         return placed
 
     def input_array(self, placement: Placement, name: str, datatype: str):
-        """The input's array: for a system region, a read-only view of its mapping that only
-        stands for the tensor's shape until ``checker``'s check reads it (BOOL and BYTES:
-        read now); a tensor on the device of a CUDA region. InvalidRequest / NOT_FOUND saying
-        why not."""
+        """The input's array: for a system region, a read-only placeholder of its shape and
+        dtype until ``checker``'s check reads it (BOOL and BYTES: read now); a tensor on the
+        device of a CUDA region. InvalidRequest / NOT_FOUND saying why not."""
         what = f"input {quoted(name)}"
         region = self._region(placement, what)
         if not isinstance(region, _SystemRegion):
@@ -302,14 +275,13 @@ class SharedMemoryRegistry:
                                  datatype)
         region.check(what)
         region.check_key(what)
-        start = region.base + placement.offset
         if datatype == "BYTES":
             from batchgate.server.codec import bytes_array
 
             data = bytearray(placement.nbytes)
             region.read_into(data, placement.offset, what)
             try:
-                return bytes_array(bytes(data), placement.shape)
+                return bytes_array(data, placement.shape)
             except ValueError:
                 raise InvalidRequest(
                     f"{what}: the {placement.nbytes} bytes in shared-memory region "
@@ -323,10 +295,8 @@ class SharedMemoryRegistry:
             if array.size and array.view(np.uint8).max() > 1:
                 raise InvalidRequest(f"{what}: a BOOL tensor must hold bytes 0 and 1 only")
             return array
-        count = placement.nbytes // dtype.itemsize
-        array = np.frombuffer(region.mapping, dtype, count, start).reshape(placement.shape)
-        array.flags.writeable = False
-        return array
+        # One element broadcast to the shape: read-only, and no memory behind it.
+        return np.broadcast_to(np.zeros((), dtype), placement.shape)
 
     def checker(self, placements) -> object:
         """A request's ``check_inputs`` (``placements``: its placed inputs' (index, name,
@@ -344,7 +314,7 @@ class SharedMemoryRegistry:
             inputs = request.inputs
             for index, what, region, offset in unread:
                 standing = inputs[index]
-                if standing.flags.writeable:  # read already (a BOOL tensor, a second batch)
+                if standing.flags.writeable:  # read already (BOOL, BYTES, a second batch)
                     continue
                 array = np.empty(standing.shape, standing.dtype)
                 region.read_into(array, offset, what)
@@ -375,7 +345,7 @@ class SharedMemoryRegistry:
             return placed
         region.check(what)
         region.check_key(what)
-        # pwrite, not the mapping: a file that shrank meanwhile cannot fault the process.
+        # pwrite: a file that shrank meanwhile cannot fault the process.
         at = region.offset + placement.offset
         while data:
             written = os.pwrite(region.fd, data, at)
