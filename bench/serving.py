@@ -16,7 +16,10 @@ One run, one machine, the model on one intra-op thread everywhere:
 
 Figures (ratios within one run):
 
-- ratio: throughput at c=64 ÷ in-process samples/s at batch 64;
+- ratio: throughput at c=64 ÷ in-process samples/s at batch 64; split in two by the same
+  throughput ÷ the in-process samples/s at the step's mean batch size (measured after the
+  servers ran): how close the server came to the model at the batches it formed, the rest being
+  the batch size itself;
 - p99 at c=64;
 - added p50: p50 at c=1 minus the in-process batch-1 time;
 - CPU per request outside the model at c=64: the server's processes' CPU time less the time the
@@ -202,13 +205,16 @@ def machine_busy_s() -> float:
 # -- the in-process ceiling --------------------------------------------------------------------
 
 
-def measure_inprocess(repository: Path, model: str, seconds: float) -> dict[int, dict[str, Any]]:
-    """Batch 64 and batch 1 in a fresh interpreter, so this process never loads torch."""
+def measure_inprocess(repository: Path, model: str, seconds: float,
+                      also: tuple[int, ...] = ()) -> dict[int, dict[str, Any]]:
+    """Batch 64, batch 1 and the batch sizes ``also`` in a fresh interpreter, so this process
+    never loads torch."""
+    sizes = [CEILING_BATCH, 1, *(b for b in dict.fromkeys(also) if b not in (CEILING_BATCH, 1))]
     with tempfile.TemporaryDirectory(prefix="bench-inprocess-") as scratch:
         out = Path(scratch) / "inprocess.json"
         command = [
             sys.executable, "-m", "batchgate.bench.inprocess", "--model-repository", str(repository),
-            "--model", model, "--batch", str(CEILING_BATCH), "1", "--seconds", f"{seconds:g}",
+            "--model", model, "--batch", *map(str, sizes), "--seconds", f"{seconds:g}",
             "--threads", str(THREADS), "--json", str(out),
         ]
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -546,9 +552,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             modes[mode] = {"steps": steps, "server_command": server.command,
                            "exit_code": exit_code}
 
-    _say("in-process ceiling (after) ...")
-    after = measure_inprocess(repository, args.model, seconds)
+    served = served_batch_sizes(modes)
+    _say(f"in-process ceiling (after), and at the served batch sizes {list(served)} ...")
+    after = measure_inprocess(repository, args.model, seconds, served)
     return summarize(args, before, after, modes, config, time.monotonic() - started)
+
+
+def served_batch_sizes(modes: dict[str, dict[str, Any]]) -> tuple[int, ...]:
+    """The mean batch sizes of the c=64 steps, rounded, in the order met: the in-process rate at
+    each is measured after the servers ran, to split a ratio into how large the server's batches
+    were and how close it came to the model at those sizes."""
+    sizes = []
+    for measured in modes.values():
+        for _low, high in measured.get("steps", {}).values():
+            if high.mean_batch:
+                sizes.append(max(1, round(high.mean_batch)))
+    return tuple(dict.fromkeys(sizes))
 
 
 def summarize(
@@ -573,6 +592,9 @@ def summarize(
         by_generator = {}
         for generator, (low, high) in measured["steps"].items():
             ratio = high.perf.row.throughput_per_s / ceiling
+            # The same throughput against the model alone at the batch size the server formed.
+            at_batch = after.get(max(1, round(high.mean_batch))) if high.mean_batch else None
+            at_batch_per_s = at_batch["samples_per_s"] if at_batch else None
             added_p50 = low.perf.row.p50_ms - batch1_ms
             checks = {
                 "ratio": (ratio, target.ratio, ratio >= target.ratio),
@@ -590,6 +612,9 @@ def summarize(
                 "figures": {
                     "c64_throughput_per_s": high.perf.row.throughput_per_s,
                     "ratio": ratio,
+                    "inprocess_at_batch_per_s": at_batch_per_s,
+                    "vs_inprocess_at_batch": (high.perf.row.throughput_per_s / at_batch_per_s
+                                              if at_batch_per_s else None),
                     "c64_p99_ms": high.perf.row.p99_ms,
                     "c1_p50_ms": low.perf.row.p50_ms,
                     "added_p50_ms": added_p50,
@@ -654,10 +679,14 @@ def render(report: dict[str, Any]) -> str:
         f"{b64['samples_per_s']:,.0f}, after {a64['samples_per_s']:,.0f}); batch 1 p50 "
         f"{report['inprocess_batch1_ms']:.2f} ms (before {b1['batch_p50_ms']:.2f}, after "
         f"{a1['batch_p50_ms']:.2f})",
+        "at the served batch sizes (after): " + (", ".join(
+            f"batch {size} {result['samples_per_s']:,.0f} samples/s"
+            for size, result in after.items() if size not in (str(CEILING_BATCH), "1")) or "none"),
         "",
     ]
-    header = ("mode", "load", "c=64 /s", "ratio", "c=64 p99 ms", "added p50 ms",
-              "outside model µs/req", "executor µs/req", "front end µs/req", "c=64 batch",
+    header = ("mode", "load", "c=64 /s", "ratio", "c=64 batch", "vs in-process at that batch",
+              "c=64 p99 ms", "added p50 ms",
+              "outside model µs/req", "executor µs/req", "front end µs/req",
               "front-end threads busy (largest share)")
     rows = [header]
     verdicts = []
@@ -675,11 +704,13 @@ def render(report: dict[str, Any]) -> str:
 
             rows.append((
                 mode, generator, f"{f['c64_throughput_per_s']:,.0f}",
-                mark("ratio", f"{f['ratio']:.2f}"), mark("c64_p99_ms", f"{f['c64_p99_ms']:.1f}"),
+                mark("ratio", f"{f['ratio']:.2f}"), opt(high["mean_batch_size"], ".1f"),
+                opt(f.get("vs_inprocess_at_batch"), ".2f"),
+                mark("c64_p99_ms", f"{f['c64_p99_ms']:.1f}"),
                 mark("added_p50_ms", f"{f['added_p50_ms']:+.2f}"),
                 mark("outside_model_us", opt(f["outside_model_us"], ".0f")),
                 mark("executor_us", opt(f["executor_us"], ".0f")),
-                opt(f["frontend_us"], ".0f"), opt(high["mean_batch_size"], ".1f"),
+                opt(f["frontend_us"], ".0f"),
                 "n/a" if spread is None else
                 f"{spread['busy_threads']} ({spread['largest_share']:.0%})",
             ))

@@ -118,3 +118,46 @@ def test_the_wire_read_benchmark_reads_every_frame_with_both_readers(tmp_path):
     # measure() raises unless the reader handled every frame the child wrote.
     assert set(figures["us_per_frame"]) == set(wire_read.READERS)
     assert all(len(v) == 1 and v[0] > 0 for v in figures["us_per_frame"].values())
+
+
+def _step(concurrency: int, throughput: float, batches: float, samples: float):
+    from batchgate.bench.serving import PerfRun, Step
+
+    return Step(
+        concurrency=concurrency,
+        perf=PerfRun(row=PerfRow(concurrency, throughput, 2.0, 20.0), stability_percentage=0.0,
+                     wall_s=4.0, cpu_s=1.0, command=["bench"]),
+        batches=batches, samples=samples, answered=samples, compute_s=1.0, model_cpu_s=1.0,
+        queue_waits=samples, queue_s=0.1, reasons={}, cpu_s={"executor": 2.0, "frontend": 0.5},
+        frontend_threads_s={"bg-worker-0": 0.25, "bg-worker-1": 0.25}, machine_busy_s=6.0)
+
+
+def test_the_serving_ratio_is_split_at_the_batch_size_the_server_formed():
+    """The c=64 throughput is also set against the in-process rate at the step's mean batch
+    size (rounded), measured after the servers ran; the table shows both."""
+    import argparse
+
+    from batchgate.bench import serving
+
+    modes = {"native": {"steps": {"bench": [_step(1, 400.0, 1000, 1000),
+                                            _step(64, 3000.0, 400, 12000)]},  # batch 30
+                        "server_command": ["serve"], "exit_code": 0}}
+    assert serving.served_batch_sizes(modes) == (30,)
+
+    def inprocess(rates: dict[int, float]) -> dict[int, dict]:
+        return {b: {"samples_per_s": r, "batch_p50_ms": 1.0, "version": "1", "device": "cpu",
+                    "torch": "x"} for b, r in rates.items()}
+
+    before, after = inprocess({64: 5000.0, 1: 800.0}), inprocess({64: 5000.0, 1: 800.0,
+                                                                   30: 4000.0})
+    args = argparse.Namespace(model="mlp", server_arg=[], seconds_per_step=4.0)
+    report = serving.summarize(args, before, after, modes, None, 10.0)
+    figures = report["modes"]["native"]["load_generators"]["bench"]["figures"]
+    assert figures["ratio"] == pytest.approx(3000 / 5000)
+    assert figures["inprocess_at_batch_per_s"] == 4000.0
+    assert figures["vs_inprocess_at_batch"] == pytest.approx(3000 / 4000)
+    table = serving.render(json.loads(json.dumps(report)))
+    assert "vs in-process at that batch" in table
+    assert "batch 30 4,000 samples/s" in table
+    row = next(line for line in table.splitlines() if line.startswith("native"))
+    assert "0.75" in row.split() and "30.0" in row.split()
