@@ -121,10 +121,13 @@ def run_perf_analyzer(
     extra_args: tuple[str, ...] = (),
 ) -> PerfRun:
     """One closed-loop gRPC measurement at ``concurrency``; retried at looser stabilities.
-    ``extra_args``: further perf_analyzer flags (``--shared-memory system`` ...)."""
+    ``extra_args``: further perf_analyzer flags (``--shared-memory system`` ...). The run's wall
+    and CPU seconds span every attempt, as a caller's readings around this call do."""
     if not os.access(perf_analyzer, os.X_OK):
         raise PerfAnalyzerError(f"perf_analyzer not found at {perf_analyzer}; {INSTALL_HINT}")
     failures = []
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-pa-") as scratch:
         for attempt, stability in enumerate(stability_percentages):
             csv_path = Path(scratch) / f"c{concurrency}-{attempt}.csv"
@@ -136,8 +139,6 @@ def run_perf_analyzer(
                 "--stability-percentage", f"{stability:g}",
                 "-f", str(csv_path), *extra_args,
             ]
-            before = resource.getrusage(resource.RUSAGE_CHILDREN)
-            started = time.monotonic()
             try:
                 done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
             except subprocess.TimeoutExpired:

@@ -161,3 +161,39 @@ def test_the_serving_ratio_is_split_at_the_batch_size_the_server_formed():
     assert "batch 30 4,000 samples/s" in table
     row = next(line for line in table.splitlines() if line.startswith("native"))
     assert "0.75" in row.split() and "30.0" in row.split()
+
+
+def test_a_retried_perf_analyzer_run_counts_the_wall_and_cpu_of_every_attempt(tmp_path):
+    """The server's CPU is read around the whole call; the load generator's cores and the
+    machine's other cores are divided by the run's wall time, so it spans the failed attempt
+    too (it did not: a retried step showed a 2-core machine's server using 4 cores)."""
+    import os
+    import sys
+    import time
+
+    from batchgate.bench._perf_analyzer import run_perf_analyzer
+
+    csv = tmp_path / "rows.csv"
+    csv.write_text(PERF_ANALYZER_CSV)
+    first = tmp_path / "first-attempt"
+    fake = tmp_path / "perf_analyzer"
+    fake.write_text(f"""#!{sys.executable}
+import resource, shutil, sys, time
+args = sys.argv[1:]
+if args[args.index("--stability-percentage") + 1] == "20":
+    started = time.monotonic()
+    while resource.getrusage(resource.RUSAGE_SELF).ru_utime < 0.05:
+        pass
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    open({str(first)!r}, "w").write(f"{{started}} {{usage.ru_utime + usage.ru_stime}}")
+    sys.exit("unstable")
+shutil.copy({str(csv)!r}, args[args.index("-f") + 1])
+""")
+    os.chmod(fake, 0o755)
+    run = run_perf_analyzer(url="127.0.0.1:1", model="mlp", concurrency=64,
+                            measurement_interval_ms=1000, perf_analyzer=fake)
+    ended = time.monotonic()
+    first_started, first_cpu_s = map(float, first.read_text().split())
+    assert run.stability_percentage == 40.0 and run.row.throughput_per_s == 210.379
+    assert ended - run.wall_s <= first_started
+    assert run.cpu_s >= first_cpu_s
