@@ -311,6 +311,11 @@ class Step:
         return self.samples / self.batches if self.batches else None
 
     @property
+    def batch_size(self) -> int | None:
+        """The mean batch, rounded: the size the model alone is measured at to compare."""
+        return max(1, round(self.mean_batch)) if self.mean_batch else None
+
+    @property
     def mean_compute_ms(self) -> float | None:
         return self.compute_s * 1e3 / self.batches if self.batches else None
 
@@ -565,8 +570,8 @@ def served_batch_sizes(modes: dict[str, dict[str, Any]]) -> tuple[int, ...]:
     sizes = []
     for measured in modes.values():
         for _low, high in measured.get("steps", {}).values():
-            if high.mean_batch:
-                sizes.append(max(1, round(high.mean_batch)))
+            if high.batch_size:
+                sizes.append(high.batch_size)
     return tuple(dict.fromkeys(sizes))
 
 
@@ -593,7 +598,7 @@ def summarize(
         for generator, (low, high) in measured["steps"].items():
             ratio = high.perf.row.throughput_per_s / ceiling
             # The same throughput against the model alone at the batch size the server formed.
-            at_batch = after.get(max(1, round(high.mean_batch))) if high.mean_batch else None
+            at_batch = after.get(high.batch_size) if high.batch_size else None
             at_batch_per_s = at_batch["samples_per_s"] if at_batch else None
             added_p50 = low.perf.row.p50_ms - batch1_ms
             checks = {

@@ -5,13 +5,18 @@ No timing is asserted: figures on a shared machine are for ``python -m batchgate
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from batchgate.bench import inprocess
-from batchgate.bench.serving import PerfRow, parse_metrics, parse_perf_analyzer_csv
+from batchgate.bench import inprocess, serving
+from batchgate.bench._perf_analyzer import PerfRun, run_perf_analyzer
+from batchgate.bench.serving import PerfRow, Step, parse_metrics, parse_perf_analyzer_csv
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 
@@ -121,8 +126,6 @@ def test_the_wire_read_benchmark_reads_every_frame_with_both_readers(tmp_path):
 
 
 def _step(concurrency: int, throughput: float, batches: float, samples: float):
-    from batchgate.bench.serving import PerfRun, Step
-
     return Step(
         concurrency=concurrency,
         perf=PerfRun(row=PerfRow(concurrency, throughput, 2.0, 20.0), stability_percentage=0.0,
@@ -135,10 +138,6 @@ def _step(concurrency: int, throughput: float, batches: float, samples: float):
 def test_the_serving_ratio_is_split_at_the_batch_size_the_server_formed():
     """The c=64 throughput is also set against the in-process rate at the step's mean batch
     size (rounded), measured after the servers ran; the table shows both."""
-    import argparse
-
-    from batchgate.bench import serving
-
     modes = {"native": {"steps": {"bench": [_step(1, 400.0, 1000, 1000),
                                             _step(64, 3000.0, 400, 12000)]},  # batch 30
                         "server_command": ["serve"], "exit_code": 0}}
@@ -167,12 +166,6 @@ def test_a_retried_perf_analyzer_run_counts_the_wall_and_cpu_of_every_attempt(tm
     """The server's CPU is read around the whole call; the load generator's cores and the
     machine's other cores are divided by the run's wall time, so it spans the failed attempt
     too (it did not: a retried step showed a 2-core machine's server using 4 cores)."""
-    import os
-    import sys
-    import time
-
-    from batchgate.bench._perf_analyzer import run_perf_analyzer
-
     csv = tmp_path / "rows.csv"
     csv.write_text(PERF_ANALYZER_CSV)
     first = tmp_path / "first-attempt"
