@@ -91,6 +91,9 @@ async def _frame_reader(name: str, frames: int, gap_s: float) -> tuple[int, floa
         def frame(self, _frame) -> None:
             count[0] += 1
 
+        def read(self) -> None:
+            pass
+
         def lost(self, _reason) -> None:
             ended.set_result(None)
 

@@ -89,6 +89,11 @@ class _FrontEnd:
         if out is not None:
             out.failures.add(rid=rid, released=released, code=code, message=text)
 
+    def flush(self) -> None:
+        """Send the frame being filled now (a batch's answers), not at the loop turn's end."""
+        if not self.closed:
+            self.link.flush()
+
     def release(self, rid: int) -> None:
         """The request's inputs are no longer read (it was answered before its batch ended)."""
         out = self.out()
@@ -176,11 +181,12 @@ class _Remote:
 class _Connection:
     """One front end's connection, as ``wire.FrameReader`` hands it frames."""
 
-    __slots__ = ("frame", "_server", "_front")
+    __slots__ = ("frame", "read", "_server", "_front")
 
     def __init__(self, server: ExecutorServer, front: _FrontEnd) -> None:
         self._server, self._front = server, front
         self.frame = functools.partial(server.frame, front)  # one call per frame, no lookup
+        self.read = server.read
 
     def lost(self, _reason: ConnectionError) -> None:
         self._server.lost(self._front)
@@ -290,10 +296,14 @@ class ExecutorServer:
             self._calls.add(task)
             task.add_done_callback(self._calls.discard)
 
-    def _publish_depths(self) -> None:
-        touched, self._touched = self._touched, set()
-        for model in touched:
-            model.publish_depth()
+    def read(self) -> None:
+        """The frames of one read are in: the queue-depth gauges of the models they queued to
+        are written once for all of them (a read carries many frames under load)."""
+        touched = self._touched
+        if touched:
+            self._touched = set()
+            for model in touched:
+                model.publish_depth()
 
     def lost(self, front: _FrontEnd) -> None:
         self._fronts.discard(front)
@@ -378,13 +388,7 @@ class ExecutorServer:
             front.fail(rid, True, *status_of(exc))
             return
         front.requests[rid] = remote
-        # The queue-depth gauge is written once per model per turn of the loop, after every
-        # frame this turn read, not per request (a read carries many frames under load).
-        touched = self._touched
-        if model not in touched:
-            if not touched:
-                asyncio.get_running_loop().call_soon(self._publish_depths)
-            touched.add(model)
+        self._touched.add(model)  # its queue-depth gauge is written once the read is handled
 
     def _arrays(self, front: _FrontEnd, dtypes, tensors, placed: list, batching: bool
                 ) -> tuple[list[np.ndarray], tuple]:
@@ -484,6 +488,9 @@ class ExecutorServer:
             if block not in referenced:
                 self._outputs.free(block)
         self._show_in_use()
+        # The answers go out before the batch's accounting (ServedModel._deliver) runs.
+        for front in {remote.front for _, remote in live}:
+            front.flush()
 
     def _describe_each(self, live: list[tuple[int, _Remote]], spec: ModelSpec,
                        outputs: list[np.ndarray], starts: list[int], split: bool,

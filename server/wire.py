@@ -7,7 +7,8 @@ front end, ``ToFrontend`` from the executor.
 
 Writing is batched per event-loop iteration: ``Link.out`` is the frame being filled, and it is
 written once, after the callbacks that are running now (a finished batch answers all its
-requests into one frame, which costs one ``write`` system call). Reading hands over one whole
+requests into one frame, which costs one ``write`` system call), or as soon as its writer calls
+``Link.flush`` (the executor does once a batch's answers are in it). Reading hands over one whole
 frame, which the receiver handles in one pass. The executor's end reads in the transport's
 ``data_received``: every whole frame of a read goes to its handler there and then, with no
 reader task to wake per frame (a front end's end, which reads far fewer frames, awaits
@@ -101,6 +102,10 @@ class Link(Generic[In, Out]):
         """The size of the frame being filled (0: none), to keep a frame under MAX_FRAME_BYTES."""
         return 0 if self._pending is None else self._pending.ByteSize()
 
+    def flush(self) -> None:
+        """Write the frame being filled now, not at the end of the loop's turn."""
+        self._flush()
+
     def _flush(self) -> None:
         frame, self._pending = self._pending, None
         if frame is None or self._writer.is_closing():
@@ -144,6 +149,9 @@ class FrameHandler(Protocol):
     def frame(self, frame: wire_pb2.ToExecutor) -> None:
         """One whole frame, on the event loop, in order; ConnectionError ends the connection."""
 
+    def read(self) -> None:
+        """The frames of one read of the socket have all been handed over (at least one)."""
+
     def lost(self, reason: ConnectionError) -> None:
         """The connection ended (``reason`` says how); called once, and no frame after it."""
 
@@ -184,6 +192,7 @@ class FrameReader(asyncio.Protocol):
             buffer += data
             data = buffer
         start, size = 0, len(data)
+        handler = self._handler
         # The view goes before the buffer is resized, whatever the handler raised.
         with memoryview(data) as view:
             try:
@@ -199,11 +208,14 @@ class FrameReader(asyncio.Protocol):
                     except DecodeError as exc:
                         raise ConnectionError(f"the peer sent a malformed frame ({exc})") from exc
                     start = end
-                    self._handler.frame(frame)
+                    handler.frame(frame)
             except ConnectionError as exc:
                 self._reason = exc
                 self._transport.close()
                 return
+            finally:
+                if start:
+                    handler.read()
         if data is buffer:
             del buffer[:start]
         elif start < size:

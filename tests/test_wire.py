@@ -32,6 +32,7 @@ class _Executor:
         self.ended = asyncio.Event()
         self.error: BaseException | None = None
         self.got = asyncio.Event()
+        self.read_marks: list[int] = []  # frames handed over when each read() came
 
     def accept(self, link: wire.FrontendLink) -> _Executor.Connection:
         return self.Connection(self, link)
@@ -46,6 +47,9 @@ class _Executor:
             executor.got.set()
             if len(executor.frames) == 1:
                 self.link.out.welcome = True
+
+        def read(self) -> None:
+            self.executor.read_marks.append(len(self.executor.frames))
 
         def lost(self, reason: ConnectionError) -> None:
             self.executor.error = reason  # recorded for the test to look at
@@ -84,6 +88,10 @@ async def test_frames_cut_anywhere_and_packed_together_arrive_whole_in_order() -
             await writer.drain()
         await executor.wait_frames(len(frames))
         assert [list(f.cancel) for f in executor.frames] == [list(f.cancel) for f in frames]
+        # read() follows each read that completed frames, once, after them: never a read that
+        # completed none (the first frame's bytes one by one), never before its frames.
+        marks = executor.read_marks
+        assert marks == sorted(set(marks)) and marks[0] >= 1 and marks[-1] == len(frames)
         # The executor's answer (written once the handler returned) reaches the peer framed.
         (length,) = wire.HEADER.unpack(await reader.readexactly(wire.HEADER.size))
         reply = wire_pb2.ToFrontend.FromString(await reader.readexactly(length))
@@ -224,6 +232,9 @@ class _FrameSink:
 
     def __init__(self) -> None:
         self.out = wire_pb2.ToFrontend()
+
+    def flush(self) -> None:  # the test reads the frame as it was filled
+        pass
 
 
 def _answer_batch(rows: list[int], released: bool, wants: dict[int, tuple[int, ...]]):
