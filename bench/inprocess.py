@@ -8,6 +8,12 @@ it on the main thread would leave the loop on torch's default.
 
     python -m batchgate.bench.inprocess --model mlp --batch 64 --seconds 5
     python -m batchgate.bench.inprocess --model mlp --batch 64 1 --seconds 3 --json out.json
+    python -m batchgate.bench.inprocess --model mlp --batch 1 --idle-ms 1.5 --seconds 3
+
+``--idle-ms``: the thread sleeps that long before each call, as a server's model thread waits
+for the next request at low load, and the call is timed from its wake-up. A model called from
+idle is slower than in the tight loop (the core wakes from idle, its caches lost their
+contents): this is the model's own share of a server's latency at concurrency 1.
 
 This module is the one place in ``bench/`` that imports torch and the server's loading code;
 ``batchgate.bench.serving`` runs it in a subprocess, so the load generator's process stays torch-free.
@@ -81,8 +87,10 @@ def sample_inputs(spec: ModelSpec, batch_size: int, seed: int = 0) -> list[torch
     return tensors
 
 
-def run(model: LoadedModel, batch_size: int, seconds: float, threads: int = 1) -> dict[str, Any]:
-    """Call ``model`` on ``batch_size`` rows for ``seconds`` on a fresh thread; the figures."""
+def run(model: LoadedModel, batch_size: int, seconds: float, threads: int = 1,
+        idle_ms: float = 0.0) -> dict[str, Any]:
+    """Call ``model`` on ``batch_size`` rows for ``seconds`` on a fresh thread, sleeping
+    ``idle_ms`` before each call (not timed); the figures."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if model.spec.max_batch_size and batch_size > model.spec.max_batch_size:
@@ -93,12 +101,14 @@ def run(model: LoadedModel, batch_size: int, seconds: float, threads: int = 1) -
         raise ValueError(f"seconds must be > 0, got {seconds}")
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
+    if idle_ms < 0:
+        raise ValueError(f"idle_ms must be >= 0, got {idle_ms}")
     inputs = sample_inputs(model.spec, batch_size)
     outcome: dict[str, Any] = {}
 
     def loop() -> None:
         try:
-            outcome["times_ns"] = _timed_calls(model, inputs, seconds, threads)
+            outcome["times_ns"] = _timed_calls(model, inputs, seconds, threads, idle_ms / 1e3)
         except BaseException as exc:  # handed to the caller's thread
             outcome["error"] = exc
 
@@ -116,6 +126,7 @@ def run(model: LoadedModel, batch_size: int, seconds: float, threads: int = 1) -
         "device": model.spec.device,
         "batch_size": batch_size,
         "threads": threads,
+        "idle_ms": idle_ms,
         "calls": len(times_ns),
         "seconds": total_s,
         "samples_per_s": len(times_ns) * batch_size / total_s,
@@ -125,7 +136,8 @@ def run(model: LoadedModel, batch_size: int, seconds: float, threads: int = 1) -
     }
 
 
-def _timed_calls(model: LoadedModel, inputs: list[torch.Tensor], seconds: float, threads: int) -> list[int]:
+def _timed_calls(model: LoadedModel, inputs: list[torch.Tensor], seconds: float, threads: int,
+                 idle_s: float) -> list[int]:
     torch.set_num_threads(threads)
     module = model.module
     device_type = torch.device(model.spec.device).type
@@ -141,6 +153,8 @@ def _timed_calls(model: LoadedModel, inputs: list[torch.Tensor], seconds: float,
         clock = time.perf_counter_ns
         deadline = clock() + int(seconds * 1e9)
         while True:
+            if idle_s:
+                time.sleep(idle_s)
             started = clock()
             module(*inputs)
             if cuda:
@@ -168,14 +182,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="timed seconds per batch size (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads of the model thread (default: %(default)s)")
+    parser.add_argument("--idle-ms", type=float, default=0.0,
+                        help="sleep this long before each call, as a model thread waiting for "
+                             "requests at low load (default: 0, a tight loop)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
     configure_logging("warning", "console")  # the loader's debug lines would mix into stdout
 
     model = load(args.model_repository / args.model)
-    results = [run(model, batch, args.seconds, args.threads) for batch in args.batch]
+    results = [run(model, batch, args.seconds, args.threads, args.idle_ms)
+               for batch in args.batch]
     for r in results:
-        print(f"{r['model']} batch {r['batch_size']:>3}, {r['threads']} thread(s): "
+        idle = f", {r['idle_ms']:g} ms idle before each call" if r["idle_ms"] else ""
+        print(f"{r['model']} batch {r['batch_size']:>3}, {r['threads']} thread(s){idle}: "
               f"{r['samples_per_s']:9.1f} samples/s, batch p50 {r['batch_p50_ms']:.3f} ms, "
               f"p99 {r['batch_p99_ms']:.3f} ms ({r['calls']} calls in {r['seconds']:.1f} s)")
     if args.json is not None:

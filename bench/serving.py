@@ -21,7 +21,10 @@ Figures (ratios within one run):
   servers ran): how close the server came to the model at the batches it formed, the rest being
   the batch size itself;
 - p99 at c=64;
-- added p50: p50 at c=1 minus the in-process batch-1 time;
+- added p50: p50 at c=1 minus the in-process batch-1 time; and minus the model's batch-1 time
+  when called from idle (``inprocess --idle-ms``, the idle being the fastest c=1 step's p50
+  less the batch-1 time, as a model thread waits between requests at c=1): what the server
+  adds, less the part of a c=1 request's time the model itself takes longer than in the loop;
 - CPU per request outside the model at c=64: the server's processes' CPU time less the time the
   executor threads spent inside the model's forward (``batchgate_model_cpu_seconds_total``),
   per request answered; the executor's share alone, and the front end's;
@@ -210,12 +213,31 @@ def measure_inprocess(repository: Path, model: str, seconds: float,
     """Batch 64, batch 1 and the batch sizes ``also`` in a fresh interpreter, so this process
     never loads torch."""
     sizes = [CEILING_BATCH, 1, *(b for b in dict.fromkeys(also) if b not in (CEILING_BATCH, 1))]
+    return _inprocess(repository, model, seconds, sizes)
+
+
+def measure_from_idle(repository: Path, model: str, seconds: float, idle_ms: float
+                      ) -> dict[str, Any]:
+    """Batch 1 with the model thread sleeping ``idle_ms`` before each call."""
+    return _inprocess(repository, model, seconds, [1], idle_ms)[1]
+
+
+def c1_idle_ms(modes: dict[str, dict[str, Any]], batch1_ms: float) -> float | None:
+    """How long a model thread waits between requests at c=1 in the fastest c=1 step: its p50
+    less the model's batch-1 time (at least 0.1 ms); None without a c=1 step."""
+    p50s = [low.perf.row.p50_ms for measured in modes.values()
+            for low, _high in measured.get("steps", {}).values()]
+    return max(0.1, min(p50s) - batch1_ms) if p50s else None
+
+
+def _inprocess(repository: Path, model: str, seconds: float, sizes: list[int],
+               idle_ms: float = 0.0) -> dict[int, dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="bench-inprocess-") as scratch:
         out = Path(scratch) / "inprocess.json"
         command = [
             sys.executable, "-m", "batchgate.bench.inprocess", "--model-repository", str(repository),
             "--model", model, "--batch", *map(str, sizes), "--seconds", f"{seconds:g}",
-            "--threads", str(THREADS), "--json", str(out),
+            "--threads", str(THREADS), "--idle-ms", f"{idle_ms:g}", "--json", str(out),
         ]
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
@@ -560,7 +582,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     served = served_batch_sizes(modes)
     _say(f"in-process ceiling (after), and at the served batch sizes {list(served)} ...")
     after = measure_inprocess(repository, args.model, seconds, served)
-    return summarize(args, before, after, modes, config, time.monotonic() - started)
+    from_idle = None
+    idle_ms = c1_idle_ms(modes, after[1]["batch_p50_ms"])
+    if idle_ms is not None:
+        _say(f"in-process batch 1 called after {idle_ms:.2f} ms idle (the c=1 cadence) ...")
+        from_idle = measure_from_idle(repository, args.model, seconds, idle_ms)
+    return summarize(args, before, after, modes, config, time.monotonic() - started,
+                     from_idle)
 
 
 def served_batch_sizes(modes: dict[str, dict[str, Any]]) -> tuple[int, ...]:
@@ -582,8 +610,10 @@ def summarize(
     modes: dict[str, dict[str, Any]],
     config: Any,
     wall_s: float,
+    from_idle: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Every figure of the run; ``config`` is the model's ModelConfig as the server reports it."""
+    """Every figure of the run; ``config`` is the model's ModelConfig as the server reports it;
+    ``from_idle``: the model at batch 1 called from idle (``measure_from_idle``), if measured."""
     ceiling = _mean(before[CEILING_BATCH]["samples_per_s"], after[CEILING_BATCH]["samples_per_s"])
     batch1_ms = _mean(before[1]["batch_p50_ms"], after[1]["batch_p50_ms"])
     params = {key: value.string_value for key, value in config.parameters.items()} if config else {}
@@ -623,6 +653,8 @@ def summarize(
                     "c64_p99_ms": high.perf.row.p99_ms,
                     "c1_p50_ms": low.perf.row.p50_ms,
                     "added_p50_ms": added_p50,
+                    "added_p50_from_idle_ms": (low.perf.row.p50_ms - from_idle["batch_p50_ms"]
+                                               if from_idle else None),
                     "outside_model_us": high.outside_model_us,
                     "executor_us": high.executor_us,
                     "frontend_us": high.frontend_us,
@@ -652,6 +684,7 @@ def summarize(
         "inprocess": {"before": before, "after": after},
         "ceiling_samples_per_s": ceiling,
         "inprocess_batch1_ms": batch1_ms,
+        "inprocess_batch1_from_idle": from_idle,
         "modes": results,
         "wall_s": wall_s,
     }
@@ -684,13 +717,16 @@ def render(report: dict[str, Any]) -> str:
         f"{b64['samples_per_s']:,.0f}, after {a64['samples_per_s']:,.0f}); batch 1 p50 "
         f"{report['inprocess_batch1_ms']:.2f} ms (before {b1['batch_p50_ms']:.2f}, after "
         f"{a1['batch_p50_ms']:.2f})",
+        *([f"from idle: in-process batch 1 p50 {idle['batch_p50_ms']:.2f} ms with the thread "
+           f"asleep {idle['idle_ms']:.2f} ms before each call (the fastest c=1 step's p50 less "
+           "the batch-1 time)"] if (idle := report.get("inprocess_batch1_from_idle")) else []),
         "at the served batch sizes (after): " + (", ".join(
             f"batch {size} {result['samples_per_s']:,.0f} samples/s"
             for size, result in after.items() if size not in (str(CEILING_BATCH), "1")) or "none"),
         "",
     ]
     header = ("mode", "load", "c=64 /s", "ratio", "c=64 batch", "vs in-process at that batch",
-              "c=64 p99 ms", "added p50 ms",
+              "c=64 p99 ms", "added p50 ms", "added p50 vs model from idle ms",
               "outside model µs/req", "executor µs/req", "front end µs/req",
               "front-end threads busy (largest share)")
     rows = [header]
@@ -713,6 +749,7 @@ def render(report: dict[str, Any]) -> str:
                 opt(f.get("vs_inprocess_at_batch"), ".2f"),
                 mark("c64_p99_ms", f"{f['c64_p99_ms']:.1f}"),
                 mark("added_p50_ms", f"{f['added_p50_ms']:+.2f}"),
+                opt(f.get("added_p50_from_idle_ms"), "+.2f"),
                 mark("outside_model_us", opt(f["outside_model_us"], ".0f")),
                 mark("executor_us", opt(f["executor_us"], ".0f")),
                 opt(f["frontend_us"], ".0f"),

@@ -43,6 +43,19 @@ def test_inprocess_measure_runs_the_mlp():
     assert result["batch_p50_ms"] > 0
 
 
+def test_inprocess_calls_from_idle_sleep_before_each_timed_call():
+    model = inprocess.load(MODELS / "mlp")
+    started = time.monotonic()
+    result = inprocess.run(model, batch_size=1, seconds=0.3, idle_ms=20.0)
+
+    assert result["idle_ms"] == 20.0
+    # The sleeps are not timed, but they are slept: the loop took at least calls x 20 ms.
+    assert time.monotonic() - started >= result["calls"] * 0.020
+    assert result["seconds"] < result["calls"] * 0.020
+    with pytest.raises(ValueError, match="idle_ms"):
+        inprocess.run(model, batch_size=1, seconds=0.1, idle_ms=-1.0)
+
+
 def test_inprocess_rejects_a_batch_over_max_batch_size():
     model = inprocess.load(MODELS / "mlp")
     with pytest.raises(ValueError, match="max_batch_size"):
@@ -150,16 +163,22 @@ def test_the_serving_ratio_is_split_at_the_batch_size_the_server_formed():
     before, after = inprocess({64: 5000.0, 1: 800.0}), inprocess({64: 5000.0, 1: 800.0,
                                                                    30: 4000.0})
     args = argparse.Namespace(model="mlp", server_arg=[], seconds_per_step=4.0)
-    report = serving.summarize(args, before, after, modes, None, 10.0)
+    # The c=1 step's p50 is 2 ms and the model's batch-1 time 1 ms: it idles 1 ms a request.
+    assert serving.c1_idle_ms(modes, 1.0) == pytest.approx(1.0)
+    from_idle = {"batch_size": 1, "batch_p50_ms": 1.25, "idle_ms": 1.0}
+    report = serving.summarize(args, before, after, modes, None, 10.0, from_idle)
     figures = report["modes"]["native"]["load_generators"]["bench"]["figures"]
+    assert figures["added_p50_ms"] == pytest.approx(1.0)
+    assert figures["added_p50_from_idle_ms"] == pytest.approx(0.75)
     assert figures["ratio"] == pytest.approx(3000 / 5000)
     assert figures["inprocess_at_batch_per_s"] == 4000.0
     assert figures["vs_inprocess_at_batch"] == pytest.approx(3000 / 4000)
     table = serving.render(json.loads(json.dumps(report)))
     assert "vs in-process at that batch" in table
     assert "batch 30 4,000 samples/s" in table
+    assert "from idle: in-process batch 1 p50 1.25 ms" in table
     row = next(line for line in table.splitlines() if line.startswith("native"))
-    assert "0.75" in row.split() and "30.0" in row.split()
+    assert "0.75" in row.split() and "30.0" in row.split() and "+0.75" in row.split()
 
 
 def test_a_retried_perf_analyzer_run_counts_the_wall_and_cpu_of_every_attempt(tmp_path):
