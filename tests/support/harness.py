@@ -93,6 +93,8 @@ class ServeProcess:
             with self._changed:
                 self.events.append(event)
                 self._changed.notify_all()
+        # The end of stderr comes just before the exit: waiters are told once poll() sees it.
+        self.proc.wait()
         with self._changed:
             self._changed.notify_all()
 
