@@ -19,8 +19,9 @@ largest batch). Threads:
 
 With one batch in flight (``ModelSpec.inflight_batches``: by default on the CPU, and always
 under the deadline policy) a single thread does all of it, one batch at a time. The event
-loop is touched once per finished batch (``call_soon_threadsafe``). A model exception fails
-only its batch.
+loop is touched once per finished batch (``call_soon_threadsafe``; or not at all, when the
+executor process has the thread answer the batch itself: ``ServedModel.deliver_inline``). A
+model exception fails only its batch.
 
 With ``execution_timeout_ms`` each batch's run goes through a ``TimedRunner``
 (``batcher/watchdog.py``): a batch that overruns fails, and since the abandoned call may still

@@ -34,6 +34,7 @@ under its reason.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import math
 import threading
@@ -188,6 +189,11 @@ class ServedModel:
         # into shared memory once, here, not once per request. With it set, no request gets
         # views of its rows: the futures (the caller's own, see ``submit``) resolve to None.
         self.on_results: Callable[[list[InferenceRequest], list[np.ndarray]], None] | None = None
+        # Called from the executor thread that finished a batch while no other batch of the
+        # model waits, with the batch's delivery: True when it ran it there and then (the
+        # executor process does, while its loop waits for events and nothing is pending on it,
+        # saving the loop's wake-up at low load); False hands it to the loop as usual.
+        self.deliver_inline: Callable[[Callable[[], None]], bool] | None = None
 
     @property
     def spec(self) -> ModelSpec:
@@ -684,6 +690,10 @@ class ServedModel:
     def _post(self, outcome: Outcome) -> None:
         loop = self._loop
         if loop is None or loop.is_closed():
+            return
+        inline = self.deliver_inline
+        if (inline is not None and not self._queue.depth
+                and inline(functools.partial(self._deliver, outcome))):
             return
         try:
             loop.call_soon_threadsafe(self._deliver, outcome)

@@ -23,10 +23,12 @@ unloading models through the executor) nor read what clients sent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import struct
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Generic, Protocol, TypeVar
 
 from google.protobuf.message import DecodeError, Message
@@ -61,6 +63,7 @@ class Link(Generic[In, Out]):
         self._incoming = incoming
         self._outgoing = outgoing
         self._pending: Out | None = None
+        self._loop = asyncio.get_running_loop()
 
     @classmethod
     async def connect(cls, name: str, incoming: type[In], outgoing: type[Out]) -> Link[In, Out]:
@@ -94,7 +97,11 @@ class Link(Generic[In, Out]):
             if self._writer.is_closing():
                 raise ConnectionError("the connection is closed")
             self._pending = self._outgoing()
-            asyncio.get_running_loop().call_soon(self._flush)
+            deferred = _deferred.links
+            if deferred is None:
+                self._loop.call_soon(self._flush)
+            else:
+                deferred.append(self)
         return self._pending
 
     @property
@@ -120,6 +127,27 @@ class Link(Generic[In, Out]):
     @property
     def closed(self) -> bool:
         return self._writer.is_closing()
+
+
+class _Deferred(threading.local):
+    links: list[Link] | None = None  # inside ``flushed_here``: the links whose frame it writes
+
+
+_deferred = _Deferred()
+
+
+@contextlib.contextmanager
+def flushed_here() -> Iterator[None]:
+    """Frames filled in the block are written when it ends, by the thread that runs it, instead
+    of at the end of the loop's turn: for work run off the loop's thread while the loop waits
+    (and is kept from running: the caller's lock), which no loop callback could flush."""
+    _deferred.links = links = []
+    try:
+        yield
+    finally:
+        _deferred.links = None
+        for link in links:
+            link.flush()
 
 
 def batch_results(batch: wire_pb2.Batch) -> list[wire_pb2.Result]:
