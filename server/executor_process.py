@@ -552,8 +552,9 @@ class ExecutorServer:
             if block not in referenced:
                 self._outputs.free(block)
         self._show_in_use()
-        # The answers go out before the batch's accounting (ServedModel._deliver) runs.
-        for front in {remote.front for _, remote in live}:
+        # The answers go out before the batch's accounting (ServedModel._deliver) runs: every
+        # front end's frame (one or two), not a set of the batch's requests' front ends.
+        for front in self._fronts:
             front.flush()
 
     def _describe_each(self, live: list[tuple[int, _Remote]], spec: ModelSpec,

@@ -99,7 +99,7 @@ class Link(Generic[In, Out]):
             self._pending = self._outgoing()
             deferred = _deferred.links
             if deferred is None:
-                self._loop.call_soon(self._flush)
+                self._loop.call_soon(self.flush)
             else:
                 deferred.append(self)
         return self._pending
@@ -110,10 +110,8 @@ class Link(Generic[In, Out]):
         return 0 if self._pending is None else self._pending.ByteSize()
 
     def flush(self) -> None:
-        """Write the frame being filled now, not at the end of the loop's turn."""
-        self._flush()
-
-    def _flush(self) -> None:
+        """Write the frame being filled (called at the end of the loop's turn, or earlier by
+        its writer; a frame already written leaves nothing to do)."""
         frame, self._pending = self._pending, None
         if frame is None or self._writer.is_closing():
             return

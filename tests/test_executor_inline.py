@@ -109,7 +109,7 @@ async def test_frames_filled_off_the_loop_are_written_before_the_delivery_return
                 link.out.free.append(3)  # the same frame
                 assert link.pending_bytes > 0  # not written yet
                 # ... and not left to the loop either.
-                assert all(getattr(h, "_callback", None) != link._flush for h in list(loop._ready))
+                assert all(getattr(h, "_callback", None) != link.flush for h in list(loop._ready))
             assert link.pending_bytes == 0
 
         await asyncio.to_thread(fill)

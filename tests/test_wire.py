@@ -233,9 +233,6 @@ class _FrameSink:
     def __init__(self) -> None:
         self.out = wire_pb2.ToFrontend()
 
-    def flush(self) -> None:  # the test reads the frame as it was filled
-        pass
-
 
 def _answer_batch(rows: list[int], released: bool, wants: dict[int, tuple[int, ...]]):
     """What a front end reads of one batch of requests of ``rows`` each (``wants``: rid -> the
