@@ -56,6 +56,7 @@ from batchgate.batcher.device import Devices
 from batchgate.batcher.device_share import DeviceTurns
 from batchgate.batcher.errors import (
     AdmissionRefused,
+    BatchgateError,
     DeadlineExceeded,
     DeadlineInfeasible,
     InvalidRequest,
@@ -597,10 +598,85 @@ class ServedModel:
         caller's ``publish_depth`` after the run of requests it submits in one go.
         """
         if not self._accepting:
-            raise ModelUnavailable(f"model '{self._spec.name}' is not serving; retry later")
+            raise ModelUnavailable(self._not_serving())
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
+        self._resolve(request)
+        if self._admission is not None and request.deadline is not None:
+            self._admit(request)
+
+        if future is None:
+            future = loop.create_future()
+        request.future = future
+        try:
+            self._queue.put(request, publish_depth)
+        except QueueFull:
+            self._count_failure("rejected", [request])
+            raise
+        self._queued(request, loop)
+        return future
+
+    def submit_all(self, requests: list[InferenceRequest], futures: list
+                   ) -> list[tuple[int, BatchgateError]]:
+        """``submit(request, future, publish_depth=False)`` for each request and its future, in
+        order (the executor process's requests of one read): the ones refused, as (index,
+        error); the others are queued. Admission control's quick bound is asked once for them
+        all, and the queue's lock taken once; where the bound cannot tell, each is admitted
+        and queued in turn as ``submit`` does, seeing the ones before it queued."""
+        if not self._accepting:
+            error = ModelUnavailable(self._not_serving())
+            return [(index, error) for index in range(len(requests))]
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        refused: list[tuple[int, BatchgateError]] = []
+        resolved: list[InferenceRequest] = []
+        for index, (request, future) in enumerate(zip(requests, futures)):
+            try:
+                self._resolve(request)
+            except BatchgateError as exc:
+                refused.append((index, exc))
+                continue
+            request.future = future
+            resolved.append(request)
+        if not resolved:
+            return refused
+        if not self._surely_admitted(resolved):
+            position = {id(request): index for index, request in enumerate(requests)}
+            for request in resolved:
+                try:
+                    if request.deadline is not None:
+                        self._admit(request)
+                    self._queue.put(request, False)
+                except QueueFull as exc:
+                    self._count_failure("rejected", [request])
+                    refused.append((position[id(request)], exc))
+                    continue
+                except BatchgateError as exc:
+                    refused.append((position[id(request)], exc))
+                    continue
+                self._queued(request, loop)
+            return refused
+        turned_away = self._queue.put_all(resolved)
+        if turned_away:
+            position = {id(request): index for index, request in enumerate(requests)}
+            full = [request for request, error in turned_away if isinstance(error, QueueFull)]
+            if full:
+                self._count_failure("rejected", full)
+            refused.extend((position[id(request)], error) for request, error in turned_away)
+            out = {id(request) for request, _ in turned_away}
+            resolved = [request for request in resolved if id(request) not in out]
+        for request in resolved:
+            self._queued(request, loop)
+        return refused
+
+    def _not_serving(self) -> str:
+        return f"model '{self._spec.name}' is not serving; retry later"
+
+    def _resolve(self, request: InferenceRequest) -> None:
+        """The request's priority level and its deadline (its own, or its timeout's under the
+        level's queue policy); raises InvalidRequest for a priority out of range."""
         level = request.priority or self._default_level
         if not 0 < level <= self._levels:
             raise InvalidRequest(
@@ -616,24 +692,32 @@ class ServedModel:
             by_timeout = request.arrival + timeout_us / 1e6
             deadline = by_timeout if deadline is None else min(deadline, by_timeout)
         request.deadline = deadline  # the queue's deadline policy reads it
-        if self._admission is not None and deadline is not None:
-            self._admit(request)
 
-        if future is None:
-            future = loop.create_future()
-        request.future = future
-        try:
-            self._queue.put(request, publish_depth)
-        except QueueFull:
-            self._count_failure("rejected", [request])
-            raise
+    def _surely_admitted(self, requests: list[InferenceRequest]) -> bool:
+        """True when admission control would admit every one of ``requests`` queued one after
+        another: its quick bound holds for them all at once (their samples all queued ahead of
+        each, the earliest deadline for each), or none has a deadline to check."""
+        if self._admission is None:
+            return True
+        deadline = min([r.deadline for r in requests if r.deadline is not None], default=None)
+        if deadline is None:
+            return True
+        queue = self._queue
+        return self._admission.surely_in_time(
+            batch_size=sum([r.batch_size for r in requests]), deadline=deadline,
+            now=time.monotonic(),
+            samples_queued=queue.samples_ahead(max([r.level for r in requests])),
+            batches_in_flight=self._accounting.inflight_count())
+
+    def _queued(self, request: InferenceRequest, loop: asyncio.AbstractEventLoop) -> None:
+        """What follows a request's joining the queue: fifo admission's arrivals, its inputs'
+        staging, and its deadline's watch."""
         if self._admission is not None:
             self._admission.queued(request.batch_size, request.arrival)
         if self._stager is not None:
             self._stager.put(request)
-        if deadline is not None:
+        if request.deadline is not None:
             self._expiry.watch(request, loop)
-        return future
 
     def publish_depth(self) -> None:
         """The queue-depth gauge gets the queue's depth (after ``submit(publish_depth=False)``)."""

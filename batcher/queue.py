@@ -46,6 +46,8 @@ from batchgate.batcher.queue_policies import DeadlinePolicy, fifo_batch
 from batchgate.batcher.request import QUEUED, REMOVED, TAKEN, InferenceRequest
 from batchgate.batcher.spec import BatchingConfig
 
+CLOSED_MESSAGE = "the model is shutting down and takes no new requests"
+
 
 class ModelQueue:
     def __init__(
@@ -97,32 +99,63 @@ class ModelQueue:
 
         ``publish_depth`` False: the depth callback is not called; the caller that queues a
         run of requests calls ``publish_depth`` once after them instead."""
-        index = request.level - 1
         with self._cond:
             if self._closed:
-                raise ModelUnavailable("the model is shutting down and takes no new requests")
-            limit = self._limits[index]
-            if limit and self._level_counts[index] >= limit:
-                raise QueueFull(
-                    f"the queue of priority level {request.level} is full "
-                    f"(max_queue_size {limit}); retry later"
-                )
-            request.state = QUEUED
-            request.enqueued = self._clock()
-            self._levels[index].append(request)
-            self._level_counts[index] += 1
-            self._level_samples[index] += request.batch_size
-            waiting = self._samples_by_shape.get(request.shape_key, 0) + request.batch_size
-            self._samples_by_shape[request.shape_key] = waiting
-            self._live += 1
+                raise ModelUnavailable(CLOSED_MESSAGE)
+            full = self._append(request, self._clock())
             depth = self._live
-            if waiting >= self._max_batch:
+            if full:
                 self._cond.notify_all()
             elif self._eager_waiters and not self._eager_woken:
                 self._eager_woken = True
                 self._cond.notify_all()
         if publish_depth and self._on_depth_change is not None:
             self._on_depth_change(depth)
+
+    def put_all(self, requests: list[InferenceRequest]
+                ) -> list[tuple[InferenceRequest, QueueFull | ModelUnavailable]]:
+        """``put(request, publish_depth=False)`` for each of ``requests`` in order, under one
+        taking of the lock and with one wake-up of the executors: the ones refused, each with
+        its error (the others are queued)."""
+        refused: list[tuple[InferenceRequest, QueueFull | ModelUnavailable]] = []
+        with self._cond:
+            if self._closed:
+                return [(request, ModelUnavailable(CLOSED_MESSAGE)) for request in requests]
+            now = self._clock()
+            full = False
+            for request in requests:
+                try:
+                    full = self._append(request, now) or full
+                except QueueFull as exc:
+                    refused.append((request, exc))
+            if len(refused) == len(requests):
+                return refused
+            if full:
+                self._cond.notify_all()
+            elif self._eager_waiters and not self._eager_woken:
+                self._eager_woken = True
+                self._cond.notify_all()
+        return refused
+
+    def _append(self, request: InferenceRequest, now: float) -> bool:
+        """Queue ``request`` (under the lock) enqueued at ``now``, or raise QueueFull: True when
+        its shape's requests now fill a batch."""
+        index = request.level - 1
+        limit = self._limits[index]
+        if limit and self._level_counts[index] >= limit:
+            raise QueueFull(
+                f"the queue of priority level {request.level} is full "
+                f"(max_queue_size {limit}); retry later"
+            )
+        request.state = QUEUED
+        request.enqueued = now
+        self._levels[index].append(request)
+        self._level_counts[index] += 1
+        self._level_samples[index] += request.batch_size
+        waiting = self._samples_by_shape.get(request.shape_key, 0) + request.batch_size
+        self._samples_by_shape[request.shape_key] = waiting
+        self._live += 1
+        return waiting >= self._max_batch
 
     def publish_depth(self) -> None:
         """Hand the depth callback the queue's depth now (after puts that did not).

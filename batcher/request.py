@@ -8,13 +8,15 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-# Life of a request inside a ModelQueue. A request leaves QUEUED exactly once, under the
-# queue's lock: taken into a batch, or removed (cancelled, expired, refused at close). A taken
-# request is DONE when its batch has finished: from then on nothing reads its input arrays.
+# Life of a request inside a ModelQueue. A request is NEW until the queue takes it (one refused
+# stays NEW). It leaves QUEUED exactly once, under the queue's lock: taken into a batch, or
+# removed (cancelled, expired, refused at close). A taken request is DONE when its batch has
+# finished: from then on nothing reads its input arrays.
 QUEUED = 0
 TAKEN = 1
 REMOVED = 2
 DONE = 3
+NEW = 4
 
 
 def batch_shape_key(shapes: Sequence[tuple[int, ...]], *, batching: bool) -> tuple:
@@ -77,7 +79,7 @@ class InferenceRequest:
         )
         self.arrival = time.monotonic()
         self.enqueued = 0.0
-        self.state = QUEUED
+        self.state = NEW
         self.future: asyncio.Future | None = None
         # Called on the event loop when a taken request's batch has finished (its inputs may
         # live in shared memory that their owner reuses only after this).

@@ -2,8 +2,10 @@
 
 Front ends (native or Python) decode and check each request, write its tensors into their region
 of the shared arena and send a descriptor over the wire (``protos/wire.proto``,
-``server/wire.py``). A frame's descriptors are taken in one pass: each becomes a request whose
-arrays are views of the arena, so the batcher reads them without another copy. A finished
+``server/wire.py``). A read's descriptors are taken in one pass: each becomes a request whose
+arrays are views of the arena, so the batcher reads them without another copy, and each model's
+requests of the read join its queue together (one admission bound, one taking of the queue's
+lock, one wake-up of its executors). A finished
 batch's outputs are written into the executor's region of the arena once, whole (``on_results``),
 and every request of the batch gets a descriptor of its rows: one frame per front end answers
 the whole batch, and the front end copies each request's bytes into its reply.
@@ -58,6 +60,12 @@ from batchgate.server.status import INTERNAL_MESSAGE, Code, status_of
 log = structlog.get_logger(__name__)
 
 EXIT_DEVICE_LOST = 75  # the supervisor restarts the executor whatever its exit status
+
+# ToExecutor's fields, by number (``ExecutorServer.frame``).
+_FIELDS = wire_pb2.ToExecutor.DESCRIPTOR.fields_by_name
+_HELLO, _INFER, _CANCEL, _FREE, _CALL = (
+    _FIELDS[name].number for name in ("hello", "infer", "cancel", "free", "call"))
+assert _HELLO < _INFER < _CANCEL < _FREE < _CALL  # frame() takes them in this order
 
 STALE_HANDLE_MESSAGE = (
     "the model was reloaded or unloaded while this request was on its way; retry the request"
@@ -210,7 +218,10 @@ class ExecutorServer:
         self._in_use_shown = -1  # what the gauge holds: it is written only when that changes
         self._fronts: set[_FrontEnd] = set()
         self._calls: set[asyncio.Task] = set()
-        self._touched: set[ServedModel] = set()  # models whose queue depth is to be published
+        # The requests of the read being handled, per model, with their futures: queued when
+        # its frames are all in (``read``).
+        self._intake: dict[ServedModel, tuple[list[InferenceRequest], list[_Remote]]] = {}
+        self._intake_cancelled = False  # a request of the read was cancelled before it queued
         # READY handle -> its model, its inputs' dtypes, whether it batches, and every output's
         # index (what a request that names none asks for): looked up once per request
         self._handles: dict[int, tuple[ServedModel, tuple, bool, tuple[int, ...]]] = {}
@@ -336,38 +347,62 @@ class ExecutorServer:
         return _Connection(self, front)
 
     def frame(self, front: _FrontEnd, frame: wire_pb2.ToExecutor) -> None:
-        """One frame of ``front``'s, in wire.proto's order: hello, infer, cancel, free, call."""
-        if frame.HasField("hello"):
-            self._hello(front, frame.hello)
-        infers = frame.infer
-        if len(infers) == 1:
-            self._infer(front, infers[0])
-        elif infers:
-            for infer in infers[:]:
-                self._infer(front, infer)
-        # Each field read makes a container object: read once, iterated only when not empty.
-        cancels = frame.cancel
-        if cancels:
-            for rid in cancels[:]:
-                self._cancel(front, rid)
-        free = frame.free
-        if free:
-            self._free(front, free[:])
-        calls = frame.call
-        for call in calls[:] if calls else ():
-            # A strong reference until it ends: the loop keeps only weak ones.
-            task = asyncio.create_task(self._call(front, call))
-            self._calls.add(task)
-            task.add_done_callback(self._calls.discard)
+        """One frame of ``front``'s, in wire.proto's order: hello, infer, cancel, free, call.
+
+        ``ListFields`` hands over the fields present, in field-number order (that order), in
+        one call: reading each field by name would make a container object per field."""
+        for field, value in frame.ListFields():
+            number = field.number
+            if number == _INFER:
+                if len(value) == 1:
+                    self._infer(front, value[0])
+                else:
+                    for infer in value[:]:  # a slice first: iterating upb's container is slower
+                        self._infer(front, infer)
+            elif number == _HELLO:
+                self._hello(front, value)
+            elif number == _CANCEL:
+                for rid in value[:]:
+                    self._cancel(front, rid)
+            elif number == _FREE:
+                self._free(front, value[:])
+            elif number == _CALL:
+                for call in value[:]:
+                    # A strong reference until it ends: the loop keeps only weak ones.
+                    task = asyncio.create_task(self._call(front, call))
+                    self._calls.add(task)
+                    task.add_done_callback(self._calls.discard)
 
     def read(self) -> None:
-        """The frames of one read are in: the queue-depth gauges of the models they queued to
-        are written once for all of them (a read carries many frames under load)."""
-        touched = self._touched
-        if touched:
-            self._touched = set()
-            for model in touched:
-                model.publish_depth()
+        """The frames of one read are in: each model's requests of the read are queued in one
+        pass (``ServedModel.submit_all``), and its queue-depth gauge written once."""
+        intake = self._intake
+        if not intake:
+            return
+        self._intake = {}
+        cancelled, self._intake_cancelled = self._intake_cancelled, False
+        for model, (requests, remotes) in intake.items():
+            if cancelled:  # answered already: they do not queue
+                kept = [i for i, remote in enumerate(remotes) if not remote.done()]
+                requests = [requests[i] for i in kept]
+                remotes = [remotes[i] for i in kept]
+                if not requests:
+                    continue
+            if len(requests) == 1:
+                try:
+                    model.submit(requests[0], remotes[0], publish_depth=False)
+                except BatchgateError as exc:
+                    self._refused(remotes[0], exc)
+            else:
+                for index, exc in model.submit_all(requests, remotes):
+                    self._refused(remotes[index], exc)
+            model.publish_depth()
+
+    @staticmethod
+    def _refused(remote: _Remote, error: BatchgateError) -> None:
+        front = remote.front
+        front.requests.pop(remote.rid, None)
+        front.fail(remote.rid, True, *status_of(error))
 
     def lost(self, front: _FrontEnd) -> None:
         self._fronts.discard(front)
@@ -389,6 +424,8 @@ class ExecutorServer:
     def _disconnect(self, front: _FrontEnd) -> None:
         front.closed = True
         abandoned = len(front.requests)
+        if self._intake:
+            self._intake_cancelled = True
         for remote in list(front.requests.values()):
             remote.model.cancel(remote.request)
         for block, count in front.blocks.items():
@@ -446,13 +483,15 @@ class ExecutorServer:
         if placed:
             request.check_inputs = self.shared_memory.checker(placed)
         remote = _Remote(front, rid, model, request, outputs or every_output, placements)
-        try:
-            model.submit(request, remote, publish_depth=False)
-        except BatchgateError as exc:
-            front.fail(rid, True, *status_of(exc))
-            return
+        # A cancel later in the read finds it, and answers it (it then does not queue).
+        request.future = remote
         front.requests[rid] = remote
-        self._touched.add(model)  # its queue-depth gauge is written once the read is handled
+        pending = self._intake.get(model)
+        if pending is None:
+            self._intake[model] = ([request], [remote])
+        else:
+            pending[0].append(request)
+            pending[1].append(remote)
 
     def _arrays(self, front: _FrontEnd, dtypes, tensors, placed: list, batching: bool
                 ) -> tuple[list[np.ndarray], tuple]:
@@ -495,6 +534,8 @@ class ExecutorServer:
     def _cancel(self, front: _FrontEnd, rid: int) -> None:
         remote = front.requests.get(rid)
         if remote is not None:
+            if self._intake:
+                self._intake_cancelled = True
             remote.model.cancel(remote.request)
 
     # -- a batch's results ---------------------------------------------------------------------

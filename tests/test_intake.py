@@ -1,0 +1,217 @@
+"""A read's requests queued together: ``ModelQueue.put_all``, ``ServedModel.submit_all`` and the
+executor process's ``read``. Together they must decide exactly what queueing each request in
+turn decides (order, queue limits, priorities, admission control), and a request cancelled in
+the read that brought it never queues."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from batchgate.batcher.arena import ArenaLayout, SharedArena
+from batchgate.batcher.errors import AdmissionRefused, InvalidRequest, ModelUnavailable, QueueFull
+from batchgate.batcher.metrics import BatcherMetrics
+from batchgate.batcher.model import ServedModel
+from batchgate.batcher.profile import LatencyProfile
+from batchgate.batcher.queue import ModelQueue
+from batchgate.batcher.request import NEW, QUEUED
+from batchgate.batcher.spec import BatchingConfig, QueuePolicy
+from batchgate.protos import wire_pb2
+from batchgate.server import executor_process as ep
+from batchgate.server.status import Code
+from tests.support.batching import RecordingModel, hold_executor, make_spec, request
+from tests.support.polling import apoll
+
+FAILURES = ("rejected", "infeasible", "cancelled")
+
+
+def test_put_all_queues_in_order_and_refuses_only_past_a_levels_limit():
+    limited = QueuePolicy(max_queue_size=2)
+    queue = ModelQueue(BatchingConfig(max_batch_size=8, priority_levels=2,
+                                      priority_queue_policy={1: limited}))
+    requests = [request(float(i)) for i in range(5)]
+    for r, level in zip(requests, (1, 2, 1, 1, 2)):
+        r.level = level
+    refused = queue.put_all(requests)
+    assert [(requests.index(r), type(e)) for r, e in refused] == [(3, QueueFull)]
+    assert [r.state for r in requests] == [QUEUED, QUEUED, QUEUED, NEW, QUEUED]
+    assert queue.depth == 4
+    batch, _ = queue.next_batch()
+    assert batch == [requests[0], requests[2], requests[1], requests[4]]  # level 1 first
+
+
+def test_put_all_on_a_closed_queue_refuses_every_request_and_queues_none():
+    queue = ModelQueue(BatchingConfig(max_batch_size=8))
+    queue.close()
+    requests = [request(1.0), request(2.0)]
+    for r in requests:
+        r.level = 1
+    refused = queue.put_all(requests)
+    assert [(r, type(e)) for r, e in refused] == [(requests[0], ModelUnavailable),
+                                                 (requests[1], ModelUnavailable)]
+    assert [r.state for r in requests] == [NEW, NEW] and queue.depth == 0
+
+
+def _profile() -> LatencyProfile:
+    profile = LatencyProfile(4)
+    for size, seconds in ((1, 0.5), (2, 0.6), (4, 1.0)):
+        profile.record(size, seconds)
+    return profile
+
+
+def _model(policy: str) -> tuple[ServedModel, RecordingModel, CollectorRegistry]:
+    registry = CollectorRegistry()
+    fake = RecordingModel()
+    spec = make_spec(max_batch_size=4, max_inflight_batches=1, policy=policy, priority_levels=2,
+                     response_margin_ms=0.0,
+                     priority_queue_policy={2: QueuePolicy(max_queue_size=3)})
+    model = ServedModel(spec, fake, metrics=BatcherMetrics(registry), profile=_profile())
+    model.start()
+    return model, fake, registry
+
+
+def _arrivals() -> list:
+    """Requests of one read: both levels, a priority out of range, a deadline the queue ahead
+    makes too tight (4: behind 5 samples and a running batch, 1.2 s left), level 2 past its
+    limit of 3 (7), loose deadlines (timeouts, so that both models see the same ones)."""
+    kinds = [dict(priority=1), dict(priority=2, timeout_us=60_000_000), dict(priority=9),
+             dict(priority=1, rows=3), dict(priority=2, timeout_us=1_200_000),
+             dict(priority=2), dict(priority=2), dict(priority=2),
+             dict(priority=1, timeout_us=60_000_000)]
+    return [request(float(i), **kind) for i, kind in enumerate(kinds)]
+
+
+def _counts(registry: CollectorRegistry) -> dict[str, float]:
+    return {reason: registry.get_sample_value(
+        "batchgate_request_failures_total", {"model": "fake", "reason": reason}) or 0.0
+        for reason in FAILURES}
+
+
+@pytest.mark.parametrize("tight", [True, False], ids=["tight-deadlines", "loose-deadlines"])
+@pytest.mark.parametrize("policy", ["fifo", "deadline"])
+async def test_submit_all_decides_what_submitting_each_in_turn_decides(policy, tight):
+    """Together (one admission bound when it holds, else each in turn) and one by one: the
+    same refusals, the same queue, the same counts; loose deadlines take the quick bound."""
+    loop = asyncio.get_running_loop()
+    together, fake_t, registry_t = _model(policy)
+    alone, fake_a, registry_a = _model(policy)
+    blockers = [await hold_executor(together, fake_t), await hold_executor(alone, fake_a)]
+    try:
+        arrivals_t, arrivals_a = _arrivals(), _arrivals()
+        if not tight:  # every deadline loose: the quick bound holds for them all
+            for batch in (arrivals_t, arrivals_a):
+                for r in batch:
+                    r.timeout_us = 60_000_000 if r.timeout_us else 0
+        admission, checked = together._admission, []
+        full_check = admission.check
+        admission.check = lambda **kwargs: (checked.append(kwargs), full_check(**kwargs))[1]
+        futures = [loop.create_future() for _ in arrivals_t]
+        refused = {i: type(e) for i, e in together.submit_all(arrivals_t, futures)}
+        assert bool(checked) is tight  # loose: the quick bound answered for all of them
+        expected = {}
+        for i, r in enumerate(arrivals_a):
+            try:
+                alone.submit(r)
+            except Exception as exc:  # noqa: BLE001 - what each refusal was is compared
+                expected[i] = type(exc)
+        assert refused == expected
+        assert refused[2] is InvalidRequest
+        assert refused[7 if tight else 6] is QueueFull
+        assert (refused.get(4) is AdmissionRefused) is tight
+        assert [r.state for r in arrivals_t] == [r.state for r in arrivals_a]
+        assert together.queue_depth == alone.queue_depth == len(arrivals_t) - len(refused)
+        assert _counts(registry_t) == _counts(registry_a)
+        assert [f for i, f in enumerate(futures) if i not in refused] == [
+            r.future for i, r in enumerate(arrivals_t) if i not in refused]
+    finally:
+        for fake in (fake_t, fake_a):
+            fake.gate.set()
+        await asyncio.gather(*blockers)
+        together.stop(drain_timeout_s=5)
+        alone.stop(drain_timeout_s=5)
+
+
+class _FrameSink:
+    """A front end's link as the executor sees it: ``out`` is the frame being filled."""
+
+    def __init__(self) -> None:
+        self.out = wire_pb2.ToFrontend()
+
+
+def _read(server: ep.ExecutorServer, front: ep._FrontEnd, *frames: wire_pb2.ToExecutor) -> None:
+    """What the executor does with one read of ``frames``."""
+    for frame in frames:
+        server.frame(front, frame)
+    server.read()
+
+
+def _infer(frame: wire_pb2.ToExecutor, rid: int, value: float, **fields) -> None:
+    """An Infer of one row, ``value`` written into the front end's region at its rid's place."""
+    offset = rid * 8
+    _infer.arena.write(offset, np.full((1, 2), value, np.float32))
+    infer = frame.infer.add(rid=rid, model=1, batch_size=1, **fields)
+    infer.inputs.add(offset=offset, nbytes=8, shape=[1, 2])
+
+
+@pytest.fixture
+def executor():
+    arena = SharedArena.create(1 << 20)
+    _infer.arena = arena
+    registry = CollectorRegistry()
+    fake = RecordingModel()
+    model = ServedModel(make_spec(max_batch_size=8, max_inflight_batches=1), fake,
+                        metrics=BatcherMetrics(registry))
+    model.start()
+    server = ep.ExecutorServer(arena, ArenaLayout(1 << 20, 1))
+    server._handles[1] = (model, ep._input_dtypes(model.spec), True, (0,))
+    front = ep._FrontEnd(_FrameSink())
+    front.region = (0, 1 << 16)
+    try:
+        yield server, front, model, fake, registry
+    finally:
+        if fake.gate is not None:
+            fake.gate.set()
+        model.stop(drain_timeout_s=5)
+        arena.close()
+
+
+async def test_a_reads_requests_queue_in_order_and_a_refused_one_fails_alone(executor):
+    server, front, model, fake, _ = executor
+    blocker = await hold_executor(model, fake)
+    frames = [wire_pb2.ToExecutor() for _ in range(3)]
+    _infer(frames[0], 1, 1.0)
+    _infer(frames[1], 2, 2.0, priority=9)  # one level only
+    _infer(frames[1], 3, 3.0)
+    _infer(frames[2], 4, 4.0)
+    _read(server, front, *frames)
+    assert model.queue_depth == 3
+    assert sorted(front.requests) == [1, 3, 4]
+    (failure,) = front.link.out.failures
+    assert (failure.rid, failure.code) == (2, Code.INVALID_ARGUMENT)
+    assert "priority must lie in 1..1" in failure.message
+    fake.gate.set()
+    await blocker
+    await apoll(lambda: len(fake.batches) == 2)
+    assert fake.batches[1] == [1.0, 3.0, 4.0]
+
+
+async def test_a_request_cancelled_in_the_read_that_brought_it_never_queues(executor):
+    server, front, model, fake, registry = executor
+    blocker = await hold_executor(model, fake)
+    first, second = wire_pb2.ToExecutor(), wire_pb2.ToExecutor(cancel=[2])
+    for rid in (1, 2, 3):
+        _infer(first, rid, float(rid))
+    _read(server, front, first, second)
+    assert model.queue_depth == 2
+    assert sorted(front.requests) == [1, 3]
+    (failure,) = front.link.out.failures
+    assert (failure.rid, failure.code, failure.released) == (2, Code.CANCELLED, True)
+    assert registry.get_sample_value("batchgate_request_failures_total",
+                                     {"model": "fake", "reason": "cancelled"}) == 1
+    fake.gate.set()
+    await blocker
+    await apoll(lambda: len(fake.batches) == 2)
+    assert fake.batches[1] == [1.0, 3.0]
