@@ -279,6 +279,36 @@ size_t ExecutorLink::InFlightInfers() const {
   return infers_.size();
 }
 
+namespace {
+// The calling thread's DeferredWrites state: whether it defers, and the link it left an entry
+// unwritten on (there is one link a process).
+thread_local bool t_defer_writes = false;
+thread_local ExecutorLink* t_deferred = nullptr;
+}  // namespace
+
+ExecutorLink::DeferredWrites::DeferredWrites() { t_defer_writes = true; }
+
+ExecutorLink::DeferredWrites::~DeferredWrites() {
+  FlushDeferredWrites();
+  t_defer_writes = false;
+}
+
+bool ExecutorLink::HasDeferredWrites() { return t_deferred != nullptr; }
+
+void ExecutorLink::FlushDeferredWrites() {
+  ExecutorLink* link = t_deferred;
+  if (link == nullptr) return;
+  t_deferred = nullptr;
+  const bool deferring = t_defer_writes;
+  t_defer_writes = false;
+  {
+    std::unique_lock<std::mutex> lock(link->mu_);
+    // Written meanwhile by another thread's round, or dropped with a lost connection: nothing.
+    if (link->pending_urgent_) link->Flush(lock, true);
+  }
+  t_defer_writes = deferring;
+}
+
 void ExecutorLink::Flush(std::unique_lock<std::mutex>& lock, bool urgent) {
   // Returned output blocks are not urgent: they wait for the next request's frame, or
   // kFreeDelay at most (the writer thread's), so that answering a request does not cost a frame
@@ -292,6 +322,12 @@ void ExecutorLink::Flush(std::unique_lock<std::mutex>& lock, bool urgent) {
     pending_urgent_ = true;
     // Whoever holds the write token takes this entry in its next round.
     if (writing_) return;
+    // Deferred only while other requests are in flight: the executor is busy with them, and
+    // the entries the worker takes next join this frame; with nothing in flight it goes now.
+    if (t_defer_writes && infers_.size() > 1 && (t_deferred == nullptr || t_deferred == this)) {
+      t_deferred = this;  // written by this thread's FlushDeferredWrites
+      return;
+    }
     writing_ = true;
     WriteNow(lock);
     wake = (pending_urgent_ && writer_state_ != WriterState::kBusy) ||

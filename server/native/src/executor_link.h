@@ -109,6 +109,21 @@ class ExecutorLink {
   // Inference requests sent and not yet answered.
   size_t InFlightInfers() const;
 
+  // While a thread is inside a DeferredWrites scope, the entries it queues (requests, cancels,
+  // calls) are not written at once: FlushDeferredWrites() writes them, and the scope's end.
+  // A worker flushes whenever its completion queue has no event ready, so that the requests it
+  // takes in one go leave in one frame, and one that comes alone leaves at once.
+  class DeferredWrites {
+   public:
+    DeferredWrites();
+    ~DeferredWrites();
+    DeferredWrites(const DeferredWrites&) = delete;
+    DeferredWrites& operator=(const DeferredWrites&) = delete;
+  };
+  static void FlushDeferredWrites();
+  // Whether this thread left an entry unwritten.
+  static bool HasDeferredWrites();
+
  private:
   struct Socket;
   struct PendingInfer {

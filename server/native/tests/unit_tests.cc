@@ -728,6 +728,11 @@ class FakeExecutor {
     std::string body(size, '\0');
     return ReadAll(body.data(), size) && frame->ParseFromString(body);
   }
+  // Whether bytes wait to be read, without reading them.
+  bool Pending() {
+    char byte;
+    return recv(fd_, &byte, 1, MSG_PEEK | MSG_DONTWAIT) > 0;
+  }
   void Write(const batchgate::wire::ToFrontend& frame) {
     std::string bytes = frame.SerializeAsString();
     const uint32_t size = static_cast<uint32_t>(bytes.size());
@@ -780,6 +785,17 @@ class CountingTarget final : public batchgate::AnswerTarget {
   std::atomic<int> unavailable{0};
 };
 
+// Accepts the link's connection, reads its Hello and welcomes it.
+void Welcome(FakeExecutor& executor, LinkEvents& events) {
+  executor.Accept();
+  batchgate::wire::ToExecutor frame;
+  CHECK(executor.Read(&frame) && frame.has_hello());
+  batchgate::wire::ToFrontend welcome;
+  welcome.set_welcome(true);
+  executor.Write(welcome);
+  CHECK(events.WaitConnected());
+}
+
 void TestLinkWritesEveryEntryInOrder() {
   // Several threads submit while the executor reads nothing: far more than a socket holds (the
   // link asks for 4 MiB buffers), so a submitter's write stops part-way and the writer thread
@@ -794,13 +810,8 @@ void TestLinkWritesEveryEntryInOrder() {
   CountingTarget target;
   batchgate::ExecutorLink link(name, 0, region, models, events);
   link.Start();
-  executor.Accept();
+  Welcome(executor, events);
   batchgate::wire::ToExecutor frame;
-  CHECK(executor.Read(&frame) && frame.has_hello());
-  batchgate::wire::ToFrontend welcome;
-  welcome.set_welcome(true);
-  executor.Write(welcome);
-  CHECK(events.WaitConnected());
 
   constexpr int kThreads = 3;
   constexpr int kPerThread = 40;
@@ -851,6 +862,61 @@ void TestLinkWritesEveryEntryInOrder() {
   CHECK_EQ(target.unavailable.load(), kThreads * kPerThread);
 }
 
+void TestLinkDefersWritesWhileRequestsAreInFlight() {
+  // Inside DeferredWrites (a worker's thread), a request that finds none in flight is written at
+  // once; later ones wait for FlushDeferredWrites (or the scope's end) and go in one frame.
+  const std::string name = "batchgate-unit-defer-" + std::to_string(getpid());
+  FakeExecutor executor(name);
+  batchgate::InputRegion region(0, 1 << 20);
+  batchgate::ModelTable models;
+  LinkEvents events;
+  CountingTarget target;
+  batchgate::ExecutorLink link(name, 0, region, models, events);
+  link.Start();
+  Welcome(executor, events);
+  auto submit = [&] {
+    uint64_t rid = 0;
+    grpc::Status refusal;
+    CHECK(link.SubmitInfer(std::make_unique<batchgate::wire::Infer>(), {}, 1, &target, &rid,
+                           &refusal));
+    return rid;
+  };
+  auto read_rids = [&] {
+    batchgate::wire::ToExecutor frame;
+    std::vector<uint64_t> rids;
+    if (executor.Read(&frame)) {
+      for (const auto& infer : frame.infer()) rids.push_back(infer.rid());
+    }
+    return rids;
+  };
+  uint64_t second = 0, fourth = 0;
+  {
+    const batchgate::ExecutorLink::DeferredWrites deferred;
+    const uint64_t first = submit();
+    CHECK(!batchgate::ExecutorLink::HasDeferredWrites());
+    CHECK(read_rids() == std::vector<uint64_t>{first});
+    second = submit();
+    const uint64_t third = submit();
+    CHECK(batchgate::ExecutorLink::HasDeferredWrites());
+    CHECK(!executor.Pending());
+    batchgate::ExecutorLink::FlushDeferredWrites();
+    CHECK(!batchgate::ExecutorLink::HasDeferredWrites());
+    CHECK((read_rids() == std::vector<uint64_t>{second, third}));
+    fourth = submit();
+    link.Cancel(second);  // joins the unwritten frame
+    CHECK(!executor.Pending());
+  }  // the scope's end writes what is left
+  batchgate::wire::ToExecutor frame;
+  CHECK(executor.Read(&frame));
+  CHECK(frame.infer_size() == 1 && frame.infer(0).rid() == fourth);
+  CHECK(frame.cancel_size() == 1 && frame.cancel(0) == second);
+  // Outside the scope every request is written at once, in flight or not.
+  const uint64_t fifth = submit();
+  CHECK(read_rids() == std::vector<uint64_t>{fifth});
+  link.Close();
+  CHECK_EQ(target.unavailable.load(), 5);
+}
+
 int main() {
   TestQuotingAndCutting();
   TestShapes();
@@ -865,6 +931,7 @@ int main() {
   TestMetrics();
   TestBatchResults();
   TestLinkWritesEveryEntryInOrder();
+  TestLinkDefersWritesWhileRequestsAreInFlight();
   std::fprintf(stderr, "%d of %d checks failed\n", g_failures, g_checks);
   return g_failures ? 1 : 0;
 }
