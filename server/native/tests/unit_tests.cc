@@ -796,21 +796,31 @@ void Welcome(FakeExecutor& executor, LinkEvents& events) {
   CHECK(events.WaitConnected());
 }
 
+// A link connected to a FakeExecutor of its own and welcomed; `target` counts its answers.
+struct ConnectedLink {
+  explicit ConnectedLink(const std::string& name)
+      : executor(name), region(0, 1 << 20), link(name, 0, region, models, events) {
+    link.Start();
+    Welcome(executor, events);
+  }
+  FakeExecutor executor;
+  batchgate::InputRegion region;
+  batchgate::ModelTable models;
+  LinkEvents events;
+  CountingTarget target;
+  batchgate::ExecutorLink link;  // last: it goes first
+};
+
 void TestLinkWritesEveryEntryInOrder() {
   // Several threads submit while the executor reads nothing: far more than a socket holds (the
   // link asks for 4 MiB buffers), so a submitter's write stops part-way and the writer thread
   // finishes it, while later entries wait. Submitting never blocks. Every Infer must reach the
   // executor once, in rid order (rids are taken in the order entries join the frame), each
   // cancel after its Infer.
-  const std::string name = "batchgate-unit-" + std::to_string(getpid());
-  FakeExecutor executor(name);
-  batchgate::InputRegion region(0, 1 << 20);
-  batchgate::ModelTable models;
-  LinkEvents events;
-  CountingTarget target;
-  batchgate::ExecutorLink link(name, 0, region, models, events);
-  link.Start();
-  Welcome(executor, events);
+  ConnectedLink connected("batchgate-unit-" + std::to_string(getpid()));
+  FakeExecutor& executor = connected.executor;
+  CountingTarget& target = connected.target;
+  batchgate::ExecutorLink& link = connected.link;
   batchgate::wire::ToExecutor frame;
 
   constexpr int kThreads = 3;
@@ -865,15 +875,10 @@ void TestLinkWritesEveryEntryInOrder() {
 void TestLinkDefersWritesWhileRequestsAreInFlight() {
   // Inside DeferredWrites (a worker's thread), a request that finds none in flight is written at
   // once; later ones wait for FlushDeferredWrites (or the scope's end) and go in one frame.
-  const std::string name = "batchgate-unit-defer-" + std::to_string(getpid());
-  FakeExecutor executor(name);
-  batchgate::InputRegion region(0, 1 << 20);
-  batchgate::ModelTable models;
-  LinkEvents events;
-  CountingTarget target;
-  batchgate::ExecutorLink link(name, 0, region, models, events);
-  link.Start();
-  Welcome(executor, events);
+  ConnectedLink connected("batchgate-unit-defer-" + std::to_string(getpid()));
+  FakeExecutor& executor = connected.executor;
+  CountingTarget& target = connected.target;
+  batchgate::ExecutorLink& link = connected.link;
   auto submit = [&] {
     uint64_t rid = 0;
     grpc::Status refusal;
