@@ -110,9 +110,10 @@ class ExecutorLink {
   size_t InFlightInfers() const;
 
   // While a thread is inside a DeferredWrites scope, the entries it queues (requests, cancels,
-  // calls) are not written at once: FlushDeferredWrites() writes them, and the scope's end.
-  // A worker flushes whenever its completion queue has no event ready, so that the requests it
-  // takes in one go leave in one frame, and one that comes alone leaves at once.
+  // calls) while other requests are in flight are not written at once: FlushDeferredWrites()
+  // writes them, and so does the scope's end. A worker flushes whenever its completion queue
+  // has no event ready, so that the requests it takes in one go leave in one frame; one that
+  // finds no request in flight is written at once.
   class DeferredWrites {
    public:
     DeferredWrites();

@@ -64,9 +64,10 @@ void Worker::Run() {
   ListenForEveryRpc(*this);
   void* tag = nullptr;
   bool ok = false;
-  // The requests this thread takes while events are ready go to the executor in one frame:
-  // written once the queue has no event ready (a request that comes alone leaves at once, the
-  // queue asked once more without waiting), or kEventsPerWrite events later.
+  // The requests this thread takes while events are ready go to the executor in one frame
+  // (ExecutorLink::DeferredWrites): written once the queue has no event ready, or
+  // kEventsPerWrite events later. The queue is asked without waiting only while something waits
+  // to be written; a request that finds none in flight was written at once.
   constexpr int kEventsPerWrite = 16;
   const ExecutorLink::DeferredWrites deferred;
   int events_since = 0;  // events run since the oldest entry left unwritten
