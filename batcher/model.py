@@ -622,53 +622,42 @@ class ServedModel:
         """``submit(request, future, publish_depth=False)`` for each request and its future, in
         order (the executor process's requests of one read): the ones refused, as (index,
         error); the others are queued. Admission control's quick bound is asked once for them
-        all, and the queue's lock taken once; where the bound cannot tell, each is admitted
-        and queued in turn as ``submit`` does, seeing the ones before it queued."""
-        if not self._accepting:
-            error = ModelUnavailable(self._not_serving())
-            return [(index, error) for index in range(len(requests))]
-        loop = self._loop
-        if loop is None:
-            loop = self._loop = asyncio.get_running_loop()
-        refused: list[tuple[int, BatchgateError]] = []
-        resolved: list[InferenceRequest] = []
-        for index, (request, future) in enumerate(zip(requests, futures)):
+        all, and the queue's lock taken once; where the bound cannot tell, each is submitted in
+        turn, seeing the ones before it queued."""
+        if len(requests) > 1 and self._accepting:
+            if self._loop is None:
+                self._loop = asyncio.get_running_loop()
+            refused: list[tuple[int, BatchgateError]] = []
+            resolved: list[int] = []  # indexes of the requests whose level and deadline are set
+            for index, request in enumerate(requests):
+                try:
+                    self._resolve(request)
+                except BatchgateError as exc:
+                    refused.append((index, exc))
+                    continue
+                request.future = futures[index]
+                resolved.append(index)
+            chosen = [requests[i] for i in resolved]
+            if chosen and self._surely_admitted(chosen):
+                turned_away = self._queue.put_all(chosen)
+                full = [chosen[i] for i, error in turned_away if isinstance(error, QueueFull)]
+                if full:
+                    self._count_failure("rejected", full)
+                away = {i for i, _ in turned_away}
+                for i, request in enumerate(chosen):
+                    if i not in away:
+                        self._queued(request, self._loop)
+                refused.extend((resolved[i], error) for i, error in turned_away)
+                return refused
+            requests = chosen  # the bound cannot tell: each in turn, as below
+            futures = [futures[i] for i in resolved]
+        else:
+            refused, resolved = [], list(range(len(requests)))
+        for index, request, future in zip(resolved, requests, futures):
             try:
-                self._resolve(request)
+                self.submit(request, future, publish_depth=False)
             except BatchgateError as exc:
                 refused.append((index, exc))
-                continue
-            request.future = future
-            resolved.append(request)
-        if not resolved:
-            return refused
-        if not self._surely_admitted(resolved):
-            position = {id(request): index for index, request in enumerate(requests)}
-            for request in resolved:
-                try:
-                    if request.deadline is not None:
-                        self._admit(request)
-                    self._queue.put(request, False)
-                except QueueFull as exc:
-                    self._count_failure("rejected", [request])
-                    refused.append((position[id(request)], exc))
-                    continue
-                except BatchgateError as exc:
-                    refused.append((position[id(request)], exc))
-                    continue
-                self._queued(request, loop)
-            return refused
-        turned_away = self._queue.put_all(resolved)
-        if turned_away:
-            position = {id(request): index for index, request in enumerate(requests)}
-            full = [request for request, error in turned_away if isinstance(error, QueueFull)]
-            if full:
-                self._count_failure("rejected", full)
-            refused.extend((position[id(request)], error) for request, error in turned_away)
-            out = {id(request) for request, _ in turned_away}
-            resolved = [request for request in resolved if id(request) not in out]
-        for request in resolved:
-            self._queued(request, loop)
         return refused
 
     def _not_serving(self) -> str:

@@ -113,21 +113,22 @@ class ModelQueue:
             self._on_depth_change(depth)
 
     def put_all(self, requests: list[InferenceRequest]
-                ) -> list[tuple[InferenceRequest, QueueFull | ModelUnavailable]]:
+                ) -> list[tuple[int, QueueFull | ModelUnavailable]]:
         """``put(request, publish_depth=False)`` for each of ``requests`` in order, under one
-        taking of the lock and with one wake-up of the executors: the ones refused, each with
-        its error (the others are queued)."""
-        refused: list[tuple[InferenceRequest, QueueFull | ModelUnavailable]] = []
+        taking of the lock and with one wake-up of the executors: the ones refused, as (index,
+        error) (the others are queued)."""
         with self._cond:
             if self._closed:
-                return [(request, ModelUnavailable(CLOSED_MESSAGE)) for request in requests]
+                error = ModelUnavailable(CLOSED_MESSAGE)
+                return [(index, error) for index in range(len(requests))]
+            refused: list[tuple[int, QueueFull | ModelUnavailable]] = []
             now = self._clock()
             full = False
-            for request in requests:
+            for index, request in enumerate(requests):
                 try:
                     full = self._append(request, now) or full
                 except QueueFull as exc:
-                    refused.append((request, exc))
+                    refused.append((index, exc))
             if len(refused) == len(requests):
                 return refused
             if full:

@@ -388,14 +388,8 @@ class ExecutorServer:
                 remotes = [remotes[i] for i in kept]
                 if not requests:
                     continue
-            if len(requests) == 1:
-                try:
-                    model.submit(requests[0], remotes[0], publish_depth=False)
-                except BatchgateError as exc:
-                    self._refused(remotes[0], exc)
-            else:
-                for index, exc in model.submit_all(requests, remotes):
-                    self._refused(remotes[index], exc)
+            for index, exc in model.submit_all(requests, remotes):
+                self._refused(remotes[index], exc)
             model.publish_depth()
 
     @staticmethod
