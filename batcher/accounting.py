@@ -2,8 +2,10 @@
 latency profile and the batches in flight, in one object.
 
 The executors report to it through ``BatchAccounting`` (``batcher/batch.py``) from their
-threads; ``ServedModel`` reports answered and failed requests from the event loop, and asks it
-what is in flight (admission control, the device's turns). Nothing here touches a queue, a
+threads, except a finished batch's ``ran`` and ``after_batch``, which run right after its
+answers on the thread that delivered them (``Outcome.accounting``); ``ServedModel`` reports
+answered and failed requests from the event loop, and asks it what is in flight (admission
+control, the device's turns). Nothing here touches a queue, a
 future or a device.
 """
 

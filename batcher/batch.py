@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -102,20 +102,26 @@ class Outcome:
     ``outputs``: the batch's host arrays, one per output in the model's order, padding rows
     dropped; ``results`` holds each request's views of them. ``inputs_in_use``: a call that
     timed out may still read the batch's inputs, so they are not released with the answers; a
-    second, ``release_only`` outcome follows if the call returns.
+    second, ``release_only`` outcome follows if the call returns. ``accounting``: the batch's
+    bookkeeping (statistics, metrics, latency profile, memory gauges), for the receiver to run
+    once, right after the answers (``ServedModel._deliver``): off the answers' path and the
+    model's thread, yet done before the loop takes its next message.
     """
 
-    __slots__ = ("batch", "results", "outputs", "error", "inputs_in_use", "release_only")
+    __slots__ = ("batch", "results", "outputs", "error", "inputs_in_use", "release_only",
+                 "accounting")
 
     def __init__(self, batch: Batch, results: list[dict[str, np.ndarray]] | None,
                  error: Exception | None, *, outputs: list[np.ndarray] | None = None,
-                 inputs_in_use: bool = False, release_only: bool = False) -> None:
+                 inputs_in_use: bool = False, release_only: bool = False,
+                 accounting: Callable[[], None] | None = None) -> None:
         self.batch = batch
         self.results = results
         self.outputs = outputs
         self.error = error
         self.inputs_in_use = inputs_in_use
         self.release_only = release_only
+        self.accounting = accounting
 
 
 class InstanceDead(Exception):
@@ -134,7 +140,8 @@ class BatchAccounting:
         """``batch`` finished (answered or failed)."""
 
     def ran(self, batch: Batch, infer_ns: int, output_ns: int) -> None:
-        """``batch`` ran to its answers: its forward and output times."""
+        """``batch`` ran to its answers: its forward and output times (called after the
+        answers, by whoever delivered them: ``Outcome.accounting``)."""
 
     def out_of_memory(self, rows: int, largest: int) -> None:
         """A batch of ``rows`` ran out of memory; ``largest`` is the new largest bucket."""
@@ -143,4 +150,4 @@ class BatchAccounting:
         """A batch's requests: ``queued`` were staged while waiting, ``at_batch`` copied now."""
 
     def after_batch(self) -> None:
-        """After each batch (gauges that follow the memory in use)."""
+        """After each batch's answers (gauges that follow the memory in use), as ``ran``."""

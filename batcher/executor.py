@@ -49,6 +49,7 @@ are concatenated on the host and copied to the device as they are (no padding, n
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue as queue_module
 import threading
 import time
@@ -615,8 +616,8 @@ class Executor:
         log.debug("batch_done", model=self._spec.name, batch=batch.id, size=batch.samples,
                   bucket=batch.bucket, graph=batch.graph, reason=batch.reason,
                   infer_ms=(infer_done - started) / 1e6)
-        self._accounting.ran(batch, infer_done - started, done - infer_done)
-        self._finish(batch, results, None, outputs=host)
+        self._finish(batch, results, None, outputs=host,
+                     ran=(infer_done - started, done - infer_done))
 
     def _device_broken(self, batch: Batch, exc: BaseException) -> None:
         """A sticky CUDA error: the context is broken and every later call would fail too.
@@ -690,7 +691,10 @@ class Executor:
 
     def _finish(self, batch: Batch, results: list[dict[str, np.ndarray]] | None,
                 error: Exception | None, *, outputs: list[np.ndarray] | None = None,
-                inputs_in_use: bool = False) -> None:
+                inputs_in_use: bool = False, ran: tuple[int, int] | None = None) -> None:
+        """Hand the batch's answers (or its ``error``) on. ``ran``: the forward's and the
+        outputs' nanoseconds of a batch that ran; its accounting travels with the outcome, for
+        the receiver to run after the answers have gone."""
         batch.tensors = []
         if inputs_in_use:
             self._replace_slot(batch.slot)  # staged blocks too stay with the batch
@@ -699,10 +703,17 @@ class Executor:
         self._accounting.ended(batch)
         if self._turns is not None:  # after the count: the share asks whether more work waits
             self._turns.end(batch.id)
-        self._accounting.after_batch()
         batch.finished_at = time.monotonic()
         self._deliver(Outcome(batch, results, error, outputs=outputs,
-                              inputs_in_use=inputs_in_use))
+                              inputs_in_use=inputs_in_use,
+                              accounting=functools.partial(self._account, batch, ran)))
+
+    def _account(self, batch: Batch, ran: tuple[int, int] | None) -> None:
+        """A finished batch's statistics, metrics and latency profile (if it ran), and the
+        gauges that follow memory."""
+        if ran is not None:
+            self._accounting.ran(batch, *ran)
+        self._accounting.after_batch()
 
     def _recycle(self, batch: Batch) -> None:
         """The batch's staged blocks and slot go back: nothing reads them any more."""

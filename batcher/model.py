@@ -761,8 +761,12 @@ class ServedModel:
     # -- from the executor threads -----------------------------------------------------------
 
     def _post(self, outcome: Outcome) -> None:
+        """On the executor's thread: the outcome to the loop, or delivered here while the loop
+        waits for events (``deliver_inline``)."""
         loop = self._loop
         if loop is None or loop.is_closed():
+            if outcome.accounting is not None:
+                outcome.accounting()
             return
         inline = self.deliver_inline
         if (inline is not None and not self._queue.depth
@@ -771,9 +775,20 @@ class ServedModel:
         try:
             loop.call_soon_threadsafe(self._deliver, outcome)
         except RuntimeError:  # the loop closed meanwhile: nobody is waiting any more
-            pass
+            if outcome.accounting is not None:
+                outcome.accounting()
 
     def _deliver(self, outcome: Outcome) -> None:
+        """The batch's answers (or its error) to its requests; then its accounting, off the
+        answers' path but before the loop takes its next message, so that a statistics call
+        after an answer counts its batch (and the model's thread is free for the next one)."""
+        try:
+            self._answer(outcome)
+        finally:
+            if outcome.accounting is not None:
+                outcome.accounting()
+
+    def _answer(self, outcome: Outcome) -> None:
         requests = outcome.batch.requests
         if not outcome.inputs_in_use:
             for request in requests:
