@@ -5,8 +5,7 @@ The executors report to it through ``BatchAccounting`` (``batcher/batch.py``) fr
 threads, except a finished batch's ``ran`` and ``after_batch``, which run right after its
 answers on the thread that delivered them (``Outcome.accounting``); ``ServedModel`` reports
 answered and failed requests from the event loop, and asks it what is in flight (admission
-control, the device's turns). Nothing here touches a queue, a
-future or a device.
+control, the device's turns). Nothing here touches a queue, a future or a device.
 """
 
 from __future__ import annotations

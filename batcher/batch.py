@@ -123,6 +123,11 @@ class Outcome:
         self.release_only = release_only
         self.accounting = accounting
 
+    def account(self) -> None:
+        """Run the batch's ``accounting``, if it has any."""
+        if self.accounting is not None:
+            self.accounting()
+
 
 class InstanceDead(Exception):
     """The instance cannot run batches any more (the model raised a BaseException such as

@@ -765,8 +765,7 @@ class ServedModel:
         waits for events (``deliver_inline``)."""
         loop = self._loop
         if loop is None or loop.is_closed():
-            if outcome.accounting is not None:
-                outcome.accounting()
+            outcome.account()
             return
         inline = self.deliver_inline
         if (inline is not None and not self._queue.depth
@@ -775,8 +774,7 @@ class ServedModel:
         try:
             loop.call_soon_threadsafe(self._deliver, outcome)
         except RuntimeError:  # the loop closed meanwhile: nobody is waiting any more
-            if outcome.accounting is not None:
-                outcome.accounting()
+            outcome.account()
 
     def _deliver(self, outcome: Outcome) -> None:
         """The batch's answers (or its error) to its requests; then its accounting, off the
@@ -785,8 +783,7 @@ class ServedModel:
         try:
             self._answer(outcome)
         finally:
-            if outcome.accounting is not None:
-                outcome.accounting()
+            outcome.account()
 
     def _answer(self, outcome: Outcome) -> None:
         requests = outcome.batch.requests
