@@ -27,7 +27,7 @@ from batchgate.protos import inference_pb2 as protos_dot_inference__pb2
 from batchgate.protos import model_config_pb2 as protos_dot_model__config__pb2
 
 
-DESCRIPTOR = _registry.POOL.AddSerializedFile(b'\n\x11protos/wire.proto\x12\x0e\x62\x61tchgate.wire\x1a\x16protos/inference.proto\x1a\x19protos/model_config.proto\"\x9a\x01\n\nToExecutor\x12$\n\x05hello\x18\x01 \x01(\x0b\x32\x15.batchgate.wire.Hello\x12$\n\x05infer\x18\x02 \x03(\x0b\x32\x15.batchgate.wire.Infer\x12\x0e\n\x06\x63\x61ncel\x18\x03 \x03(\x04\x12\x0c\n\x04\x66ree\x18\x04 \x03(\x04\x12\"\n\x04\x63\x61ll\x18\x05 \x03(\x0b\x32\x14.batchgate.wire.Call\"\x15\n\x05Hello\x12\x0c\n\x04slot\x18\x01 \x01(\r\"\xe6\x01\n\x05Infer\x12\x0b\n\x03rid\x18\x01 \x01(\x04\x12\r\n\x05model\x18\x02 \x01(\r\x12&\n\x06inputs\x18\x03 \x03(\x0b\x32\x16.batchgate.wire.Tensor\x12\x12\n\nbatch_size\x18\x04 \x01(\r\x12\x10\n\x08priority\x18\x05 \x01(\x04\x12\x13\n\x0b\x64\x65\x61\x64line_ns\x18\x06 \x01(\x03\x12\x12\n\ntimeout_us\x18\x07 \x01(\x04\x12\n\n\x02id\x18\x08 \x01(\t\x12\x0f\n\x07outputs\x18\t \x03(\r\x12-\n\nplacements\x18\n \x03(\x0b\x32\x19.batchgate.wire.Placement\";\n\tPlacement\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"e\n\x06Tensor\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12\r\n\x05shape\x18\x03 \x03(\x03\x12,\n\tplacement\x18\x04 \x01(\x0b\x32\x19.batchgate.wire.Placement\"\xa6\x05\n\x04\x43\x61ll\x12\x0b\n\x03\x63id\x18\x01 \x01(\x04\x12\x37\n\nstatistics\x18\x02 \x01(\x0b\x32!.inference.ModelStatisticsRequestH\x00\x12\x32\n\x05index\x18\x03 \x01(\x0b\x32!.inference.RepositoryIndexRequestH\x00\x12\x35\n\x04load\x18\x04 \x01(\x0b\x32%.inference.RepositoryModelLoadRequestH\x00\x12\x39\n\x06unload\x18\x05 \x01(\x0b\x32\'.inference.RepositoryModelUnloadRequestH\x00\x12\x43\n\rsystem_status\x18\x06 \x01(\x0b\x32*.inference.SystemSharedMemoryStatusRequestH\x00\x12G\n\x0fsystem_register\x18\x07 \x01(\x0b\x32,.inference.SystemSharedMemoryRegisterRequestH\x00\x12K\n\x11system_unregister\x18\x08 \x01(\x0b\x32..inference.SystemSharedMemoryUnregisterRequestH\x00\x12?\n\x0b\x63uda_status\x18\t \x01(\x0b\x32(.inference.CudaSharedMemoryStatusRequestH\x00\x12\x43\n\rcuda_register\x18\n \x01(\x0b\x32*.inference.CudaSharedMemoryRegisterRequestH\x00\x12G\n\x0f\x63uda_unregister\x18\x0b \x01(\x0b\x32,.inference.CudaSharedMemoryUnregisterRequestH\x00\x42\x08\n\x06method\"\xff\x01\n\nToFrontend\x12\x0f\n\x07welcome\x18\x01 \x01(\x08\x12*\n\x06models\x18\x02 \x03(\x0b\x32\x1a.batchgate.wire.ModelState\x12\'\n\x07results\x18\x03 \x03(\x0b\x32\x16.batchgate.wire.Result\x12)\n\x08\x66\x61ilures\x18\x04 \x03(\x0b\x32\x17.batchgate.wire.Failure\x12\x10\n\x08released\x18\x05 \x03(\x04\x12&\n\x07replies\x18\x06 \x03(\x0b\x32\x15.batchgate.wire.Reply\x12&\n\x07\x62\x61tches\x18\x07 \x03(\x0b\x32\x15.batchgate.wire.Batch\"\x9a\x01\n\nModelState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0e\n\x06handle\x18\x04 \x01(\r\x12\'\n\x04spec\x18\x05 \x01(\x0b\x32\x19.batchgate.wire.ModelSpec\x12&\n\x06\x63onfig\x18\x06 \x01(\x0b\x32\x16.inference.ModelConfig\"\xad\x01\n\tModelSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x10\n\x08platform\x18\x03 \x01(\t\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\x05\x12*\n\x06inputs\x18\x05 \x03(\x0b\x32\x1a.batchgate.wire.TensorSpec\x12+\n\x07outputs\x18\x06 \x03(\x0b\x32\x1a.batchgate.wire.TensorSpec\":\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61tatype\x18\x02 \x01(\t\x12\x0c\n\x04\x64ims\x18\x03 \x03(\x03\"P\n\x06Result\x12\x0b\n\x03rid\x18\x01 \x01(\x04\x12\x10\n\x08released\x18\x02 \x01(\x08\x12\'\n\x07outputs\x18\x03 \x03(\x0b\x32\x16.batchgate.wire.Output\"V\n\x06Output\x12\r\n\x05\x62lock\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0e\n\x06placed\x18\x05 \x01(\x08\"w\n\x05\x42\x61tch\x12\x0c\n\x04rids\x18\x01 \x03(\x04\x12\x12\n\nfirst_rows\x18\x02 \x03(\x04\x12\x0c\n\x04rows\x18\x03 \x03(\x04\x12\x10\n\x08released\x18\x04 \x01(\x08\x12,\n\x07outputs\x18\x05 \x03(\x0b\x32\x1b.batchgate.wire.BatchOutput\"=\n\x0b\x42\x61tchOutput\x12\r\n\x05\x62lock\x18\x01 \x01(\x04\x12\x11\n\trow_bytes\x18\x02 \x01(\x04\x12\x0c\n\x04tail\x18\x03 \x03(\x03\"G\n\x07\x46\x61ilure\x12\x0b\n\x03rid\x18\x01 \x01(\x04\x12\x10\n\x08released\x18\x02 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x03 \x01(\r\x12\x0f\n\x07message\x18\x04 \x01(\t\"\xdb\x05\n\x05Reply\x12\x0b\n\x03\x63id\x18\x01 \x01(\x04\x12\x38\n\nstatistics\x18\x02 \x01(\x0b\x32\".inference.ModelStatisticsResponseH\x00\x12\x33\n\x05index\x18\x03 \x01(\x0b\x32\".inference.RepositoryIndexResponseH\x00\x12\x36\n\x04load\x18\x04 \x01(\x0b\x32&.inference.RepositoryModelLoadResponseH\x00\x12:\n\x06unload\x18\x05 \x01(\x0b\x32(.inference.RepositoryModelUnloadResponseH\x00\x12\'\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x16.batchgate.wire.StatusH\x00\x12\x44\n\rsystem_status\x18\x07 \x01(\x0b\x32+.inference.SystemSharedMemoryStatusResponseH\x00\x12H\n\x0fsystem_register\x18\x08 \x01(\x0b\x32-.inference.SystemSharedMemoryRegisterResponseH\x00\x12L\n\x11system_unregister\x18\t \x01(\x0b\x32/.inference.SystemSharedMemoryUnregisterResponseH\x00\x12@\n\x0b\x63uda_status\x18\n \x01(\x0b\x32).inference.CudaSharedMemoryStatusResponseH\x00\x12\x44\n\rcuda_register\x18\x0b \x01(\x0b\x32+.inference.CudaSharedMemoryRegisterResponseH\x00\x12H\n\x0f\x63uda_unregister\x18\x0c \x01(\x0b\x32-.inference.CudaSharedMemoryUnregisterResponseH\x00\x42\t\n\x07outcome\"\'\n\x06Status\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\tb\x06proto3')
+DESCRIPTOR = _registry.POOL.AddSerializedFile(b'\n\x11protos/wire.proto\x12\x0e\x62\x61tchgate.wire\x1a\x16protos/inference.proto\x1a\x19protos/model_config.proto\"\xc6\x01\n\nToExecutor\x12$\n\x05hello\x18\x01 \x01(\x0b\x32\x15.batchgate.wire.Hello\x12$\n\x05infer\x18\x02 \x03(\x0b\x32\x15.batchgate.wire.Infer\x12\x0e\n\x06\x63\x61ncel\x18\x03 \x03(\x04\x12\x0c\n\x04\x66ree\x18\x04 \x03(\x04\x12\"\n\x04\x63\x61ll\x18\x05 \x03(\x0b\x32\x14.batchgate.wire.Call\x12*\n\x06groups\x18\x06 \x03(\x0b\x32\x1a.batchgate.wire.InferGroup\"\x15\n\x05Hello\x12\x0c\n\x04slot\x18\x01 \x01(\r\"\xe6\x01\n\x05Infer\x12\x0b\n\x03rid\x18\x01 \x01(\x04\x12\r\n\x05model\x18\x02 \x01(\r\x12&\n\x06inputs\x18\x03 \x03(\x0b\x32\x16.batchgate.wire.Tensor\x12\x12\n\nbatch_size\x18\x04 \x01(\r\x12\x10\n\x08priority\x18\x05 \x01(\x04\x12\x13\n\x0b\x64\x65\x61\x64line_ns\x18\x06 \x01(\x03\x12\x12\n\ntimeout_us\x18\x07 \x01(\x04\x12\n\n\x02id\x18\x08 \x01(\t\x12\x0f\n\x07outputs\x18\t \x03(\r\x12-\n\nplacements\x18\n \x03(\x0b\x32\x19.batchgate.wire.Placement\";\n\tPlacement\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"\xb6\x01\n\nInferGroup\x12\r\n\x05model\x18\x01 \x01(\r\x12\x0c\n\x04rids\x18\x02 \x03(\x04\x12\x13\n\x0b\x62\x61tch_sizes\x18\x03 \x03(\r\x12\x12\n\npriorities\x18\x04 \x03(\x04\x12\x14\n\x0c\x64\x65\x61\x64lines_ns\x18\x05 \x03(\x03\x12\x13\n\x0btimeouts_us\x18\x06 \x03(\x04\x12\x0b\n\x03ids\x18\x07 \x03(\t\x12*\n\x06inputs\x18\x08 \x03(\x0b\x32\x1a.batchgate.wire.GroupInput\"+\n\nGroupInput\x12\x0c\n\x04tail\x18\x01 \x03(\x03\x12\x0f\n\x07offsets\x18\x02 \x03(\x04\"e\n\x06Tensor\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12\r\n\x05shape\x18\x03 \x03(\x03\x12,\n\tplacement\x18\x04 \x01(\x0b\x32\x19.batchgate.wire.Placement\"\xa6\x05\n\x04\x43\x61ll\x12\x0b\n\x03\x63id\x18\x01 \x01(\x04\x12\x37\n\nstatistics\x18\x02 \x01(\x0b\x32!.inference.ModelStatisticsRequestH\x00\x12\x32\n\x05index\x18\x03 \x01(\x0b\x32!.inference.RepositoryIndexRequestH\x00\x12\x35\n\x04load\x18\x04 \x01(\x0b\x32%.inference.RepositoryModelLoadRequestH\x00\x12\x39\n\x06unload\x18\x05 \x01(\x0b\x32\'.inference.RepositoryModelUnloadRequestH\x00\x12\x43\n\rsystem_status\x18\x06 \x01(\x0b\x32*.inference.SystemSharedMemoryStatusRequestH\x00\x12G\n\x0fsystem_register\x18\x07 \x01(\x0b\x32,.inference.SystemSharedMemoryRegisterRequestH\x00\x12K\n\x11system_unregister\x18\x08 \x01(\x0b\x32..inference.SystemSharedMemoryUnregisterRequestH\x00\x12?\n\x0b\x63uda_status\x18\t \x01(\x0b\x32(.inference.CudaSharedMemoryStatusRequestH\x00\x12\x43\n\rcuda_register\x18\n \x01(\x0b\x32*.inference.CudaSharedMemoryRegisterRequestH\x00\x12G\n\x0f\x63uda_unregister\x18\x0b \x01(\x0b\x32,.inference.CudaSharedMemoryUnregisterRequestH\x00\x42\x08\n\x06method\"\xff\x01\n\nToFrontend\x12\x0f\n\x07welcome\x18\x01 \x01(\x08\x12*\n\x06models\x18\x02 \x03(\x0b\x32\x1a.batchgate.wire.ModelState\x12\'\n\x07results\x18\x03 \x03(\x0b\x32\x16.batchgate.wire.Result\x12)\n\x08\x66\x61ilures\x18\x04 \x03(\x0b\x32\x17.batchgate.wire.Failure\x12\x10\n\x08released\x18\x05 \x03(\x04\x12&\n\x07replies\x18\x06 \x03(\x0b\x32\x15.batchgate.wire.Reply\x12&\n\x07\x62\x61tches\x18\x07 \x03(\x0b\x32\x15.batchgate.wire.Batch\"\x9a\x01\n\nModelState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0e\n\x06handle\x18\x04 \x01(\r\x12\'\n\x04spec\x18\x05 \x01(\x0b\x32\x19.batchgate.wire.ModelSpec\x12&\n\x06\x63onfig\x18\x06 \x01(\x0b\x32\x16.inference.ModelConfig\"\xad\x01\n\tModelSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x10\n\x08platform\x18\x03 \x01(\t\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\x05\x12*\n\x06inputs\x18\x05 \x03(\x0b\x32\x1a.batchgate.wire.TensorSpec\x12+\n\x07outputs\x18\x06 \x03(\x0b\x32\x1a.batchgate.wire.TensorSpec\":\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61tatype\x18\x02 \x01(\t\x12\x0c\n\x04\x64ims\x18\x03 \x03(\x03\"P\n\x06Result\x12\x0b\n\x03rid\x18\x01 \x01(\x04\x12\x10\n\x08released\x18\x02 \x01(\x08\x12\'\n\x07outputs\x18\x03 \x03(\x0b\x32\x16.batchgate.wire.Output\"V\n\x06Output\x12\r\n\x05\x62lock\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0e\n\x06placed\x18\x05 \x01(\x08\"w\n\x05\x42\x61tch\x12\x0c\n\x04rids\x18\x01 \x03(\x04\x12\x12\n\nfirst_rows\x18\x02 \x03(\x04\x12\x0c\n\x04rows\x18\x03 \x03(\x04\x12\x10\n\x08released\x18\x04 \x01(\x08\x12,\n\x07outputs\x18\x05 \x03(\x0b\x32\x1b.batchgate.wire.BatchOutput\"=\n\x0b\x42\x61tchOutput\x12\r\n\x05\x62lock\x18\x01 \x01(\x04\x12\x11\n\trow_bytes\x18\x02 \x01(\x04\x12\x0c\n\x04tail\x18\x03 \x03(\x03\"G\n\x07\x46\x61ilure\x12\x0b\n\x03rid\x18\x01 \x01(\x04\x12\x10\n\x08released\x18\x02 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x03 \x01(\r\x12\x0f\n\x07message\x18\x04 \x01(\t\"\xdb\x05\n\x05Reply\x12\x0b\n\x03\x63id\x18\x01 \x01(\x04\x12\x38\n\nstatistics\x18\x02 \x01(\x0b\x32\".inference.ModelStatisticsResponseH\x00\x12\x33\n\x05index\x18\x03 \x01(\x0b\x32\".inference.RepositoryIndexResponseH\x00\x12\x36\n\x04load\x18\x04 \x01(\x0b\x32&.inference.RepositoryModelLoadResponseH\x00\x12:\n\x06unload\x18\x05 \x01(\x0b\x32(.inference.RepositoryModelUnloadResponseH\x00\x12\'\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x16.batchgate.wire.StatusH\x00\x12\x44\n\rsystem_status\x18\x07 \x01(\x0b\x32+.inference.SystemSharedMemoryStatusResponseH\x00\x12H\n\x0fsystem_register\x18\x08 \x01(\x0b\x32-.inference.SystemSharedMemoryRegisterResponseH\x00\x12L\n\x11system_unregister\x18\t \x01(\x0b\x32/.inference.SystemSharedMemoryUnregisterResponseH\x00\x12@\n\x0b\x63uda_status\x18\n \x01(\x0b\x32).inference.CudaSharedMemoryStatusResponseH\x00\x12\x44\n\rcuda_register\x18\x0b \x01(\x0b\x32+.inference.CudaSharedMemoryRegisterResponseH\x00\x12H\n\x0f\x63uda_unregister\x18\x0c \x01(\x0b\x32-.inference.CudaSharedMemoryUnregisterResponseH\x00\x42\t\n\x07outcome\"\'\n\x06Status\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,37 +35,41 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'batchgate.protos.wire_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TOEXECUTOR']._serialized_start=89
-  _globals['_TOEXECUTOR']._serialized_end=243
-  _globals['_HELLO']._serialized_start=245
-  _globals['_HELLO']._serialized_end=266
-  _globals['_INFER']._serialized_start=269
-  _globals['_INFER']._serialized_end=499
-  _globals['_PLACEMENT']._serialized_start=501
-  _globals['_PLACEMENT']._serialized_end=560
-  _globals['_TENSOR']._serialized_start=562
-  _globals['_TENSOR']._serialized_end=663
-  _globals['_CALL']._serialized_start=666
-  _globals['_CALL']._serialized_end=1344
-  _globals['_TOFRONTEND']._serialized_start=1347
-  _globals['_TOFRONTEND']._serialized_end=1602
-  _globals['_MODELSTATE']._serialized_start=1605
-  _globals['_MODELSTATE']._serialized_end=1759
-  _globals['_MODELSPEC']._serialized_start=1762
-  _globals['_MODELSPEC']._serialized_end=1935
-  _globals['_TENSORSPEC']._serialized_start=1937
-  _globals['_TENSORSPEC']._serialized_end=1995
-  _globals['_RESULT']._serialized_start=1997
-  _globals['_RESULT']._serialized_end=2077
-  _globals['_OUTPUT']._serialized_start=2079
-  _globals['_OUTPUT']._serialized_end=2165
-  _globals['_BATCH']._serialized_start=2167
-  _globals['_BATCH']._serialized_end=2286
-  _globals['_BATCHOUTPUT']._serialized_start=2288
-  _globals['_BATCHOUTPUT']._serialized_end=2349
-  _globals['_FAILURE']._serialized_start=2351
-  _globals['_FAILURE']._serialized_end=2422
-  _globals['_REPLY']._serialized_start=2425
-  _globals['_REPLY']._serialized_end=3156
-  _globals['_STATUS']._serialized_start=3158
-  _globals['_STATUS']._serialized_end=3197
+  _globals['_TOEXECUTOR']._serialized_end=287
+  _globals['_HELLO']._serialized_start=289
+  _globals['_HELLO']._serialized_end=310
+  _globals['_INFER']._serialized_start=313
+  _globals['_INFER']._serialized_end=543
+  _globals['_PLACEMENT']._serialized_start=545
+  _globals['_PLACEMENT']._serialized_end=604
+  _globals['_INFERGROUP']._serialized_start=607
+  _globals['_INFERGROUP']._serialized_end=789
+  _globals['_GROUPINPUT']._serialized_start=791
+  _globals['_GROUPINPUT']._serialized_end=834
+  _globals['_TENSOR']._serialized_start=836
+  _globals['_TENSOR']._serialized_end=937
+  _globals['_CALL']._serialized_start=940
+  _globals['_CALL']._serialized_end=1618
+  _globals['_TOFRONTEND']._serialized_start=1621
+  _globals['_TOFRONTEND']._serialized_end=1876
+  _globals['_MODELSTATE']._serialized_start=1879
+  _globals['_MODELSTATE']._serialized_end=2033
+  _globals['_MODELSPEC']._serialized_start=2036
+  _globals['_MODELSPEC']._serialized_end=2209
+  _globals['_TENSORSPEC']._serialized_start=2211
+  _globals['_TENSORSPEC']._serialized_end=2269
+  _globals['_RESULT']._serialized_start=2271
+  _globals['_RESULT']._serialized_end=2351
+  _globals['_OUTPUT']._serialized_start=2353
+  _globals['_OUTPUT']._serialized_end=2439
+  _globals['_BATCH']._serialized_start=2441
+  _globals['_BATCH']._serialized_end=2560
+  _globals['_BATCHOUTPUT']._serialized_start=2562
+  _globals['_BATCHOUTPUT']._serialized_end=2623
+  _globals['_FAILURE']._serialized_start=2625
+  _globals['_FAILURE']._serialized_end=2696
+  _globals['_REPLY']._serialized_start=2699
+  _globals['_REPLY']._serialized_end=3430
+  _globals['_STATUS']._serialized_start=3432
+  _globals['_STATUS']._serialized_end=3471
 # @@protoc_insertion_point(module_scope)

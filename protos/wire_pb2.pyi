@@ -9,18 +9,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ToExecutor(_message.Message):
-    __slots__ = ("hello", "infer", "cancel", "free", "call")
+    __slots__ = ("hello", "infer", "cancel", "free", "call", "groups")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     INFER_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
     CALL_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     infer: _containers.RepeatedCompositeFieldContainer[Infer]
     cancel: _containers.RepeatedScalarFieldContainer[int]
     free: _containers.RepeatedScalarFieldContainer[int]
     call: _containers.RepeatedCompositeFieldContainer[Call]
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., infer: _Optional[_Iterable[_Union[Infer, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ..., free: _Optional[_Iterable[int]] = ..., call: _Optional[_Iterable[_Union[Call, _Mapping]]] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[InferGroup]
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., infer: _Optional[_Iterable[_Union[Infer, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ..., free: _Optional[_Iterable[int]] = ..., call: _Optional[_Iterable[_Union[Call, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[InferGroup, _Mapping]]] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("slot",)
@@ -61,6 +63,34 @@ class Placement(_message.Message):
     offset: int
     nbytes: int
     def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class InferGroup(_message.Message):
+    __slots__ = ("model", "rids", "batch_sizes", "priorities", "deadlines_ns", "timeouts_us", "ids", "inputs")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    RIDS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITIES_FIELD_NUMBER: _ClassVar[int]
+    DEADLINES_NS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUTS_US_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    model: int
+    rids: _containers.RepeatedScalarFieldContainer[int]
+    batch_sizes: _containers.RepeatedScalarFieldContainer[int]
+    priorities: _containers.RepeatedScalarFieldContainer[int]
+    deadlines_ns: _containers.RepeatedScalarFieldContainer[int]
+    timeouts_us: _containers.RepeatedScalarFieldContainer[int]
+    ids: _containers.RepeatedScalarFieldContainer[str]
+    inputs: _containers.RepeatedCompositeFieldContainer[GroupInput]
+    def __init__(self, model: _Optional[int] = ..., rids: _Optional[_Iterable[int]] = ..., batch_sizes: _Optional[_Iterable[int]] = ..., priorities: _Optional[_Iterable[int]] = ..., deadlines_ns: _Optional[_Iterable[int]] = ..., timeouts_us: _Optional[_Iterable[int]] = ..., ids: _Optional[_Iterable[str]] = ..., inputs: _Optional[_Iterable[_Union[GroupInput, _Mapping]]] = ...) -> None: ...
+
+class GroupInput(_message.Message):
+    __slots__ = ("tail", "offsets")
+    TAIL_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    tail: _containers.RepeatedScalarFieldContainer[int]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tail: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("offset", "nbytes", "shape", "placement")

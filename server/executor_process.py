@@ -63,10 +63,12 @@ EXIT_DEVICE_LOST = 75  # the supervisor restarts the executor whatever its exit 
 
 # ToExecutor's fields, by number (``ExecutorServer.frame``).
 _FIELDS = wire_pb2.ToExecutor.DESCRIPTOR.fields_by_name
-_HELLO, _INFER, _CANCEL, _FREE, _CALL = (
-    _FIELDS[name].number for name in ("hello", "infer", "cancel", "free", "call"))
-assert _HELLO < _INFER < _CANCEL < _FREE < _CALL  # frame() takes them in this order
+_HELLO, _INFER, _CANCEL, _FREE, _CALL, _GROUPS = (
+    _FIELDS[name].number for name in ("hello", "infer", "cancel", "free", "call", "groups"))
+# frame() takes them in this order, groups moved to follow infer.
+assert _HELLO < _INFER < _CANCEL < _FREE < _CALL < _GROUPS
 
+_BAD_TENSORS_MESSAGE = "internal error: the front end described the request's tensors wrongly"
 STALE_HANDLE_MESSAGE = (
     "the model was reloaded or unloaded while this request was on its way; retry the request"
 )
@@ -347,13 +349,25 @@ class ExecutorServer:
         return _Connection(self, front)
 
     def frame(self, front: _FrontEnd, frame: wire_pb2.ToExecutor) -> None:
-        """One frame of ``front``'s, in wire.proto's order: hello, infer, cancel, free, call.
+        """One frame of ``front``'s, in wire.proto's order: hello, infer, groups, cancel, free,
+        call.
 
-        ``ListFields`` hands over the fields present, in field-number order (that order), in
-        one call: reading each field by name would make a container object per field."""
-        for field, value in frame.ListFields():
+        ``ListFields`` hands over the fields present, in field-number order, in one call:
+        reading each field by name would make a container object per field. That order is the
+        wire's but for groups, the last field, which is moved to follow infer."""
+        fields = frame.ListFields()
+        if len(fields) > 1 and fields[-1][0].number == _GROUPS:
+            groups = fields.pop()
+            at = 0
+            while at < len(fields) and fields[at][0].number <= _INFER:
+                at += 1
+            fields.insert(at, groups)
+        for field, value in fields:
             number = field.number
-            if number == _INFER:
+            if number == _GROUPS:
+                for group in value[:]:
+                    self._infer_group(front, group)
+            elif number == _INFER:
                 if len(value) == 1:
                     self._infer(front, value[0])
                 else:
@@ -445,8 +459,7 @@ class ExecutorServer:
             arrays, shape_key = self._arrays(front, dtypes, message.inputs[:], placed, batching)
         except ValueError as exc:  # a front end's bug: its descriptors do not fit the model
             log.error("bad_descriptor", slot=front.slot, model=spec.name, error=str(exc))
-            front.fail(rid, True, Code.INTERNAL,
-                       "internal error: the front end described the request's tensors wrongly")
+            front.fail(rid, True, Code.INTERNAL, _BAD_TENSORS_MESSAGE)
             return
         except BatchgateError as exc:  # a shared-memory input that cannot be read
             front.fail(rid, True, *status_of(exc))
@@ -486,6 +499,78 @@ class ExecutorServer:
         else:
             pending[0].append(request)
             pending[1].append(remote)
+
+    def _infer_group(self, front: _FrontEnd, group: wire_pb2.InferGroup) -> None:
+        """Submit a group's requests (wire.proto's InferGroup), as ``_infer`` would each: the
+        columns are read once, and a request costs its views, its InferenceRequest and its
+        future."""
+        rids = group.rids[:]
+        served = self._handles.get(group.model)
+        if served is None:
+            for rid in rids:
+                front.fail(rid, True, Code.UNAVAILABLE, STALE_HANDLE_MESSAGE)
+            return
+        model, dtypes, batching, every_output = served
+        count = len(rids)
+        sizes, priorities = group.batch_sizes[:], group.priorities[:]
+        deadlines, timeouts, ids = group.deadlines_ns[:], group.timeouts_us[:], group.ids[:]
+        inputs = group.inputs[:]
+        columns = []  # per input: its dtype, its shape past the rows, its row's bytes
+        offsets = []  # per input: its offset column
+        try:
+            if not batching:
+                raise ValueError("a group of requests for a model that does not batch")
+            if len(inputs) != len(dtypes) or not inputs:
+                raise ValueError(f"{len(inputs)} tensors for {len(dtypes)} inputs")
+            if not (len(sizes) == len(priorities) == len(deadlines) == len(timeouts)
+                    == len(ids) == count):
+                raise ValueError("the group's columns are not all one entry per request")
+            for entry, (dtype, datatype, _name) in zip(inputs, dtypes):
+                tail, column = tuple(entry.tail[:]), entry.offsets[:]
+                if dtype is None:
+                    raise ValueError(f"a group holds a {datatype} input")
+                if len(column) != count or min(tail, default=0) < 0:
+                    raise ValueError(f"input shape (rows, {tail}) with {len(column)} offsets "
+                                     f"for {count} requests")
+                columns.append((dtype, tail, math.prod(tail) * dtype.itemsize))
+                offsets.append(column)
+        except ValueError as exc:  # a front end's bug
+            log.error("bad_descriptor", slot=front.slot, model=model.spec.name, error=str(exc))
+            for rid in rids:
+                front.fail(rid, True, Code.INTERNAL, _BAD_TENSORS_MESSAGE)
+            return
+        key = tuple(tail for _, tail, _ in columns)
+        start, end = front.region
+        buffer = self._buffer
+        in_flight = front.requests
+        pending = self._intake.get(model)
+        if pending is None:
+            pending = self._intake[model] = ([], [])
+        requests, remotes = pending
+        for rid, rows, where, priority, deadline_ns, timeout_us, request_id in zip(
+                rids, sizes, zip(*offsets), priorities, deadlines, timeouts, ids):
+            arrays = []
+            for (dtype, tail, row_bytes), offset in zip(columns, where):
+                if offset < start or offset + rows * row_bytes > end:
+                    break
+                arrays.append(np.ndarray((rows, *tail), dtype, buffer, offset))
+            else:
+                request = InferenceRequest(
+                    arrays, batch_size=rows, request_id=request_id, priority=priority,
+                    deadline=deadline_ns / 1e9 if deadline_ns else None,
+                    timeout_us=timeout_us, shape_key=key)
+                remote = _Remote(front, rid, model, request, every_output)
+                request.future = remote  # as in _infer
+                in_flight[rid] = remote
+                requests.append(request)
+                remotes.append(remote)
+                continue
+            log.error("bad_descriptor", slot=front.slot, model=model.spec.name,
+                      error=f"{rows * row_bytes} bytes at {offset} lie outside the front "
+                            f"end's region [{start}, {end})")
+            front.fail(rid, True, Code.INTERNAL, _BAD_TENSORS_MESSAGE)
+        if not requests:
+            del self._intake[model]
 
     def _arrays(self, front: _FrontEnd, dtypes, tensors, placed: list, batching: bool
                 ) -> tuple[list[np.ndarray], tuple]:

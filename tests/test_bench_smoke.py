@@ -138,6 +138,19 @@ def test_the_wire_read_benchmark_reads_every_frame_with_both_readers(tmp_path):
     assert all(len(v) == 1 and v[0] > 0 for v in figures["us_per_frame"].values())
 
 
+def test_the_intake_benchmark_times_both_forms_of_every_frame_size(tmp_path):
+    from batchgate.bench import intake
+
+    report = tmp_path / "intake.json"
+    assert intake.main(["--sizes", "1,3", "--requests", "30", "--rounds", "2",
+                        "--json", str(report)]) == 0
+    rows = json.loads(report.read_text())["rows"]
+    # take() raises unless the executor took every request of every frame.
+    assert [row["requests_per_frame"] for row in rows] == [1, 3]
+    assert all(len(row["rounds"][form]) == 2 and min(row["rounds"][form]) > 0
+               for row in rows for form in intake.FORMS)
+
+
 def _step(concurrency: int, throughput: float, batches: float, samples: float):
     return Step(
         concurrency=concurrency,

@@ -6,6 +6,7 @@ the read that brought it never queues."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -214,3 +215,103 @@ async def test_a_request_cancelled_in_the_read_that_brought_it_never_queues(exec
     await blocker
     await apoll(lambda: len(fake.batches) == 2)
     assert fake.batches[1] == [1.0, 3.0]
+
+
+# -- InferGroup: requests written column by column (wire.proto) ---------------------------------
+
+
+def _group(frame: wire_pb2.ToExecutor, rows: dict[int, int], model: int = 1,
+           **columns) -> wire_pb2.InferGroup:
+    """A group of one request per ``rows`` entry (rid -> rows), each row [rid, rid] in the front
+    end's region at rid * 64; ``columns`` replace the group's defaults."""
+    group = frame.groups.add(model=model)
+    group.inputs.add(tail=[2], offsets=[rid * 64 for rid in rows])
+    for rid, count in rows.items():
+        _infer.arena.write(rid * 64, np.full((count, 2), float(rid), np.float32))
+    group.rids.extend(rows)
+    group.batch_sizes.extend(rows.values())
+    defaults = dict(priorities=[0] * len(rows), deadlines_ns=[0] * len(rows),
+                    timeouts_us=[0] * len(rows), ids=[f"id-{rid}" for rid in rows])
+    for name, values in {**defaults, **columns}.items():
+        getattr(group, name).extend(values)
+    return group
+
+
+async def test_a_groups_requests_queue_as_their_infers_would_after_the_frames_infers(executor):
+    server, front, model, fake, _ = executor
+    blocker = await hold_executor(model, fake)
+    frame = wire_pb2.ToExecutor()
+    deadline_ns = time.monotonic_ns() + 60 * 10**9
+    _group(frame, {1: 1, 2: 2, 3: 1}, priorities=[0, 1, 0], deadlines_ns=[0, deadline_ns, 0],
+           timeouts_us=[0, 0, 30_000_000])
+    _infer(frame, 9, 9.0)
+    _read(server, front, frame)
+    assert model.queue_depth == 4
+    second = front.requests[2].request
+    assert (second.id, second.batch_size, second.priority) == ("id-2", 2, 1)
+    assert second.deadline == pytest.approx(deadline_ns / 1e9)
+    assert front.requests[3].request.timeout_us == 30_000_000
+    assert [a.shape for a in second.inputs] == [(2, 2)]
+    fake.gate.set()
+    await blocker
+    await apoll(lambda: len(fake.batches) == 2)
+    assert fake.batches[1] == [9.0, 1.0, 2.0, 2.0, 3.0]  # the Infer first, then the group
+
+
+def test_an_empty_frame_is_no_request(executor):
+    server, front, model, _, _ = executor
+    _read(server, front, wire_pb2.ToExecutor())
+    assert model.queue_depth == 0 and not front.requests and not front.link.out.failures
+
+
+async def test_a_group_request_cancelled_in_the_frame_that_brought_it_never_queues(executor):
+    server, front, model, fake, _ = executor
+    blocker = await hold_executor(model, fake)
+    frame = wire_pb2.ToExecutor(cancel=[2])
+    _group(frame, {1: 1, 2: 1, 3: 1})
+    _read(server, front, frame)
+    assert model.queue_depth == 2
+    (failure,) = front.link.out.failures
+    assert (failure.rid, failure.code) == (2, Code.CANCELLED)
+    fake.gate.set()
+    await blocker
+    await apoll(lambda: len(fake.batches) == 2)
+    assert fake.batches[1] == [1.0, 3.0]
+
+
+async def test_a_group_request_outside_the_region_fails_alone(executor, caplog):
+    server, front, model, fake, _ = executor
+    blocker = await hold_executor(model, fake)
+    frame = wire_pb2.ToExecutor()
+    group = _group(frame, {1: 1, 2: 1, 3: 1})
+    group.inputs[0].offsets[1] = front.region[1] - 4  # its 8 bytes would pass the region's end
+    _read(server, front, frame)
+    assert model.queue_depth == 2 and sorted(front.requests) == [1, 3]
+    (failure,) = front.link.out.failures
+    assert (failure.rid, failure.code) == (2, Code.INTERNAL)
+    assert failure.message == "internal error: the front end described the request's tensors wrongly"
+    fake.gate.set()
+    await blocker
+    await apoll(lambda: len(fake.batches) == 2)
+    assert fake.batches[1] == [1.0, 3.0]
+
+
+@pytest.mark.parametrize("fault", ["column", "offsets", "inputs", "no inputs", "handle"])
+async def test_a_malformed_group_fails_every_request_and_queues_none(executor, fault):
+    server, front, model, _, _ = executor
+    frame = wire_pb2.ToExecutor()
+    group = _group(frame, {1: 1, 2: 1}, model=99 if fault == "handle" else 1)
+    if fault == "column":
+        del group.ids[1]
+    elif fault == "offsets":
+        del group.inputs[0].offsets[1]
+    elif fault == "inputs":
+        group.inputs.add(tail=[2], offsets=[0, 64])
+    elif fault == "no inputs":
+        del group.inputs[:]
+    _read(server, front, frame)
+    assert model.queue_depth == 0 and not front.requests
+    failures = front.link.out.failures
+    assert [f.rid for f in failures] == [1, 2]
+    expected = Code.UNAVAILABLE if fault == "handle" else Code.INTERNAL
+    assert {f.code for f in failures} == {expected} and all(f.released for f in failures)

@@ -21,6 +21,8 @@ namespace {
 constexpr uint32_t kMaxFrameBytes = 64u << 20;
 // What the writer aims a frame at when one would pass kMaxFrameBytes.
 constexpr size_t kSplitFrameBytes = 16u << 20;
+// The most requests an InferGroup holds (wire.proto): with ids of kMaxForwardedIdBytes, ~4 MiB.
+constexpr int kMaxGroupRequests = 4096;
 constexpr auto kReconnectInterval = std::chrono::milliseconds(50);
 constexpr int kSocketBufferBytes = 4 << 20;
 // How long returned output blocks may wait for a request's frame to carry them. Under load the
@@ -83,8 +85,9 @@ bool SendFrame(int fd, const google::protobuf::MessageLite& message, std::string
 }
 
 // `frame` as the bytes of one frame, or of several when it would pass kMaxFrameBytes (only a
-// flood of large calls gets there): Infers and Calls first, cancels and frees last, so that each
-// cancel still finds its Infer already sent. Empties `frame`'s repeated fields when it splits.
+// flood of large calls gets there): Infers, groups and Calls first, cancels and frees last, so
+// that each cancel still finds its request already sent. Empties `frame`'s repeated fields
+// when it splits.
 void Encode(wire::ToExecutor& frame, std::string& buffer) {
   buffer.clear();
   if (frame.ByteSizeLong() <= kMaxFrameBytes) {
@@ -98,6 +101,10 @@ void Encode(wire::ToExecutor& frame, std::string& buffer) {
   };
   for (auto& infer : *frame.mutable_infer()) {
     part.add_infer()->Swap(&infer);
+    if (part.ByteSizeLong() > kSplitFrameBytes) flush();
+  }
+  for (auto& group : *frame.mutable_groups()) {
+    part.add_groups()->Swap(&group);
     if (part.ByteSizeLong() > kSplitFrameBytes) flush();
   }
   for (auto& call : *frame.mutable_call()) {
@@ -129,12 +136,57 @@ ssize_t SendSome(int fd, const char* data, size_t size) {
 // A writing thread's frame and bytes, kept between frames so that their memory is reused.
 struct WriteScratch {
   wire::ToExecutor frame;
+  std::vector<bool> groupable;  // per Infer of `frame`
   std::string bytes;
 };
 
 WriteScratch& ThreadScratch() {
   thread_local WriteScratch scratch;
   return scratch;
+}
+
+// Whether `infer` has inputs, all in the arena, each with batch_size rows (what a group says
+// of its requests).
+bool InArenaWithRows(const wire::Infer& infer) {
+  if (infer.inputs_size() == 0) return false;
+  for (const wire::Tensor& tensor : infer.inputs()) {
+    if (tensor.shape_size() == 0 || tensor.has_placement() ||
+        tensor.shape(0) != static_cast<int64_t>(infer.batch_size())) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Whether `a` and `b` go in the same group: one model, the same shapes past the batch dimension.
+bool SameGroup(const wire::Infer& a, const wire::Infer& b) {
+  if (a.model() != b.model() || a.inputs_size() != b.inputs_size()) return false;
+  for (int k = 0; k < a.inputs_size(); ++k) {
+    const auto& x = a.inputs(k).shape();
+    const auto& y = b.inputs(k).shape();
+    if (x.size() != y.size() || !std::equal(x.begin() + 1, x.end(), y.begin() + 1)) return false;
+  }
+  return true;
+}
+
+// The InferGroup of `frame` that `infer` joins (same model, same shapes past the batch
+// dimension, room left); nullptr if none.
+wire::InferGroup* GroupFor(const wire::Infer& infer, wire::ToExecutor& frame) {
+  for (wire::InferGroup& group : *frame.mutable_groups()) {
+    if (group.model() != infer.model() || group.rids_size() >= kMaxGroupRequests ||
+        group.inputs_size() != infer.inputs_size()) {
+      continue;
+    }
+    bool same = true;
+    for (int k = 0; same && k < infer.inputs_size(); ++k) {
+      const auto& shape = infer.inputs(k).shape();
+      const auto& tail = group.inputs(k).tail();
+      same = shape.size() == tail.size() + 1 &&
+             std::equal(tail.begin(), tail.end(), shape.begin() + 1);
+    }
+    if (same) return &group;
+  }
+  return nullptr;
 }
 
 grpc::StatusCode CodeOf(uint32_t number) {
@@ -168,6 +220,59 @@ bool AppendBatchResults(const wire::Batch& batch, std::vector<std::unique_ptr<wi
     results->push_back(std::move(result));
   }
   return true;
+}
+
+bool AddToGroup(const wire::Infer& infer, wire::ToExecutor& frame) {
+  if (!InArenaWithRows(infer)) return false;
+  wire::InferGroup* group = GroupFor(infer, frame);
+  if (group == nullptr) {
+    group = frame.add_groups();
+    group->set_model(infer.model());
+    for (const wire::Tensor& tensor : infer.inputs()) {
+      group->add_inputs()->mutable_tail()->Add(tensor.shape().begin() + 1, tensor.shape().end());
+    }
+  }
+  group->add_rids(infer.rid());
+  group->add_batch_sizes(infer.batch_size());
+  group->add_priorities(infer.priority());
+  group->add_deadlines_ns(infer.deadline_ns());
+  group->add_timeouts_us(infer.timeout_us());
+  group->add_ids(infer.id());
+  for (int k = 0; k < infer.inputs_size(); ++k) {
+    group->mutable_inputs(k)->add_offsets(infer.inputs(k).offset());
+  }
+  return true;
+}
+
+void GroupInfers(wire::ToExecutor& frame, const std::vector<bool>& groupable) {
+  const int count = frame.infer_size();
+  if (count < 2 || groupable.size() != static_cast<size_t>(count)) return;
+  // Per Infer that may go in a group: the first such Infer of its group (itself, or one before
+  // it); -1 for the others. Per first Infer: how many share its group.
+  std::vector<int> first(static_cast<size_t>(count), -1);
+  std::vector<int> members(static_cast<size_t>(count), 0);
+  bool any = false;
+  for (int i = 0; i < count; ++i) {
+    if (!groupable[static_cast<size_t>(i)] || !InArenaWithRows(frame.infer(i))) continue;
+    int j = 0;
+    while (j < i &&
+           !(first[static_cast<size_t>(j)] == j && SameGroup(frame.infer(i), frame.infer(j)))) {
+      ++j;
+    }
+    first[static_cast<size_t>(i)] = j;
+    any = ++members[static_cast<size_t>(j)] > 1 || any;
+  }
+  if (!any) return;
+  auto* infers = frame.mutable_infer();
+  int kept = 0;
+  for (int i = 0; i < count; ++i) {
+    const int lead = first[static_cast<size_t>(i)];
+    const bool grouped = lead >= 0 && members[static_cast<size_t>(lead)] > 1;
+    if (grouped && AddToGroup(infers->Get(i), frame)) continue;
+    if (kept != i) infers->SwapElements(kept, i);
+    ++kept;
+  }
+  while (infers->size() > kept) infers->RemoveLast();
 }
 
 // A connected socket, closed when the last thread using it lets it go.
@@ -212,7 +317,7 @@ void ExecutorLink::Close() {
 
 bool ExecutorLink::SubmitInfer(std::unique_ptr<wire::Infer> infer, std::vector<uint64_t> blocks,
                                uint64_t model_generation, AnswerTarget* target,
-                               uint64_t* rid, grpc::Status* refusal) {
+                               uint64_t* rid, grpc::Status* refusal, bool groupable) {
   std::unique_lock<std::mutex> lock(mu_);
   if (!socket_ || !welcomed_) {
     *refusal = grpc::Status(grpc::StatusCode::UNAVAILABLE, kNotConnected);
@@ -228,6 +333,7 @@ bool ExecutorLink::SubmitInfer(std::unique_ptr<wire::Infer> infer, std::vector<u
   infer->set_rid(*rid);
   infers_.emplace(*rid, PendingInfer{target, std::move(blocks)});
   pending_.mutable_infer()->AddAllocated(infer.release());
+  pending_groupable_.push_back(groupable);
   Flush(lock, true);
   return true;
 }
@@ -343,17 +449,20 @@ void ExecutorLink::WriteNow(std::unique_lock<std::mutex>& lock) {
   WriteScratch& scratch = ThreadScratch();
   for (int round = 0; round < kRounds && pending_urgent_; ++round) {
     scratch.frame.Swap(&pending_);
+    scratch.groupable.swap(pending_groupable_);
     pending_urgent_ = pending_frees_ = false;
     const std::shared_ptr<Socket> socket = socket_;
     lock.unlock();
     ssize_t written = 0;
     if (socket) {
+      GroupInfers(scratch.frame, scratch.groupable);
       Encode(scratch.frame, scratch.bytes);
       written = SendSome(socket->fd, scratch.bytes.data(), scratch.bytes.size());
       // A broken connection: the reader sees it end and handles the loss, in one place.
       if (written < 0) socket->Shutdown();
     }
     scratch.frame.Clear();  // keeps the messages allocated, for the next frames to reuse
+    scratch.groupable.clear();
     lock.lock();
     if (written >= 0 && static_cast<size_t>(written) < scratch.bytes.size() && socket) {
       // The socket buffer is full: the writer thread writes the rest, blocking, and holds the
@@ -460,6 +569,7 @@ bool ExecutorLink::Session() {
     welcomed_ = false;
     generation = ++generation_;
     pending_.Clear();
+    pending_groupable_.clear();
     pending_urgent_ = pending_frees_ = false;
   }
   wire::ToFrontend frame;
@@ -606,6 +716,7 @@ void ExecutorLink::Lose(bool closing) {
     unreleased.swap(unreleased_);
     calls.swap(calls_);
     pending_.Clear();
+    pending_groupable_.clear();
     pending_urgent_ = pending_frees_ = false;
     if (!handoff_.empty()) {
       // The rest of a frame for the lost connection, not taken yet: it goes nowhere, and the

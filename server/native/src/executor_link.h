@@ -81,6 +81,17 @@ class LinkObserver {
 // order; false (nothing appended) when its lists do not line up.
 bool AppendBatchResults(const wire::Batch& batch, std::vector<std::unique_ptr<wire::Result>>* results);
 
+// Adds `infer` (its rid set) to an InferGroup of `frame` (wire.proto): the first one it fits,
+// else a new one. False, and `frame` unchanged, if it cannot go in a group (no inputs, an input
+// outside the arena, or one whose first dimension is not its batch_size); the caller decides
+// whether it may otherwise.
+bool AddToGroup(const wire::Infer& infer, wire::ToExecutor& frame);
+
+// Moves into InferGroups the Infers of `frame` that may go in one (`groupable`, one entry per
+// Infer: SubmitInfer's) wherever at least two would share it; the others stay Infers, in their
+// order. A lone request costs the executor less as an Infer than as a group.
+void GroupInfers(wire::ToExecutor& frame, const std::vector<bool>& groupable);
+
 class ExecutorLink {
  public:
   ExecutorLink(std::string socket_name, uint32_t slot, InputRegion& region, ModelTable& models,
@@ -94,10 +105,12 @@ class ExecutorLink {
 
   // Queues `infer` (inputs already in `blocks`) for `target`, and sets `rid` to the rid it
   // chose. False with `refusal` when there is no connection, or it is not the one the model
-  // state came over; the blocks are then still the caller's.
+  // state came over; the blocks are then still the caller's. `groupable`: the request may go
+  // in an InferGroup (wire.proto: a batching model, every input in the arena and of a
+  // fixed-size datatype, every output asked for in the reply, in the model's order).
   bool SubmitInfer(std::unique_ptr<wire::Infer> infer, std::vector<uint64_t> blocks,
                    uint64_t model_generation, AnswerTarget* target, uint64_t* rid,
-                   grpc::Status* refusal);
+                   grpc::Status* refusal, bool groupable = false);
   // The client of `rid` went away: the executor drops it from its queue.
   void Cancel(uint64_t rid);
   // The outputs of a result that came over connection `generation` were copied out.
@@ -162,6 +175,7 @@ class ExecutorLink {
   uint64_t generation_ = 0;         // counts connections
   uint64_t next_id_ = 1;            // rids and cids, unique over every connection
   wire::ToExecutor pending_;        // the next frame
+  std::vector<bool> pending_groupable_;  // per Infer of pending_: SubmitInfer's `groupable`
   bool pending_urgent_ = false;     // it holds an Infer, cancel or Call
   bool pending_frees_ = false;      // it holds returned output blocks
   std::chrono::steady_clock::time_point frees_since_;  // when the first of them was returned

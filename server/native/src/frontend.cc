@@ -351,8 +351,17 @@ grpc::Status Frontend::StartInfer(const inference::ModelInferRequest& request, i
   infer->set_id(request.id().substr(0, Utf8PrefixLength(request.id(), kMaxForwardedIdBytes)));
   for (const uint32_t output : decoded.outputs) infer->add_outputs(output);
   for (wire::Placement& placement : decoded.placements) infer->add_placements()->Swap(&placement);
+  // Such requests go in an InferGroup, which the executor takes without a message per request.
+  bool groupable = model->batching() && decoded.placements.empty();
+  for (size_t i = 0; groupable && i < decoded.inputs.size(); ++i) {
+    groupable = !decoded.inputs[i].placed && model->inputs[i].type != DataType::kBytes;
+  }
+  for (size_t k = 0; groupable && k < decoded.outputs.size(); ++k) {
+    groupable = decoded.outputs.size() == model->outputs.size() && decoded.outputs[k] == k;
+  }
   uint64_t rid = 0;
-  if (!link_->SubmitInfer(std::move(infer), blocks, model->generation, target, &rid, &status)) {
+  if (!link_->SubmitInfer(std::move(infer), blocks, model->generation, target, &rid, &status,
+                          groupable)) {
     free_blocks();
     return status;
   }

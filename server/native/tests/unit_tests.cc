@@ -695,6 +695,80 @@ void TestBatchResults() {
   CHECK(results.size() == 2);
 }
 
+// An Infer of `model` with one tensor per shape in `shapes`, each in the arena at `offset`.
+batchgate::wire::Infer MakeInfer(uint64_t rid, uint32_t model,
+                                 const std::vector<std::vector<int64_t>>& shapes,
+                                 uint64_t offset) {
+  batchgate::wire::Infer infer;
+  infer.set_rid(rid);
+  infer.set_model(model);
+  infer.set_batch_size(shapes.empty() || shapes[0].empty() ? 1 : shapes[0][0]);
+  infer.set_priority(rid % 3);
+  infer.set_deadline_ns(1000 + static_cast<int64_t>(rid));
+  infer.set_timeout_us(10 * rid);
+  infer.set_id("r" + std::to_string(rid));
+  for (const auto& shape : shapes) {
+    auto* tensor = infer.add_inputs();
+    tensor->set_offset(offset);
+    tensor->set_nbytes(64);
+    for (const int64_t dim : shape) tensor->add_shape(dim);
+  }
+  return infer;
+}
+
+void TestGroupInfers() {
+  // Requests that may share a group and have company go in one; lone ones, and those that may
+  // not (SubmitInfer's flag false, an input in a client's region), stay Infers in their order.
+  batchgate::wire::ToExecutor frame;
+  *frame.add_infer() = MakeInfer(1, 1, {{1, 4}, {1, 2, 2}}, 100);
+  *frame.add_infer() = MakeInfer(2, 1, {{1, 5}, {1, 2, 2}}, 200);  // another tail: alone
+  *frame.add_infer() = MakeInfer(3, 1, {{3, 4}, {3, 2, 2}}, 300);  // joins rid 1
+  *frame.add_infer() = MakeInfer(4, 2, {{1, 4}, {1, 2, 2}}, 400);  // another model: alone
+  *frame.add_infer() = MakeInfer(5, 1, {{1, 4}, {1, 2, 2}}, 500);  // not groupable
+  *frame.add_infer() = MakeInfer(6, 1, {{1, 4}, {1, 2, 2}}, 600);  // placed
+  frame.mutable_infer(5)->mutable_inputs(1)->mutable_placement()->set_region("r");
+  *frame.add_infer() = MakeInfer(7, 1, {{2, 4}, {2, 2, 2}}, 700);  // joins rid 1
+  batchgate::GroupInfers(frame, {true, true, true, true, false, true, true});
+  std::vector<uint64_t> left;
+  for (const auto& infer : frame.infer()) left.push_back(infer.rid());
+  CHECK((left == std::vector<uint64_t>{2, 4, 5, 6}));
+  CHECK_EQ(frame.groups_size(), 1);
+  const auto& group = frame.groups(0);
+  CHECK(group.model() == 1);
+  CHECK((std::vector<uint64_t>(group.rids().begin(), group.rids().end()) ==
+         std::vector<uint64_t>{1, 3, 7}));
+  CHECK((std::vector<uint32_t>(group.batch_sizes().begin(), group.batch_sizes().end()) ==
+         std::vector<uint32_t>{1, 3, 2}));
+  CHECK(group.priorities(1) == 0 && group.priorities(2) == 1);
+  CHECK(group.deadlines_ns(2) == 1007 && group.timeouts_us(1) == 30 && group.ids(2) == "r7");
+  CHECK_EQ(group.inputs_size(), 2);
+  CHECK(group.inputs(0).tail_size() == 1 && group.inputs(0).tail(0) == 4);
+  CHECK(group.inputs(1).tail_size() == 2 && group.inputs(1).tail(1) == 2);
+  CHECK((std::vector<uint64_t>(group.inputs(1).offsets().begin(), group.inputs(1).offsets().end())
+         == std::vector<uint64_t>{100, 300, 700}));
+
+  // Nobody to share a group with: the frame stays as it is.
+  batchgate::wire::ToExecutor alone;
+  *alone.add_infer() = MakeInfer(1, 1, {{1, 4}}, 0);
+  *alone.add_infer() = MakeInfer(2, 2, {{1, 4}}, 64);
+  batchgate::GroupInfers(alone, {true, true});
+  CHECK(alone.infer_size() == 2 && alone.groups_size() == 0);
+  // Nor do requests without inputs: a group's requests are its offset columns.
+  batchgate::wire::ToExecutor empty;
+  *empty.add_infer() = MakeInfer(1, 1, {}, 0);
+  *empty.add_infer() = MakeInfer(2, 1, {}, 0);
+  batchgate::GroupInfers(empty, {true, true});
+  CHECK(empty.infer_size() == 2 && empty.groups_size() == 0);
+  // Nor do those whose rows are not their batch_size (a group's shapes are (batch_size, tail)).
+  batchgate::wire::ToExecutor zero;
+  *zero.add_infer() = MakeInfer(1, 1, {{0, 4}}, 0);
+  *zero.add_infer() = MakeInfer(2, 1, {{0, 4}}, 64);
+  zero.mutable_infer(0)->set_batch_size(1);
+  zero.mutable_infer(1)->set_batch_size(1);
+  batchgate::GroupInfers(zero, {true, true});
+  CHECK(zero.infer_size() == 2 && zero.groups_size() == 0);
+}
+
 // -- the executor link's writing --------------------------------------------------------------
 
 // The executor's end of a link, played by the test: one abstract socket, frames read and written
@@ -922,6 +996,39 @@ void TestLinkDefersWritesWhileRequestsAreInFlight() {
   CHECK_EQ(target.unavailable.load(), 5);
 }
 
+void TestLinkGroupsRequestsOfOneFrame() {
+  // Requests the front end marks groupable go in an InferGroup when they share a frame; a lone
+  // one stays an Infer. Requests in a group are in flight like any other: closing the link
+  // answers them.
+  ConnectedLink connected("batchgate-unit-group-" + std::to_string(getpid()));
+  FakeExecutor& executor = connected.executor;
+  CountingTarget& target = connected.target;
+  batchgate::ExecutorLink& link = connected.link;
+  auto submit = [&] {
+    uint64_t rid = 0;
+    grpc::Status refusal;
+    auto infer = std::make_unique<batchgate::wire::Infer>(MakeInfer(0, 1, {{1, 4}}, 0));
+    CHECK(link.SubmitInfer(std::move(infer), {}, 1, &target, &rid, &refusal, true));
+    return rid;
+  };
+  batchgate::wire::ToExecutor frame;
+  {
+    const batchgate::ExecutorLink::DeferredWrites deferred;
+    const uint64_t first = submit();  // none in flight: written at once, alone
+    CHECK(executor.Read(&frame));
+    CHECK(frame.infer_size() == 1 && frame.infer(0).rid() == first && frame.groups_size() == 0);
+    const uint64_t second = submit();
+    const uint64_t third = submit();
+    batchgate::ExecutorLink::FlushDeferredWrites();
+    CHECK(executor.Read(&frame));
+    CHECK(frame.infer_size() == 0 && frame.groups_size() == 1);
+    CHECK(frame.groups(0).rids_size() == 2 && frame.groups(0).rids(0) == second &&
+          frame.groups(0).rids(1) == third);
+  }
+  link.Close();
+  CHECK_EQ(target.unavailable.load(), 3);
+}
+
 int main() {
   TestQuotingAndCutting();
   TestShapes();
@@ -937,6 +1044,8 @@ int main() {
   TestBatchResults();
   TestLinkWritesEveryEntryInOrder();
   TestLinkDefersWritesWhileRequestsAreInFlight();
+  TestGroupInfers();
+  TestLinkGroupsRequestsOfOneFrame();
   std::fprintf(stderr, "%d of %d checks failed\n", g_failures, g_checks);
   return g_failures ? 1 : 0;
 }
