@@ -10,6 +10,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from batchgate.batcher.arena import ArenaLayout, SharedArena
@@ -289,7 +291,8 @@ async def test_a_group_request_outside_the_region_fails_alone(executor, caplog):
     assert model.queue_depth == 2 and sorted(front.requests) == [1, 3]
     (failure,) = front.link.out.failures
     assert (failure.rid, failure.code) == (2, Code.INTERNAL)
-    assert failure.message == "internal error: the front end described the request's tensors wrongly"
+    assert failure.message == ("internal error: the front end described the request's "
+                               "tensors wrongly")
     fake.gate.set()
     await blocker
     await apoll(lambda: len(fake.batches) == 2)
@@ -315,3 +318,57 @@ async def test_a_malformed_group_fails_every_request_and_queues_none(executor, f
     assert [f.rid for f in failures] == [1, 2]
     expected = Code.UNAVAILABLE if fault == "handle" else Code.INTERNAL
     assert {f.code for f in failures} == {expected} and all(f.released for f in failures)
+
+
+_COLUMNS = ("batch_sizes", "priorities", "deadlines_ns", "timeouts_us", "ids")
+
+
+@st.composite
+def _groups(draw):
+    """An InferGroup as a buggy front end might write one: at most one fault (a column of the
+    wrong length, no input or two, a stale handle) and any tails, row counts and offsets
+    (inside the region, across its end, past the arena)."""
+    count = draw(st.integers(0, 6))
+    fault = draw(st.sampled_from([None] * 6 + ["column", "offsets", "inputs", "handle"]))
+    group = wire_pb2.InferGroup(model=7 if fault == "handle" else 1, rids=range(1, count + 1))
+    wrong = draw(st.sampled_from(_COLUMNS)) if fault == "column" else None
+    for name in _COLUMNS:
+        length = count
+        if name == wrong:
+            length = count - 1 if count and draw(st.booleans()) else count + 1
+        if name == "ids":
+            getattr(group, name).extend(draw(st.text(max_size=3)) for _ in range(length))
+        else:
+            getattr(group, name).extend(draw(st.integers(0, 3)) for _ in range(length))
+    for _ in range(draw(st.sampled_from([0, 2])) if fault == "inputs" else 1):
+        group.inputs.add(
+            tail=draw(st.lists(st.integers(-1, 3), max_size=3)),
+            offsets=draw(st.lists(st.sampled_from([0, 64, (1 << 16) - 8, 1 << 16, 1 << 30]),
+                                  min_size=count + (fault == "offsets"),
+                                  max_size=count + (fault == "offsets"))))
+    return group
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(group=_groups())
+def test_every_request_of_any_group_is_taken_or_failed_once(executor, group):
+    server, front, model, _, _ = executor
+    front.link.out = wire_pb2.ToFrontend()  # the fixture's state is shared by the examples
+    front.requests.clear()
+    server.frame(front, wire_pb2.ToExecutor(groups=[group]))
+    taken = [remote.rid for remote in server._intake.get(model, ([], []))[1]]
+    server._intake = {}
+    failed = [failure.rid for failure in front.link.out.failures]
+    assert sorted(taken + failed) == list(group.rids)
+    assert sorted(front.requests) == sorted(taken)
+    base = server._arena.array(0, np.uint8, (1,)).ctypes.data
+    for rid in taken:  # what it took is what the group said, in the front end's region (the
+        # shapes are the front end's to check against the model, as for an Infer)
+        request = front.requests[rid].request
+        (array,) = request.inputs
+        assert request.batch_size == group.batch_sizes[rid - 1]
+        assert array.shape == (request.batch_size, *group.inputs[0].tail)
+        offset = group.inputs[0].offsets[rid - 1]
+        assert array.ctypes.data - base == offset
+        assert offset + array.nbytes <= front.region[1]
