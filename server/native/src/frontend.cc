@@ -351,7 +351,8 @@ grpc::Status Frontend::StartInfer(const inference::ModelInferRequest& request, i
   infer->set_id(request.id().substr(0, Utf8PrefixLength(request.id(), kMaxForwardedIdBytes)));
   for (const uint32_t output : decoded.outputs) infer->add_outputs(output);
   for (wire::Placement& placement : decoded.placements) infer->add_placements()->Swap(&placement);
-  // Such requests go in an InferGroup, which the executor takes without a message per request.
+  // Such requests may share an InferGroup (wire.proto) with others of their frame, which the
+  // executor takes without a message per request.
   bool groupable = model->batching() && decoded.placements.empty();
   for (size_t i = 0; groupable && i < decoded.inputs.size(); ++i) {
     groupable = !decoded.inputs[i].placed && model->inputs[i].type != DataType::kBytes;
