@@ -158,13 +158,20 @@ bool InArenaWithRows(const wire::Infer& infer) {
   return true;
 }
 
-// Whether `a` and `b` go in the same group: one model, the same shapes past the batch dimension.
+using Dims = google::protobuf::RepeatedField<int64_t>;
+
+// Whether `shape` is a batch dimension followed by the dimensions [tail, tail_end).
+bool HasTail(const Dims& shape, Dims::const_iterator tail, Dims::const_iterator tail_end) {
+  return shape.size() == tail_end - tail + 1 && std::equal(tail, tail_end, shape.begin() + 1);
+}
+
+// Whether `a` and `b` (each InArenaWithRows) go in the same group: one model, the same shapes
+// past the batch dimension.
 bool SameGroup(const wire::Infer& a, const wire::Infer& b) {
   if (a.model() != b.model() || a.inputs_size() != b.inputs_size()) return false;
   for (int k = 0; k < a.inputs_size(); ++k) {
-    const auto& x = a.inputs(k).shape();
-    const auto& y = b.inputs(k).shape();
-    if (x.size() != y.size() || !std::equal(x.begin() + 1, x.end(), y.begin() + 1)) return false;
+    const auto& shape = b.inputs(k).shape();
+    if (!HasTail(a.inputs(k).shape(), shape.begin() + 1, shape.end())) return false;
   }
   return true;
 }
@@ -179,10 +186,8 @@ wire::InferGroup* GroupFor(const wire::Infer& infer, wire::ToExecutor& frame) {
     }
     bool same = true;
     for (int k = 0; same && k < infer.inputs_size(); ++k) {
-      const auto& shape = infer.inputs(k).shape();
       const auto& tail = group.inputs(k).tail();
-      same = shape.size() == tail.size() + 1 &&
-             std::equal(tail.begin(), tail.end(), shape.begin() + 1);
+      same = HasTail(infer.inputs(k).shape(), tail.begin(), tail.end());
     }
     if (same) return &group;
   }

@@ -877,6 +877,14 @@ struct ConnectedLink {
     link.Start();
     Welcome(executor, events);
   }
+  // Submits `infer` for `target`, which must be accepted: its rid.
+  uint64_t Submit(batchgate::wire::Infer infer = {}, bool groupable = false) {
+    uint64_t rid = 0;
+    grpc::Status refusal;
+    CHECK(link.SubmitInfer(std::make_unique<batchgate::wire::Infer>(std::move(infer)), {}, 1,
+                           &target, &rid, &refusal, groupable));
+    return rid;
+  }
   FakeExecutor executor;
   batchgate::InputRegion region;
   batchgate::ModelTable models;
@@ -953,13 +961,7 @@ void TestLinkDefersWritesWhileRequestsAreInFlight() {
   FakeExecutor& executor = connected.executor;
   CountingTarget& target = connected.target;
   batchgate::ExecutorLink& link = connected.link;
-  auto submit = [&] {
-    uint64_t rid = 0;
-    grpc::Status refusal;
-    CHECK(link.SubmitInfer(std::make_unique<batchgate::wire::Infer>(), {}, 1, &target, &rid,
-                           &refusal));
-    return rid;
-  };
+  auto submit = [&] { return connected.Submit(); };
   auto read_rids = [&] {
     batchgate::wire::ToExecutor frame;
     std::vector<uint64_t> rids;
@@ -1004,13 +1006,7 @@ void TestLinkGroupsRequestsOfOneFrame() {
   FakeExecutor& executor = connected.executor;
   CountingTarget& target = connected.target;
   batchgate::ExecutorLink& link = connected.link;
-  auto submit = [&] {
-    uint64_t rid = 0;
-    grpc::Status refusal;
-    auto infer = std::make_unique<batchgate::wire::Infer>(MakeInfer(0, 1, {{1, 4}}, 0));
-    CHECK(link.SubmitInfer(std::move(infer), {}, 1, &target, &rid, &refusal, true));
-    return rid;
-  };
+  auto submit = [&] { return connected.Submit(MakeInfer(0, 1, {{1, 4}}, 0), true); };
   batchgate::wire::ToExecutor frame;
   {
     const batchgate::ExecutorLink::DeferredWrites deferred;
