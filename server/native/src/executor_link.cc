@@ -176,22 +176,27 @@ bool SameGroup(const wire::Infer& a, const wire::Infer& b) {
   return true;
 }
 
-// The InferGroup of `frame` that `infer` joins (same model, same shapes past the batch
-// dimension, room left); nullptr if none.
-wire::InferGroup* GroupFor(const wire::Infer& infer, wire::ToExecutor& frame) {
-  for (wire::InferGroup& group : *frame.mutable_groups()) {
-    if (group.model() != infer.model() || group.rids_size() >= kMaxGroupRequests ||
-        group.inputs_size() != infer.inputs_size()) {
-      continue;
-    }
-    bool same = true;
-    for (int k = 0; same && k < infer.inputs_size(); ++k) {
-      const auto& tail = group.inputs(k).tail();
-      same = HasTail(infer.inputs(k).shape(), tail.begin(), tail.end());
-    }
-    if (same) return &group;
+// A new InferGroup of `frame` for `infer`'s model and shapes past the batch dimension.
+wire::InferGroup* NewGroup(const wire::Infer& infer, wire::ToExecutor& frame) {
+  wire::InferGroup* group = frame.add_groups();
+  group->set_model(infer.model());
+  for (const wire::Tensor& tensor : infer.inputs()) {
+    group->add_inputs()->mutable_tail()->Add(tensor.shape().begin() + 1, tensor.shape().end());
   }
-  return nullptr;
+  return group;
+}
+
+// `infer`'s entry in each of `group`'s columns.
+void AppendToGroup(const wire::Infer& infer, wire::InferGroup& group) {
+  group.add_rids(infer.rid());
+  group.add_batch_sizes(infer.batch_size());
+  group.add_priorities(infer.priority());
+  group.add_deadlines_ns(infer.deadline_ns());
+  group.add_timeouts_us(infer.timeout_us());
+  group.add_ids(infer.id());
+  for (int k = 0; k < infer.inputs_size(); ++k) {
+    group.mutable_inputs(k)->add_offsets(infer.inputs(k).offset());
+  }
 }
 
 grpc::StatusCode CodeOf(uint32_t number) {
@@ -227,28 +232,6 @@ bool AppendBatchResults(const wire::Batch& batch, std::vector<std::unique_ptr<wi
   return true;
 }
 
-bool AddToGroup(const wire::Infer& infer, wire::ToExecutor& frame) {
-  if (!InArenaWithRows(infer)) return false;
-  wire::InferGroup* group = GroupFor(infer, frame);
-  if (group == nullptr) {
-    group = frame.add_groups();
-    group->set_model(infer.model());
-    for (const wire::Tensor& tensor : infer.inputs()) {
-      group->add_inputs()->mutable_tail()->Add(tensor.shape().begin() + 1, tensor.shape().end());
-    }
-  }
-  group->add_rids(infer.rid());
-  group->add_batch_sizes(infer.batch_size());
-  group->add_priorities(infer.priority());
-  group->add_deadlines_ns(infer.deadline_ns());
-  group->add_timeouts_us(infer.timeout_us());
-  group->add_ids(infer.id());
-  for (int k = 0; k < infer.inputs_size(); ++k) {
-    group->mutable_inputs(k)->add_offsets(infer.inputs(k).offset());
-  }
-  return true;
-}
-
 void GroupInfers(wire::ToExecutor& frame, const std::vector<bool>& groupable) {
   const int count = frame.infer_size();
   if (count < 2 || groupable.size() != static_cast<size_t>(count)) return;
@@ -256,24 +239,37 @@ void GroupInfers(wire::ToExecutor& frame, const std::vector<bool>& groupable) {
   // it); -1 for the others. Per first Infer: how many share its group.
   std::vector<int> first(static_cast<size_t>(count), -1);
   std::vector<int> members(static_cast<size_t>(count), 0);
+  std::vector<int> leaders;  // the first Infer of each group: a frame's requests share a few
   bool any = false;
   for (int i = 0; i < count; ++i) {
     if (!groupable[static_cast<size_t>(i)] || !InArenaWithRows(frame.infer(i))) continue;
-    int j = 0;
-    while (j < i &&
-           !(first[static_cast<size_t>(j)] == j && SameGroup(frame.infer(i), frame.infer(j)))) {
-      ++j;
+    int lead = i;
+    for (const int j : leaders) {
+      if (SameGroup(frame.infer(i), frame.infer(j))) {
+        lead = j;
+        break;
+      }
     }
-    first[static_cast<size_t>(i)] = j;
-    any = ++members[static_cast<size_t>(j)] > 1 || any;
+    if (lead == i) leaders.push_back(i);
+    first[static_cast<size_t>(i)] = lead;
+    any = ++members[static_cast<size_t>(lead)] > 1 || any;
   }
   if (!any) return;
+  // Per first Infer of a group of two or more: the InferGroup being filled (a full one is
+  // followed by a new one). A RepeatedPtrField's elements stay where they are as it grows.
+  std::vector<wire::InferGroup*> filling(static_cast<size_t>(count), nullptr);
   auto* infers = frame.mutable_infer();
   int kept = 0;
   for (int i = 0; i < count; ++i) {
     const int lead = first[static_cast<size_t>(i)];
-    const bool grouped = lead >= 0 && members[static_cast<size_t>(lead)] > 1;
-    if (grouped && AddToGroup(infers->Get(i), frame)) continue;
+    if (lead >= 0 && members[static_cast<size_t>(lead)] > 1) {
+      wire::InferGroup*& group = filling[static_cast<size_t>(lead)];
+      if (group == nullptr || group->rids_size() >= kMaxGroupRequests) {
+        group = NewGroup(infers->Get(i), frame);
+      }
+      AppendToGroup(infers->Get(i), *group);
+      continue;
+    }
     if (kept != i) infers->SwapElements(kept, i);
     ++kept;
   }

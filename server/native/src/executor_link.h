@@ -81,12 +81,6 @@ class LinkObserver {
 // order; false (nothing appended) when its lists do not line up.
 bool AppendBatchResults(const wire::Batch& batch, std::vector<std::unique_ptr<wire::Result>>* results);
 
-// Adds `infer` (its rid set) to an InferGroup of `frame` (wire.proto): the first one it fits,
-// else a new one. False, and `frame` unchanged, if it cannot go in a group (no inputs, an input
-// outside the arena, or one whose first dimension is not its batch_size); the caller decides
-// whether it may otherwise.
-bool AddToGroup(const wire::Infer& infer, wire::ToExecutor& frame);
-
 // Moves into InferGroups the Infers of `frame` that may go in one (`groupable`, one entry per
 // Infer: SubmitInfer's) wherever at least two would share it; the others stay Infers, in their
 // order. A lone request costs the executor less as an Infer than as a group.

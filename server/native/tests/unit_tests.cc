@@ -767,6 +767,17 @@ void TestGroupInfers() {
   zero.mutable_infer(1)->set_batch_size(1);
   batchgate::GroupInfers(zero, {true, true});
   CHECK(zero.infer_size() == 2 && zero.groups_size() == 0);
+  // A group holds 4096 requests at most: the next ones of its kind start another, in order.
+  batchgate::wire::ToExecutor many;
+  constexpr int kMany = 4096 + 3;
+  for (int i = 0; i < kMany; ++i) {
+    *many.add_infer() = MakeInfer(static_cast<uint64_t>(i + 1), 1, {{1, 4}},
+                                  static_cast<uint64_t>(i) * 16);
+  }
+  batchgate::GroupInfers(many, std::vector<bool>(kMany, true));
+  CHECK(many.infer_size() == 0 && many.groups_size() == 2);
+  CHECK(many.groups(0).rids_size() == 4096 && many.groups(1).rids_size() == 3);
+  CHECK(many.groups(1).rids(0) == 4097 && many.groups(1).inputs(0).offsets(2) == (kMany - 1) * 16);
 }
 
 // -- the executor link's writing --------------------------------------------------------------
