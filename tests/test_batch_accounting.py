@@ -78,16 +78,20 @@ async def test_accounting_runs_on_the_loop_after_the_answers(model):
 async def test_accounting_answered_inline_runs_after_the_answers_on_the_models_thread(model):
     events = _watch(model)
     handed: list[int] = []
+    loop_lock = threading.Lock()
 
     def deliver_inline(delivery) -> bool:
-        # As ExecutorServer.deliver_inline while its loop waits: the delivery runs here.
-        handed.append(threading.get_ident())
-        delivery()
+        # As ExecutorServer.deliver_inline while its loop waits: the delivery runs here, under
+        # the lock the loop's thread takes back before it runs anything the answers woke.
+        with loop_lock:
+            handed.append(threading.get_ident())
+            delivery()
         return True
 
     model.deliver_inline = deliver_inline
     await _answer(model, 2.0)
-    assert model.stats.snapshot().execution_count == 1
+    with loop_lock:  # as the loop's selector does on waking
+        assert model.stats.snapshot().execution_count == 1
     assert [what for what, _, _ in events] == ["answers", "ran", "after_batch"]
     assert events[0][2] == 0
     (model_thread,) = handed
