@@ -159,6 +159,7 @@ class Executor:
         self.alive = threading.Event()
         self._on_dead = on_dead
         self._dead = False  # set under _running_lock: no batch is handed over after it
+        self._warned_cpus = False  # intra_op_threads_exceed_model_cpus, said once
         timeout_ms = spec.execution_timeout_ms
         self._runner = (
             TimedRunner(f"{spec.name}-{index}", timeout_ms / 1e3, self._configure_thread)
@@ -309,8 +310,17 @@ class Executor:
         if self._cuda:  # the current device is per thread too (events are made on it)
             torch.cuda.set_device(self._device)
         # OpenMP's thread count is per calling thread: set it here, not on the main thread.
-        if self._spec.intra_op_threads:
-            torch.set_num_threads(self._spec.intra_op_threads)
+        # Confined to the model CPUs (--model-cpus), torch's default is one per CPU there
+        # (tests/test_scheduling.py); more, set by the model's config, take turns on them.
+        threads = self._spec.intra_op_threads
+        cpus = scheduling.model_cpus()
+        if cpus is not None and threads > len(cpus) and not self._warned_cpus:
+            self._warned_cpus = True
+            log.warning("intra_op_threads_exceed_model_cpus", model=self._spec.name,
+                        intra_op_threads=threads, model_cpus=sorted(cpus),
+                        effect="the model's threads take turns on its CPUs")
+        if threads:
+            torch.set_num_threads(threads)
         global _interop_set
         if self._spec.inter_op_threads:
             with _interop_lock:

@@ -24,6 +24,8 @@ POLICIES = ("batch", "normal")
 _PR_SET_NAME = 15
 # The policy the process started with, once request_path() moved it to SCHED_BATCH; else None.
 _started_with: int | None = None
+# The CPUs model threads run on, once split_cpus() gave the request path the others; else None.
+_model_cpus: frozenset[int] | None = None
 
 
 def request_path(policy: str) -> str | None:
@@ -47,15 +49,48 @@ def request_path(policy: str) -> str | None:
     return None
 
 
+def split_cpus(model_cpus) -> str | None:
+    """On a serving process's main thread, before it starts other threads: with
+    ``model_cpus`` (``--model-cpus``; None: nothing changes) the calling thread, and the
+    threads it starts from now on, run on the process's other CPUs, and model threads
+    (``model_thread``) on those. Returns why that could not be done, else None."""
+    global _model_cpus
+    if model_cpus is None:
+        return None
+    if not hasattr(os, "sched_setaffinity"):
+        return "this system sets no CPU affinity"
+    try:
+        usable = os.sched_getaffinity(0)
+        request_cpus = usable - set(model_cpus)
+        if not request_cpus or not set(model_cpus) <= usable:
+            return (f"this process may run on CPUs {sorted(usable)} only, and the model "
+                    f"CPUs are {sorted(model_cpus)}")
+        os.sched_setaffinity(0, request_cpus)
+    except OSError as exc:
+        return f"sched_setaffinity: {exc.strerror}"
+    _model_cpus = frozenset(model_cpus)
+    return None
+
+
+def model_cpus() -> frozenset[int] | None:
+    """The CPUs model threads run on (``split_cpus``), or None where they run anywhere."""
+    return _model_cpus
+
+
 def model_thread(name: str) -> None:
     """On a thread that runs a model: the policy the process started with, not the request
-    path's, and ``name`` as the thread's name in ``/proc`` (``top -H``, ``perf``; at most 15
-    bytes are kept)."""
+    path's, the model CPUs where ``split_cpus`` set them, and ``name`` as the thread's name
+    in ``/proc`` (``top -H``, ``perf``; at most 15 bytes are kept)."""
     try:
         if _started_with is not None and os.sched_getscheduler(0) == os.SCHED_BATCH:
             os.sched_setscheduler(0, _started_with, os.sched_param(0))
     except OSError:  # allowed wherever the move to SCHED_BATCH was; nothing to do otherwise
         pass
+    if _model_cpus is not None:
+        try:
+            os.sched_setaffinity(0, _model_cpus)
+        except OSError:  # allowed wherever split_cpus' own call was
+            pass
     try:
         libc = ctypes.CDLL(None)
         libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)

@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         return supervisor.run()
     # Before the server's threads start: they inherit it, and model threads take SCHED_OTHER
     # back (batchgate.batcher.scheduling).
-    schedule_request_path(settings.request_scheduling)
+    schedule_request_path(settings.request_scheduling, settings.model_cpus)
     asyncio.run(serve(settings))
     return 0
 

@@ -971,7 +971,8 @@ def main() -> int:
     handover = read_handover()
     configure_logging(handover["settings"]["log_level"], "json")
     # Before any thread starts: they inherit it, and model threads take the process's back.
-    schedule_request_path(handover["settings"]["request_scheduling"])
+    schedule_request_path(handover["settings"]["request_scheduling"],
+                          handover["settings"]["model_cpus"])
     structlog.contextvars.bind_contextvars(role="executor")
     return asyncio.run(run(handover))
 

@@ -56,7 +56,8 @@ def main() -> int:
     read_pid_once()
     handover = read_handover()
     configure_logging(handover["settings"]["log_level"], "json")
-    schedule_request_path(handover["settings"]["request_scheduling"])  # before any thread
+    schedule_request_path(handover["settings"]["request_scheduling"],  # before any thread
+                          handover["settings"]["model_cpus"])
     # Every line says which process wrote it: the supervisor forwards all children's lines.
     structlog.contextvars.bind_contextvars(role="frontend", slot=handover["slot"])
     asyncio.run(run(handover))

@@ -84,12 +84,17 @@ def describe_exit(how: dict) -> str:
     return f"exit code {how['exit_code']}" if "exit_code" in how else f"killed by {how['signal']}"
 
 
-def schedule_request_path(policy: str) -> None:
+def schedule_request_path(policy: str, model_cpus=None) -> None:
     """On a serving process's main thread, before it starts other threads: the request path's
-    scheduling policy (``--request-scheduling``, ``batchgate.batcher.scheduling``); one warning
-    where the system refuses it, and the server goes on as the process started."""
+    scheduling policy (``--request-scheduling``, ``batchgate.batcher.scheduling``) and, with
+    ``model_cpus`` (``--model-cpus``), its CPUs apart from the model threads'; one warning
+    where the system refuses either, and the server goes on as the process started."""
     why = scheduling.request_path(policy)
     if why is not None:
         log.warning("request_scheduling_not_applied", policy=policy, reason=why,
                     effect="the request path may preempt model threads under load")
+    why = scheduling.split_cpus(model_cpus)
+    if why is not None:
+        log.warning("model_cpus_not_applied", model_cpus=list(model_cpus), reason=why,
+                    effect="model threads and the request path share every CPU")
 

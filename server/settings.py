@@ -89,6 +89,30 @@ def _frontend_count(text: str) -> int | None:
     return count
 
 
+def cpu_list(text: str) -> tuple[int, ...]:
+    """A CPU list as ``taskset -c`` and ``/proc/<pid>/status`` write it ("1", "2-7,9"): the
+    CPUs, sorted, each once."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.strip().partition("-")
+            low, high = int(first), int(last) if last else int(first)
+            if low < 0 or high < low:
+                raise ValueError
+            cpus.update(range(low, high + 1))
+    except ValueError:
+        raise ValueError(f"model_cpus must be a CPU list such as 1 or 2-7,9, got {text!r}"
+                         ) from None
+    return tuple(sorted(cpus))
+
+
+def usable_cpus() -> frozenset[int] | None:
+    """The CPUs this process may run on, where the system says (Linux)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    return frozenset(os.sched_getaffinity(0))
+
+
 ALL = ROLES
 SERVING = (FRONTEND, EXECUTOR)
 
@@ -195,6 +219,12 @@ class Settings:
              "executor's event loop): batch (SCHED_BATCH) does not preempt a running model "
              "thread when it wakes, so model threads keep their cores under load; normal: "
              "as the process started (SCHED_OTHER)")
+    model_cpus: tuple[int, ...] | None = setting(
+        None, parse=cpu_list, roles=SERVING, default_text="any",
+        help="CPUs the model threads run on, as a list such as 1 or 2-7,9 (with their intra-op "
+             "threads, one per CPU unless the model's config sets them); the request path "
+             "(front ends, the executor's event loop) then runs on the server's other CPUs, "
+             "so the two do not share cores and caches")
     switch_interval_s: float = setting(
         0.0005, parse=float, roles=SERVING,
         help="Python's GIL switch interval; shorter keeps model threads fed")
@@ -243,12 +273,33 @@ class Settings:
                              f"got {self.frontend_threads}")
         if self.arena_bytes is not None and self.arena_bytes <= 0:
             raise ValueError(f"arena_bytes must be > 0, got {self.arena_bytes}")
+        self._check_model_cpus()
         self._check_device_pool()
         self._check_tls()
         for name in ("admin_token", "infer_token"):
             _check_token(name, getattr(self, name))
         if self.admin_token is not None and self.admin_token == self.infer_token:
             raise ValueError("admin_token and infer_token must differ, got the same token twice")
+
+    def _check_model_cpus(self) -> None:
+        if self.model_cpus is None:
+            return
+        self.model_cpus = (cpu_list(self.model_cpus) if isinstance(self.model_cpus, str)
+                           else tuple(sorted(set(self.model_cpus))))
+        usable = usable_cpus()
+        if usable is None:
+            raise ValueError("model_cpus needs a system that sets CPU affinity (Linux), got "
+                             f"--model-cpus {_cpus_text(self.model_cpus)}")
+        outside = sorted(set(self.model_cpus) - usable)
+        if outside or not self.model_cpus:
+            raise ValueError(
+                f"model_cpus must be CPUs this server may run on ({_cpus_text(usable)}), got "
+                f"--model-cpus {_cpus_text(self.model_cpus)}")
+        if not usable - set(self.model_cpus):
+            raise ValueError(
+                "model_cpus must leave the request path at least one of the CPUs this server "
+                f"may run on ({_cpus_text(usable)}), got --model-cpus "
+                f"{_cpus_text(self.model_cpus)}")
 
     def _check_device_pool(self) -> None:
         if self.device_pool_bytes is not None and self.device_pool_bytes < MIN_DEVICE_POOL_BYTES:
@@ -372,6 +423,17 @@ def check_devices(settings: Settings) -> None:
 def fields_for(role: str) -> list[str]:
     """The names of the settings a ``role`` process acts on."""
     return [f.name for f in dataclasses.fields(Settings) if role in f.metadata["roles"]]
+
+
+def _cpus_text(cpus: Iterable[int]) -> str:
+    """CPUs as a list in ranges ("0-3,6"), the way ``cpu_list`` reads them."""
+    ranges: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if ranges and cpu == ranges[-1][1] + 1:
+            ranges[-1][1] = cpu
+        else:
+            ranges.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
 
 
 def _check_token(name: str, token: str | None) -> None:

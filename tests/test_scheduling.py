@@ -1,6 +1,7 @@
 """The request path runs under SCHED_BATCH and model threads as the process started
 (``batchgate.batcher.scheduling``, ``--request-scheduling``), in every mode, read from ``/proc``.
-``--request-scheduling normal`` is in ``tests/test_settings.py``."""
+``--request-scheduling normal`` is in ``tests/test_settings.py``, and so are the threads'
+CPUs under ``--model-cpus``; here, the intra-op threads a model gets under it."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from batchgate.clients import Client
 from tests.support.harness import start_process
 from tests.support.repository import model_config, tensor, write_model
 from tests.support.servers import SERVER_MODES, native_or_skip
@@ -67,6 +70,59 @@ def test_request_path_under_sched_batch_and_model_threads_not(mode, tmp_path):
             assert found[frontend][1] == os.SCHED_BATCH
     finally:
         server.stop()
+
+
+THREADS_MODEL = """
+import torch
+
+
+class Threads(torch.nn.Module):
+    def forward(self, x):
+        return torch.full_like(x, float(torch.get_num_threads()))
+
+
+def build_model(parameters):
+    return Threads()
+"""
+
+
+def _intra_op_threads(tmp_path: Path, *args: str, parameters: dict | None = None
+                      ) -> tuple[int, list[dict]]:
+    """The intra-op threads a model's thread runs with, as the model itself reads them, and
+    the server's log."""
+    write_model(tmp_path, model_config("threads", max_batch_size=4,
+                                       input=[tensor("X", "FP32", [1])],
+                                       output=[tensor("Y", "FP32", [1])],
+                                       parameters=parameters or {}), THREADS_MODEL)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    server = start_process(tmp_path, "single", frontends=0, models=["threads"],
+                           extra_args=args, env=env)
+    try:
+        with Client(server.address, timeout_s=30) as client:
+            y = client.infer("threads", {"X": np.zeros((1, 1), np.float32)})["Y"]
+    finally:
+        server.stop()
+    return int(y[0, 0]), server.supervisor.events
+
+
+def test_model_cpus_bound_a_models_default_intra_op_threads(tmp_path):
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip(f"--model-cpus needs two CPUs to split, and this process may run on "
+                    f"{len(cpus)}")
+    unbound, _ = _intra_op_threads(tmp_path / "anywhere")
+    if unbound < 2:
+        pytest.skip("torch's default is one intra-op thread here: nothing for the bound to lower")
+    # One model CPU: one intra-op thread, not torch's default taking turns on it.
+    bound, events = _intra_op_threads(tmp_path / "bound", "--model-cpus", str(cpus[-1]))
+    assert bound == 1
+    assert not any(e.get("event") == "intra_op_threads_exceed_model_cpus" for e in events)
+    # More set by the model's config: as set, and the log says they take turns.
+    more, events = _intra_op_threads(tmp_path / "more", "--model-cpus", str(cpus[-1]),
+                                     parameters={"INTRA_OP_THREAD_COUNT": "2"})
+    assert more == 2
+    warned = [e for e in events if e.get("event") == "intra_op_threads_exceed_model_cpus"]
+    assert warned and warned[0]["model"] == "threads" and warned[0]["model_cpus"] == [cpus[-1]]
 
 
 SCRIPT = """

@@ -45,6 +45,8 @@ ARENA_BYTES = 96 << 20
 DRAIN_S = 7.0
 SWITCH_S = 0.002
 THREADS = 3
+CPUS = frozenset(os.sched_getaffinity(0))
+MODEL_CPU = max(CPUS) if len(CPUS) >= 2 else None  # --model-cpus: the last, the rest request path
 NO_RETRY = RetryPolicy(max_attempts=1)
 
 # ``vec``: y = x over any length (limits are tried on it); ``fixed``: y = x + 1 over [256],
@@ -96,6 +98,7 @@ CHECKED = {
     "--drain-timeout-s": "every process drains with it",
     "--switch-interval-s": "the Python processes' GIL switch interval",
     "--request-scheduling": "no serving thread runs SCHED_BATCH",
+    "--model-cpus": "model threads run on that CPU, the request path's threads on the others",
     "--no-gc-freeze": "the Python processes' garbage collector is not frozen",
     "--log-level": "debug lines are written",
     "--log-format": "every line is JSON",
@@ -183,6 +186,7 @@ def running(request, tmp_path_factory, pki):
         "--infer-token-file", str(root / "infer"), "--device-pool-bytes", str(POOL_BYTES),
         "--device-pool-permissive", "--drain-timeout-s", str(DRAIN_S),
         "--switch-interval-s", str(SWITCH_S), "--no-gc-freeze", "--request-scheduling", "normal",
+        *(["--model-cpus", str(MODEL_CPU)] if MODEL_CPU is not None else []),
         "--log-level", "debug",
         "--log-format", "json", "--shared-memory", env=env)
     try:
@@ -330,6 +334,59 @@ def test_the_process_flags(running):
              for fd in os.listdir(f"/proc/{executor}/fd")
              if os.readlink(f"/proc/{executor}/fd/{fd}").startswith("/memfd:batchgate-arena")}
     assert sizes == {ARENA_BYTES}
+
+
+def test_the_model_cpus_flag(running):
+    if MODEL_CPU is None:
+        pytest.skip("splitting CPUs between model threads and the request path needs two, and "
+                    f"this process may run on {len(CPUS)}")
+    # --model-cpus: the model threads on that CPU; the process that runs them, and every thread
+    # of a native front end, on the others.
+    rest = CPUS - {MODEL_CPU}
+    runner = (running.process.proc.pid if running.mode == "single"
+              else running.process.pids("executor")[None])
+    assert os.sched_getaffinity(runner) == rest
+    models = {name: os.sched_getaffinity(tid) for tid, name in _threads(runner).items()
+              if name.endswith("-batch")}
+    assert set(models) == {"vec-0-batch", "fixed-0-batch"}, models
+    assert all(cpus == {MODEL_CPU} for cpus in models.values()), models
+    if running.mode == "single":
+        return
+    [frontend] = running.process.pids("frontend").values()
+    if running.mode == "native":
+        found = {name: os.sched_getaffinity(tid) for tid, name in _threads(frontend).items()}
+        assert any(name.startswith("bg-worker") for name in found)
+        assert all(cpus == rest for cpus in found.values()), found
+    else:
+        assert os.sched_getaffinity(frontend) == rest
+
+
+def test_cpu_lists_are_read_as_taskset_writes_them_and_checked():
+    from batchgate.server.settings import Settings, cpu_list
+
+    assert cpu_list("1") == (1,)
+    assert cpu_list("4-6,1, 5") == (1, 4, 5, 6)
+    for text in ("", "a", "3-1", "-1", "1,,2"):
+        with pytest.raises(ValueError, match="model_cpus must be a CPU list such as 1 or 2-7,9"):
+            cpu_list(text)
+    assert Settings().model_cpus is None
+    with pytest.raises(ValueError, match="model_cpus must be CPUs this server may run on"):
+        Settings(model_cpus=(max(CPUS) + 1,))
+    with pytest.raises(ValueError, match="model_cpus must leave the request path at least one"):
+        Settings(model_cpus=tuple(CPUS))
+    if MODEL_CPU is not None:
+        assert Settings(model_cpus=(MODEL_CPU,)).model_cpus == (MODEL_CPU,)
+
+
+def _threads(pid: int) -> dict[int, str]:
+    """tid -> name of every thread of ``pid``."""
+    found = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found[int(task.name)] = (task / "comm").read_text().strip()
+        except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
+            pass
+    return found
 
 
 def test_the_log_flags_and_the_drain(running):

@@ -7,8 +7,13 @@
 #include <grpcpp/impl/server_builder_plugin.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
+#include <dirent.h>
 #include <sched.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
 
 #include <algorithm>
 #include <fstream>
@@ -161,6 +166,7 @@ int Frontend::Run() {
     }
     return 1;
   }
+  KeepOffModelCpus();
   {
     // Ready only once the executor has welcomed this front end: before, every request would
     // get UNAVAILABLE.
@@ -176,6 +182,46 @@ int Frontend::Run() {
   }
   Drain();
   return 0;
+}
+
+// --model-cpus: the executor's model threads run on those CPUs, and every thread of this
+// process on the others. Set once the gRPC server and the workers run: gRPC sizes its own
+// threads and pollers from the CPUs it sees as it starts, and with one CPU in view the c=1 p50
+// was ~0.1 ms worse than with the same threads moved after the start. Threads started later
+// inherit the set from the thread that starts them; a second pass takes any that a thread
+// started while the first one ran.
+void Frontend::KeepOffModelCpus() {
+  if (handover_.model_cpus.empty()) return;
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  std::string why;
+  if (sched_getaffinity(0, sizeof(cpus), &cpus) != 0) {
+    why = std::string("sched_getaffinity: ") + std::strerror(errno);
+  } else {
+    for (int cpu : handover_.model_cpus) CPU_CLR(cpu, &cpus);
+    if (CPU_COUNT(&cpus) == 0) why = "the model CPUs are every CPU this process may run on";
+  }
+  for (int pass = 0; pass < 2 && why.empty(); ++pass) {
+    DIR* tasks = opendir("/proc/self/task");
+    if (tasks == nullptr) {
+      why = std::string("/proc/self/task: ") + std::strerror(errno);
+      break;
+    }
+    while (const dirent* task = readdir(tasks)) {
+      if (task->d_name[0] == '.') continue;
+      const pid_t tid = static_cast<pid_t>(std::atoi(task->d_name));
+      if (sched_setaffinity(tid, sizeof(cpus), &cpus) != 0 && errno != ESRCH) {
+        why = std::string("sched_setaffinity: ") + std::strerror(errno);
+        break;
+      }
+    }
+    closedir(tasks);
+  }
+  if (!why.empty()) {
+    Log(LogLevel::kWarning, "model_cpus_not_applied",
+        {LogField("reason", why),
+         LogField("effect", std::string("model threads and the request path share every CPU"))});
+  }
 }
 
 bool Frontend::Start(std::string* error) {

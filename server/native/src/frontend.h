@@ -105,6 +105,7 @@ class Frontend final : public LinkObserver {
 
  private:
   bool Start(std::string* error);
+  void KeepOffModelCpus();
   void Drain();
   void SetHealth(const std::string& service, bool serving);
 

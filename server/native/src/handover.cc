@@ -3,6 +3,8 @@
 #include <google/protobuf/struct.pb.h>
 #include <google/protobuf/util/json_util.h>
 
+#include <sched.h>
+
 #include <cmath>
 #include <limits>
 
@@ -30,6 +32,29 @@ class Fields {
   std::string String(const std::string& key) {
     const Value* v = Get(key, Value::kStringValue, "a string");
     return v ? v->string_value() : std::string();
+  }
+
+  // A list of integers in minimum..maximum, or null: empty.
+  std::vector<int> OptionalIntegers(const std::string& key, int64_t minimum, int64_t maximum) {
+    std::vector<int> values;
+    const auto it = object_.fields().find(key);
+    if (it == object_.fields().end()) {
+      Fail(key, "is missing");
+      return values;
+    }
+    if (it->second.kind_case() == Value::kNullValue) return values;
+    if (it->second.kind_case() != Value::kListValue) {
+      Fail(key, "must be a list of integers or null");
+      return values;
+    }
+    for (const Value& item : it->second.list_value().values()) {
+      if (item.kind_case() != Value::kNumberValue) {
+        Fail(key, "must be a list of integers or null");
+        return {};
+      }
+      values.push_back(static_cast<int>(CheckInteger(key, item.number_value(), minimum, maximum)));
+    }
+    return values;
   }
 
   // A string, or null: absent.
@@ -174,6 +199,7 @@ bool ParseHandover(const std::string& json, Handover* out, std::string* error) {
     s.Fail("request_scheduling", "must be batch or normal");
   }
   out->batch_scheduling = scheduling == "batch";
+  out->model_cpus = s.OptionalIntegers("model_cpus", 0, CPU_SETSIZE - 1);
   const std::string level = s.String("log_level");
   if (s.ok() && !ParseLogLevel(level, &out->log_level)) {
     s.Fail("log_level", "must be debug, info, warning, error or critical");

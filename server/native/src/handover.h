@@ -35,6 +35,7 @@ struct Handover {
   int frontend_threads = 0;  // 0: the CPUs this process may run on
   bool shared_memory = false;  // requests may name shared-memory regions
   bool batch_scheduling = true;  // the process's threads under SCHED_BATCH (request_scheduling)
+  std::vector<int> model_cpus;  // the executor's model threads' CPUs: this process runs on the others
   LogLevel log_level = LogLevel::kInfo;
 };
 

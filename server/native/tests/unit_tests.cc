@@ -619,7 +619,7 @@ void TestHandoverSharedMemory() {
           "max_request_bytes": 4096, "max_tensor_elements": 100, "drain_timeout_s": 1,
           "reflection": true, "tls_cert": null, "tls_key": null, "tls_client_ca": null,
           "admin_token": null, "infer_token": null, "frontend_threads": 1,
-          "request_scheduling": "normal", "log_level": "info")";
+          "request_scheduling": "normal", "model_cpus": null, "log_level": "info")";
   batchgate::Handover handover;
   std::string error;
   CHECK(batchgate::ParseHandover(head + R"(, "shared_memory": true}})", &handover, &error));
@@ -645,6 +645,19 @@ void TestHandoverSharedMemory() {
   batchgate::Handover refused;
   CHECK(!batchgate::ParseHandover(other, &refused, &error));
   CHECK_EQ(error, std::string("handover key 'settings.request_scheduling' must be batch or normal"));
+  CHECK(off.model_cpus.empty());
+  std::string pinned = head + R"(, "shared_memory": false}})";
+  pinned.replace(pinned.find("null, \"log_level\""), 4, "[1, 3]");
+  batchgate::Handover split;
+  CHECK(batchgate::ParseHandover(pinned, &split, &error));
+  CHECK_EQ(split.model_cpus.size(), size_t{2});
+  CHECK_EQ(split.model_cpus[0], 1);
+  CHECK_EQ(split.model_cpus[1], 3);
+  std::string negative = head + R"(, "shared_memory": false}})";
+  negative.replace(negative.find("null, \"log_level\""), 4, "[-1]");
+  batchgate::Handover bad;
+  CHECK(!batchgate::ParseHandover(negative, &bad, &error));
+  CHECK(error.find("handover key 'settings.model_cpus' must be an integer in 0..") == 0);
 }
 
 void TestMetrics() {
