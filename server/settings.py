@@ -221,8 +221,8 @@ class Settings:
              "as the process started (SCHED_OTHER)")
     model_cpus: tuple[int, ...] | None = setting(
         None, parse=cpu_list, roles=SERVING, default_text="any",
-        help="CPUs the model threads run on, as a list such as 1 or 2-7,9 (with their intra-op "
-             "threads, one per CPU unless the model's config sets them); the request path "
+        help="CPUs the model threads run on, as a list such as 1 or 2-7,9 (their intra-op "
+             "threads too, by default no more of them than those CPUs); the request path "
              "(front ends, the executor's event loop) then runs on the server's other CPUs, "
              "so the two do not share cores and caches")
     switch_interval_s: float = setting(
