@@ -17,7 +17,7 @@ import pytest
 from batchgate.clients import Client
 from tests.support.harness import start_process
 from tests.support.repository import model_config, tensor, write_model
-from tests.support.servers import SERVER_MODES, native_or_skip
+from tests.support.servers import SERVER_MODES, native_or_skip, threads
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling only")
 
@@ -28,18 +28,6 @@ import torch
 def build_model(parameters):
     return torch.nn.Identity()
 """
-
-
-def threads(pid: int) -> dict[int, tuple[str, int]]:
-    """tid -> (name, scheduling policy) of every thread of ``pid``."""
-    found = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            found[int(task.name)] = ((task / "comm").read_text().strip(),
-                                     os.sched_getscheduler(int(task.name)))
-        except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
-            pass
-    return found
 
 
 @pytest.mark.parametrize("mode", SERVER_MODES)
@@ -55,14 +43,14 @@ def test_request_path_under_sched_batch_and_model_threads_not(mode, tmp_path):
         # The process that runs the models: its event loop (the main thread) is request path.
         runner = (server.supervisor.proc.pid if mode == "single"
                   else server.supervisor.pids("executor")[None])
-        found = threads(runner)
+        found = threads(runner, os.sched_getscheduler)
         assert found[runner][1] == os.SCHED_BATCH
         model = [policy for name, policy in found.values() if name == "ident-0-batch"]
         assert model == [os.SCHED_OTHER], found
         if mode == "single":
             return
         [frontend] = server.supervisor.pids("frontend").values()
-        found = threads(frontend)
+        found = threads(frontend, os.sched_getscheduler)
         if mode == "native":  # every thread of the process is request path
             assert {policy for _, policy in found.values()} == {os.SCHED_BATCH}, found
             assert any(name.startswith("bg-worker") for name, _ in found.values())

@@ -31,7 +31,7 @@ from batchgate.server import cli
 from tests.support.harness import ServeProcess
 from tests.support.metrics import metrics_url, read_metrics, scrape
 from tests.support.repository import model_config, tensor, with_parameters, write_model
-from tests.support.servers import SERVER_MODES, native_or_skip
+from tests.support.servers import SERVER_MODES, native_or_skip, threads
 
 ROOT = Path(__file__).resolve().parent.parent
 ADMIN_TOKEN = "admin-" + "a" * 26
@@ -346,7 +346,7 @@ def test_the_model_cpus_flag(running):
     runner = (running.process.proc.pid if running.mode == "single"
               else running.process.pids("executor")[None])
     assert os.sched_getaffinity(runner) == rest
-    models = {name: os.sched_getaffinity(tid) for tid, name in _threads(runner).items()
+    models = {name: cpus for name, cpus in threads(runner, os.sched_getaffinity).values()
               if name.endswith("-batch")}
     assert set(models) == {"vec-0-batch", "fixed-0-batch"}, models
     assert all(cpus == {MODEL_CPU} for cpus in models.values()), models
@@ -354,9 +354,9 @@ def test_the_model_cpus_flag(running):
         return
     [frontend] = running.process.pids("frontend").values()
     if running.mode == "native":
-        found = {name: os.sched_getaffinity(tid) for tid, name in _threads(frontend).items()}
-        assert any(name.startswith("bg-worker") for name in found)
-        assert all(cpus == rest for cpus in found.values()), found
+        found = list(threads(frontend, os.sched_getaffinity).values())
+        assert any(name.startswith("bg-worker") for name, _ in found)
+        assert all(cpus == rest for _, cpus in found), found
     else:
         assert os.sched_getaffinity(frontend) == rest
 
@@ -376,17 +376,6 @@ def test_cpu_lists_are_read_as_taskset_writes_them_and_checked():
         Settings(model_cpus=tuple(CPUS))
     if MODEL_CPU is not None:
         assert Settings(model_cpus=(MODEL_CPU,)).model_cpus == (MODEL_CPU,)
-
-
-def _threads(pid: int) -> dict[int, str]:
-    """tid -> name of every thread of ``pid``."""
-    found = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            found[int(task.name)] = (task / "comm").read_text().strip()
-        except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
-            pass
-    return found
 
 
 def test_the_log_flags_and_the_drain(running):

@@ -58,3 +58,15 @@ def start_in_mode(mode: str, repository: Path, gate=None, **overrides) -> Runnin
     if mode == "single":
         return start_server(repository, gate, **overrides)
     return start_multiprocess_server(repository, gate, frontend=mode, **overrides)
+
+
+def threads(pid: int, read=lambda tid: None) -> dict[int, tuple[str, object]]:
+    """tid -> (name, ``read(tid)``) of every thread of ``pid`` (``read``: e.g.
+    ``os.sched_getscheduler``), skipping a thread that ends while it is read."""
+    found = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found[int(task.name)] = ((task / "comm").read_text().strip(), read(int(task.name)))
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return found
