@@ -31,6 +31,7 @@ Figures (ratios within one run):
 - the front end's threads: how one client channel's load spreads over them.
 
     python -m batchgate.bench.serving [--modes native,python,single] [--seconds-per-step 4] [--json FILE]
+        [--server-arg=--model-cpus=1 --load-cpus 0]
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from batchgate.bench._perf_analyzer import (
 )
 from batchgate.protos import inference_pb2, inference_pb2_grpc
 from batchgate.server import native
+from batchgate.server.settings import cpu_list, usable_cpus
 from tests.support.harness import MODES, RunningServer, ServerError, start_process
 from tests.support.repository import copy_model
 
@@ -489,6 +491,22 @@ def run_bench_cli(url: str, model: str, concurrency: int, seconds: float,
     return PerfRun(row=row, stability_percentage=0.0, wall_s=wall_s, cpu_s=cpu_s, command=command)
 
 
+@contextlib.contextmanager
+def confined(cpus: tuple[int, ...] | None) -> Iterator[None]:
+    """The processes started inside run on ``cpus`` (None: wherever they may): the calling
+    thread's CPUs are set for the while, and children inherit them. The servers, started
+    before, keep theirs."""
+    if cpus is None:
+        yield
+        return
+    kept = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, kept)
+
+
 def load_step(server: RunningServer, name: str, load_generator: str, concurrency: int,
               seconds: float, args: argparse.Namespace, perf_args: tuple[str, ...] = ()) -> Step:
     """One closed-loop step on model ``name``; ``perf_args``: further perf_analyzer flags."""
@@ -504,14 +522,15 @@ def load_step(server: RunningServer, name: str, load_generator: str, concurrency
         return by_role, threads
 
     before, (cpu_before, threads_before), busy_before = scrape(server, name), cpu(), machine_busy_s()
-    if load_generator == "perf_analyzer":
-        perf = run_perf_analyzer(
-            url=url, model=name, concurrency=concurrency,
-            measurement_interval_ms=int(seconds * 1000), perf_analyzer=args.perf_analyzer,
-            extra_args=perf_args,
-        )
-    else:
-        perf = run_bench_cli(url, name, concurrency, seconds, server.metrics_url)
+    with confined(getattr(args, "load_cpus", None)):
+        if load_generator == "perf_analyzer":
+            perf = run_perf_analyzer(
+                url=url, model=name, concurrency=concurrency,
+                measurement_interval_ms=int(seconds * 1000), perf_analyzer=args.perf_analyzer,
+                extra_args=perf_args,
+            )
+        else:
+            perf = run_bench_cli(url, name, concurrency, seconds, server.metrics_url)
     after, (cpu_after, threads_after), busy_after = scrape(server, name), cpu(), machine_busy_s()
 
     def delta(key: str) -> float:
@@ -679,6 +698,7 @@ def summarize(
             "max_queue_delay_us": dynamic.max_queue_delay_microseconds if dynamic else None,
             "max_inflight_batches": params.get("max_inflight_batches"),
             "server_args": args.server_arg,
+            "load_cpus": list(getattr(args, "load_cpus", None) or []) or None,
             "seconds_per_step": args.seconds_per_step,
         },
         "inprocess": {"before": before, "after": after},
@@ -688,6 +708,10 @@ def summarize(
         "modes": results,
         "wall_s": wall_s,
     }
+
+
+def _cpus_text(cpus: list[int] | None) -> str:
+    return "every CPU" if not cpus else "CPU " + ",".join(str(c) for c in cpus)
 
 
 def render(report: dict[str, Any]) -> str:
@@ -712,7 +736,8 @@ def render(report: dict[str, Any]) -> str:
         f"settings: {s['inprocess_threads']} intra-op thread in-process, server "
         f"INTRA_OP_THREAD_COUNT={s['server_intra_op_threads']}, max_inflight_batches="
         f"{s['max_inflight_batches']}; closed loop on loopback, {s['seconds_per_step']:g} s "
-        f"windows; extra server flags: {' '.join(s['server_args']) or 'none'}",
+        f"windows; extra server flags: {' '.join(s['server_args']) or 'none'}; load generators "
+        f"on {_cpus_text(s.get('load_cpus'))}",
         f"ceiling:  in-process batch 64 {report['ceiling_samples_per_s']:,.0f} samples/s (before "
         f"{b64['samples_per_s']:,.0f}, after {a64['samples_per_s']:,.0f}); batch 1 p50 "
         f"{report['inprocess_batch1_ms']:.2f} ms (before {b1['batch_p50_ms']:.2f}, after "
@@ -817,7 +842,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parameter", action="append", default=[], metavar="KEY=VALUE",
                         help="set a config parameter of the served model, repeatable "
                              "(e.g. --parameter max_inflight_batches=1)")
+    parser.add_argument("--load-cpus", default=None, metavar="LIST",
+                        help="CPUs the load generators run on, as taskset -c writes them "
+                             "(default: every CPU); with --server-arg=--model-cpus=LIST, the "
+                             "other CPUs keep the clients off the model's, as remote clients "
+                             "would be")
     args = parser.parse_args(argv)
+    if args.load_cpus is not None:
+        try:
+            args.load_cpus = cpu_list(args.load_cpus)
+        except ValueError:
+            parser.error(f"--load-cpus must be a CPU list such as 0 or 0-3,6, got "
+                         f"{args.load_cpus!r}")
+        usable = usable_cpus()
+        if usable is not None and not set(args.load_cpus) <= usable:
+            parser.error(f"--load-cpus {','.join(map(str, args.load_cpus))}: this process may "
+                         f"run only on CPUs {','.join(map(str, sorted(usable)))}")
     try:
         args.parameter = dict(item.split("=", 1) for item in args.parameter)
     except ValueError:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -192,6 +193,39 @@ def test_the_serving_ratio_is_split_at_the_batch_size_the_server_formed():
     assert "from idle: in-process batch 1 p50 1.25 ms" in table
     row = next(line for line in table.splitlines() if line.startswith("native"))
     assert "0.75" in row.split() and "30.0" in row.split() and "+0.75" in row.split()
+    assert "load generators on every CPU" in table
+    assert report["settings"]["load_cpus"] is None
+    args.load_cpus = (0,)
+    report = serving.summarize(args, before, after, modes, None, 10.0, from_idle)
+    assert report["settings"]["load_cpus"] == [0]
+    assert "load generators on CPU 0" in serving.render(json.loads(json.dumps(report)))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two CPUs this process may run on, to confine a child to one")
+def test_load_generators_started_while_confined_run_on_those_cpus_only():
+    """``--load-cpus``: what load_step starts inside ``confined`` (the load generators) gets
+    those CPUs; the benchmark's own CPUs, and so the servers' started after, are given back."""
+    mine = os.sched_getaffinity(0)
+    first = min(mine)
+    probe = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+    with serving.confined((first,)):
+        inside = subprocess.run(probe, capture_output=True, text=True, check=True).stdout
+    assert json.loads(inside) == [first]
+    assert os.sched_getaffinity(0) == mine
+    with serving.confined(None):
+        anywhere = subprocess.run(probe, capture_output=True, text=True, check=True).stdout
+    assert json.loads(anywhere) == sorted(mine)
+
+
+def test_load_cpus_outside_the_usable_ones_are_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        serving.main(["--load-cpus", "4095"])
+    assert exit_info.value.code == 2
+    assert "--load-cpus 4095: this process may run only on CPUs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serving.main(["--load-cpus", "one"])
+    assert "--load-cpus must be a CPU list" in capsys.readouterr().err
 
 
 def test_a_retried_perf_analyzer_run_counts_the_wall_and_cpu_of_every_attempt(tmp_path):
