@@ -9,11 +9,16 @@ it on the main thread would leave the loop on torch's default.
     python -m batchgate.bench.inprocess --model mlp --batch 64 --seconds 5
     python -m batchgate.bench.inprocess --model mlp --batch 64 1 --seconds 3 --json out.json
     python -m batchgate.bench.inprocess --model mlp --batch 1 --idle-ms 1.5 --seconds 3
+    python -m batchgate.bench.inprocess --model mlp --buckets --seconds 0.5
 
 ``--idle-ms``: the thread sleeps that long before each call, as a server's model thread waits
 for the next request at low load, and the call is timed from its wake-up. A model called from
 idle is slower than in the tight loop (the core wakes from idle, its caches lost their
 contents): this is the model's own share of a server's latency at concurrency 1.
+
+``--buckets``: every batch size from 1 to ``max_batch_size`` is timed, and the sizes worth
+padding up to are printed as the model's ``buckets`` parameter (``suggest_buckets``): matrix
+kernels run some row counts faster than fewer rows (on the CPU, often multiples of 4).
 
 This module is the one place in ``bench/`` that imports torch and the server's loading code;
 ``batchgate.bench.serving`` runs it in a subprocess, so the load generator's process stays torch-free.
@@ -166,6 +171,40 @@ def _timed_calls(model: LoadedModel, inputs: list[torch.Tensor], seconds: float,
     return times_ns
 
 
+def suggest_buckets(p50_ms: dict[int, float], margin: float) -> list[int]:
+    """Batch buckets from measured batch times: going down from the largest size (always a
+    bucket), a size is padded up to the smallest bucket above it only where that bucket ran
+    faster by more than ``margin`` (a fraction); otherwise it is a bucket itself. So padding is
+    chosen only where it was measured to save time, and noise within the margin adds buckets
+    (each one more warm-up at load), never padding."""
+    if not p50_ms:
+        raise ValueError("no batch times to choose buckets from")
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin must lie in [0, 1), got {margin}")
+    sizes = sorted(p50_ms)
+    buckets = [sizes[-1]]
+    for size in reversed(sizes[:-1]):
+        if not p50_ms[buckets[-1]] < p50_ms[size] * (1 - margin):
+            buckets.append(size)
+    return sorted(buckets)
+
+
+def sweep(model: LoadedModel, seconds: float, threads: int = 1) -> dict[int, float]:
+    """Batch p50 in ms of every size from 1 to the model's max_batch_size: measured twice,
+    smallest first then largest first (``seconds`` split between the two), and averaged, so
+    the host's drift during the sweep does not favour either end."""
+    largest = model.spec.max_batch_size
+    if largest < 1:
+        raise ValueError(f"model '{model.spec.name}' does not batch (max_batch_size 0): "
+                         "it has no buckets")
+    sizes = list(range(1, largest + 1))
+    times: dict[int, list[float]] = {size: [] for size in sizes}
+    for order in (sizes, sizes[::-1]):
+        for size in order:
+            times[size].append(run(model, size, seconds / 2, threads)["batch_p50_ms"])
+    return {size: sum(p50s) / len(p50s) for size, p50s in times.items()}
+
+
 def measure(model_dir: Path | str, batch_size: int, seconds: float, threads: int = 1) -> dict[str, Any]:
     """Load ``model_dir`` as the server does and run it in a tight loop; samples/s and p50."""
     return run(load(model_dir), batch_size, seconds, threads)
@@ -186,10 +225,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="sleep this long before each call, as a model thread waiting for "
                              "requests at low load (default: 0, a tight loop)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--buckets", action="store_true",
+                        help="time every batch size from 1 to max_batch_size (--seconds each) "
+                             "and print the buckets where padding a batch up saves time, as a "
+                             "config.pbtxt parameter (--batch and --idle-ms do not apply)")
+    parser.add_argument("--bucket-margin", type=float, default=0.03,
+                        help="with --buckets: pad a size up only where the bucket above ran "
+                             "faster by more than this fraction (default: %(default)s)")
     args = parser.parse_args(argv)
+    if not 0 <= args.bucket_margin < 1:
+        parser.error(f"--bucket-margin must lie in [0, 1), got {args.bucket_margin}")
     configure_logging("warning", "console")  # the loader's debug lines would mix into stdout
 
     model = load(args.model_repository / args.model)
+    if args.buckets:
+        return _print_buckets(model, args)
     results = [run(model, batch, args.seconds, args.threads, args.idle_ms)
                for batch in args.batch]
     for r in results:
@@ -199,6 +249,27 @@ def main(argv: list[str] | None = None) -> int:
               f"p99 {r['batch_p99_ms']:.3f} ms ({r['calls']} calls in {r['seconds']:.1f} s)")
     if args.json is not None:
         report = {"torch": torch.__version__, "python": platform.python_version(), "results": results}
+        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+def _print_buckets(model: LoadedModel, args: argparse.Namespace) -> int:
+    try:
+        p50_ms = sweep(model, args.seconds, args.threads)
+    except ValueError as exc:
+        print(f"batchgate.bench.inprocess: {exc}", file=sys.stderr)
+        return 1
+    buckets = suggest_buckets(p50_ms, args.bucket_margin)
+    print(f"{model.spec.name}: batch p50 ms by size, {args.threads} thread(s) "
+          f"(mean of a pass up and a pass down); * = bucket, else padded up to the next one")
+    for size, p50 in p50_ms.items():
+        print(f"{size:>5} {p50:9.3f}{' *' if size in buckets else ''}")
+    listed = ",".join(map(str, buckets))
+    print(f'parameters: {{ key: "buckets" value: {{ string_value: "{listed}" }} }}')
+    if args.json is not None:
+        report = {"torch": torch.__version__, "python": platform.python_version(),
+                  "model": model.spec.name, "threads": args.threads,
+                  "margin": args.bucket_margin, "batch_p50_ms": p50_ms, "buckets": buckets}
         args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return 0
 

@@ -18,6 +18,8 @@ import pytest
 from batchgate.bench import inprocess, serving
 from batchgate.bench._perf_analyzer import PerfRun, run_perf_analyzer
 from batchgate.bench.serving import PerfRow, Step, parse_metrics, parse_perf_analyzer_csv
+from tests.support.models import xy_config
+from tests.support.repository import write_model
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 
@@ -55,6 +57,54 @@ def test_inprocess_calls_from_idle_sleep_before_each_timed_call():
     assert result["seconds"] < result["calls"] * 0.020
     with pytest.raises(ValueError, match="idle_ms"):
         inprocess.run(model, batch_size=1, seconds=0.1, idle_ms=-1.0)
+
+
+def test_suggested_buckets_pad_only_where_a_larger_size_measured_faster():
+    # Going down from 8: 7, 6 and 5 pad up to 8 (it ran faster than each by over 3 %); 4 ran
+    # faster than 8, so it is a bucket; 3 pads up to 4; 2 and 1 are faster than 4.
+    p50_ms = {1: 1.0, 2: 2.0, 3: 3.0, 4: 2.5, 5: 3.5, 6: 3.4, 7: 3.6, 8: 3.0}
+    assert inprocess.suggest_buckets(p50_ms, 0.03) == [1, 2, 4, 8]
+    # Within the margin a size keeps its own bucket: no padding on the strength of noise.
+    assert inprocess.suggest_buckets({1: 1.0, 2: 0.99}, 0.03) == [1, 2]
+    assert inprocess.suggest_buckets({1: 1.0, 2: 0.99}, 0.0) == [2]
+    with pytest.raises(ValueError, match="margin"):
+        inprocess.suggest_buckets(p50_ms, 1.0)
+    with pytest.raises(ValueError, match="no batch times"):
+        inprocess.suggest_buckets({}, 0.03)
+
+
+DOUBLE_MODEL = """
+import torch
+
+
+class Double(torch.nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+def build_model(parameters):
+    return Double()
+"""
+
+
+def test_the_bucket_sweep_times_every_size_and_prints_the_parameter(tmp_path, capsys):
+    write_model(tmp_path, xy_config("double", max_batch_size=6), DOUBLE_MODEL)
+    written = tmp_path / "buckets.json"
+    assert inprocess.main(["--model-repository", str(tmp_path), "--model", "double",
+                           "--buckets", "--seconds", "0.02", "--json", str(written)]) == 0
+    report = json.loads(written.read_text())
+    p50_ms = {int(size): ms for size, ms in report["batch_p50_ms"].items()}
+    assert sorted(p50_ms) == [1, 2, 3, 4, 5, 6]
+    assert all(ms > 0 for ms in p50_ms.values())
+    assert report["buckets"] == inprocess.suggest_buckets(p50_ms, 0.03)
+    assert report["buckets"][-1] == 6
+    listed = ",".join(map(str, report["buckets"]))
+    assert f'parameters: {{ key: "buckets" value: {{ string_value: "{listed}" }} }}' in \
+        capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        inprocess.main(["--model-repository", str(tmp_path), "--model", "double", "--buckets",
+                        "--bucket-margin", "1.5"])
+    assert "--bucket-margin must lie in [0, 1)" in capsys.readouterr().err
 
 
 def test_inprocess_rejects_a_batch_over_max_batch_size():
