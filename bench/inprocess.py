@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="mlp", help="model folder name (default: %(default)s)")
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY,
                         help="model repository folder (default: the example models)")
-    parser.add_argument("--batch", type=int, nargs="+", default=[64],
+    parser.add_argument("--batch", type=int, nargs="+", default=None,
                         help="batch size(s), measured in the order given (default: 64)")
     parser.add_argument("--seconds", type=float, default=5.0,
                         help="timed seconds per batch size (default: %(default)s)")
@@ -228,13 +228,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--buckets", action="store_true",
                         help="time every batch size from 1 to max_batch_size (--seconds each) "
                              "and print the buckets where padding a batch up saves time, as a "
-                             "config.pbtxt parameter (--batch and --idle-ms do not apply)")
+                             "config.pbtxt parameter (not with --batch or --idle-ms)")
     parser.add_argument("--bucket-margin", type=float, default=0.03,
                         help="with --buckets: pad a size up only where the bucket above ran "
                              "faster by more than this fraction (default: %(default)s)")
     args = parser.parse_args(argv)
     if not 0 <= args.bucket_margin < 1:
         parser.error(f"--bucket-margin must lie in [0, 1), got {args.bucket_margin}")
+    if args.buckets and (args.batch is not None or args.idle_ms):
+        parser.error("--buckets times every batch size in a tight loop: it takes neither "
+                     "--batch nor --idle-ms")
+    if args.batch is None:
+        args.batch = [64]
     configure_logging("warning", "console")  # the loader's debug lines would mix into stdout
 
     model = load(args.model_repository / args.model)

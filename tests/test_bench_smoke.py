@@ -105,6 +105,11 @@ def test_the_bucket_sweep_times_every_size_and_prints_the_parameter(tmp_path, ca
         inprocess.main(["--model-repository", str(tmp_path), "--model", "double", "--buckets",
                         "--bucket-margin", "1.5"])
     assert "--bucket-margin must lie in [0, 1)" in capsys.readouterr().err
+    for extra in (["--batch", "4"], ["--idle-ms", "1"]):
+        with pytest.raises(SystemExit):
+            inprocess.main(["--model-repository", str(tmp_path), "--model", "double",
+                            "--buckets", *extra])
+        assert "it takes neither --batch nor --idle-ms" in capsys.readouterr().err
 
 
 def test_inprocess_rejects_a_batch_over_max_batch_size():
