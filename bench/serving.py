@@ -65,7 +65,7 @@ from batchgate.bench._perf_analyzer import (
 )
 from batchgate.protos import inference_pb2, inference_pb2_grpc
 from batchgate.server import native
-from batchgate.server.settings import cpu_list, usable_cpus
+from batchgate.server.settings import cpu_list, cpus_text, usable_cpus
 from tests.support.harness import MODES, RunningServer, ServerError, start_process
 from tests.support.repository import copy_model
 
@@ -710,10 +710,6 @@ def summarize(
     }
 
 
-def _cpus_text(cpus: list[int] | None) -> str:
-    return "every CPU" if not cpus else "CPU " + ",".join(str(c) for c in cpus)
-
-
 def render(report: dict[str, Any]) -> str:
     m, s = report["machine"], report["settings"]
     before, after = report["inprocess"]["before"], report["inprocess"]["after"]
@@ -737,7 +733,7 @@ def render(report: dict[str, Any]) -> str:
         f"INTRA_OP_THREAD_COUNT={s['server_intra_op_threads']}, max_inflight_batches="
         f"{s['max_inflight_batches']}; closed loop on loopback, {s['seconds_per_step']:g} s "
         f"windows; extra server flags: {' '.join(s['server_args']) or 'none'}; load generators "
-        f"on {_cpus_text(s.get('load_cpus'))}",
+        f"on {'CPU ' + cpus_text(s['load_cpus']) if s.get('load_cpus') else 'every CPU'}",
         f"ceiling:  in-process batch 64 {report['ceiling_samples_per_s']:,.0f} samples/s (before "
         f"{b64['samples_per_s']:,.0f}, after {a64['samples_per_s']:,.0f}); batch 1 p50 "
         f"{report['inprocess_batch1_ms']:.2f} ms (before {b1['batch_p50_ms']:.2f}, after "
@@ -856,8 +852,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"{args.load_cpus!r}")
         usable = usable_cpus()
         if usable is not None and not set(args.load_cpus) <= usable:
-            parser.error(f"--load-cpus {','.join(map(str, args.load_cpus))}: this process may "
-                         f"run only on CPUs {','.join(map(str, sorted(usable)))}")
+            parser.error(f"--load-cpus {cpus_text(args.load_cpus)}: this process may run "
+                         f"only on CPUs {cpus_text(usable)}")
     try:
         args.parameter = dict(item.split("=", 1) for item in args.parameter)
     except ValueError:

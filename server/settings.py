@@ -289,17 +289,17 @@ class Settings:
         usable = usable_cpus()
         if usable is None:
             raise ValueError("model_cpus needs a system that sets CPU affinity (Linux), got "
-                             f"--model-cpus {_cpus_text(self.model_cpus)}")
+                             f"--model-cpus {cpus_text(self.model_cpus)}")
         outside = sorted(set(self.model_cpus) - usable)
         if outside or not self.model_cpus:
             raise ValueError(
-                f"model_cpus must be CPUs this server may run on ({_cpus_text(usable)}), got "
-                f"--model-cpus {_cpus_text(self.model_cpus)}")
+                f"model_cpus must be CPUs this server may run on ({cpus_text(usable)}), got "
+                f"--model-cpus {cpus_text(self.model_cpus)}")
         if not usable - set(self.model_cpus):
             raise ValueError(
                 "model_cpus must leave the request path at least one of the CPUs this server "
-                f"may run on ({_cpus_text(usable)}), got --model-cpus "
-                f"{_cpus_text(self.model_cpus)}")
+                f"may run on ({cpus_text(usable)}), got --model-cpus "
+                f"{cpus_text(self.model_cpus)}")
 
     def _check_device_pool(self) -> None:
         if self.device_pool_bytes is not None and self.device_pool_bytes < MIN_DEVICE_POOL_BYTES:
@@ -425,7 +425,7 @@ def fields_for(role: str) -> list[str]:
     return [f.name for f in dataclasses.fields(Settings) if role in f.metadata["roles"]]
 
 
-def _cpus_text(cpus: Iterable[int]) -> str:
+def cpus_text(cpus: Iterable[int]) -> str:
     """CPUs as a list in ranges ("0-3,6"), the way ``cpu_list`` reads them."""
     ranges: list[list[int]] = []
     for cpu in sorted(cpus):
