@@ -6,7 +6,9 @@ One run, one machine, the model on one intra-op thread everywhere:
 1. the in-process ceiling (``batchgate.bench.inprocess``, in a subprocess): samples/s at batch 64 and the
    per-call p50 at batch 1;
 2. per mode (``--modes``: the native front end, Python front-end processes, one process), the
-   server as a subprocess on loopback, serving only the measured model;
+   server as a subprocess on loopback, serving only the measured model; then the floor
+   (``batchgate.bench.floor``): the same model behind an all-C++ gRPC server with no Python,
+   the yardstick for what this machine allows at all;
 3. per load generator (``--load-generators``: ``batchgate bench`` and Triton's
    ``perf_analyzer``, gRPC, synchronous), closed loop at concurrency 1 and 64, with the server's
    ``/metrics`` and the CPU time of each of its processes and threads (``/proc``) read around
@@ -28,9 +30,11 @@ Figures (ratios within one run):
 - CPU per request outside the model at c=64: the server's processes' CPU time less the time the
   executor threads spent inside the model's forward (``batchgate_model_cpu_seconds_total``),
   per request answered; the executor's share alone, and the front end's;
-- the front end's threads: how one client channel's load spreads over them.
+- the front end's threads: how one client channel's load spreads over them;
+- against the floor: each mode's c=64 throughput ÷ the floor's, and its c=1 p50 less the
+  floor's, under the same load generator.
 
-    python -m batchgate.bench.serving [--modes native,python,single] [--seconds-per-step 4] [--json FILE]
+    python -m batchgate.bench.serving [--modes native,python,single,floor] [--seconds-per-step 4] [--json FILE]
         [--server-arg=--model-cpus=1 --load-cpus 0]
 """
 
@@ -54,6 +58,7 @@ from typing import Any
 
 import grpc
 
+from batchgate.bench import floor
 from batchgate.bench.output import emit, progress
 from batchgate.bench._perf_analyzer import (
     DEFAULT_PERF_ANALYZER,
@@ -78,6 +83,8 @@ CEILING_BATCH = 64
 THREADS = 1
 
 LOAD_GENERATORS = ("bench", "perf_analyzer")
+# The server's modes, and the all-C++ yardstick (batchgate.bench.floor), measured last.
+SERVING_MODES = (*MODES, "floor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,6 +282,15 @@ def start_server(repository: Path, mode: str, model: str,
 _SAMPLE = re.compile(r'^(batchgate_\w+)\{([^}]*)\}\s+(\S+)$')
 
 
+def start_floor(model_dir: Path) -> floor.FloorServer:
+    """``batchgate-floor`` serving the model of ``model_dir`` (built first if need be), with a
+    worker per usable CPU as the native front end's default."""
+    _say("floor: building batchgate-floor (once) and exporting the model ...")
+    binary = floor.build()
+    exported = floor.export(model_dir, floor.BUILD_DIR / "models" / f"{model_dir.name}.pt")
+    return floor.FloorServer(binary, exported, workers=len(os.sched_getaffinity(0)))
+
+
 def parse_metrics(text: str, model: str) -> dict[str, float]:
     """Samples of ``model`` (label ``model="..."``); other labels join the name, sorted."""
     samples: dict[str, float] = {}
@@ -424,15 +440,17 @@ class Step:
 _REASON_PREFIX = "batchgate_batches_total{reason="
 
 
-def bench_step(url: str, model: str, args: list[str], metrics_url: str
+def bench_step(url: str, model: str, args: list[str], metrics_url: str | None
                ) -> tuple[dict[str, Any], list[str], float, float]:
     """One ``batchgate bench`` step (``args`` say which) as a subprocess: its JSON step, the
-    command, wall seconds and the bench's own CPU seconds (it shares the cores)."""
+    command, wall seconds and the bench's own CPU seconds (it shares the cores).
+    ``metrics_url``: the server's ``/metrics``, if it has one."""
     with tempfile.TemporaryDirectory(prefix="bench-step-") as scratch:
         report_path = Path(scratch) / "bench.json"
         command = [
             sys.executable, "-m", "batchgate.bench.loadgen", "--url", url, "--model", model,
-            "--metrics-url", metrics_url, "--quiet", "--json", str(report_path), *args,
+            *(["--metrics-url", metrics_url] if metrics_url else []),
+            "--quiet", "--json", str(report_path), *args,
         ]
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         started = time.monotonic()
@@ -473,7 +491,7 @@ def closed_loop_capacity(step: dict[str, Any], concurrency: int, seconds: float)
 
 
 def run_bench_cli(url: str, model: str, concurrency: int, seconds: float,
-                  metrics_url: str) -> PerfRun:
+                  metrics_url: str | None) -> PerfRun:
     """``batchgate bench`` in closed loop at ``concurrency``: its figures as a PerfRun."""
     step, command, wall_s, cpu_s = bench_step(url, model, [
         "--concurrency", str(concurrency), "--warmup-s", "1", "--duration-s", f"{seconds:g}",
@@ -577,11 +595,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 modes[mode] = {"skipped": native.unavailable_reason()}
                 _say(f"{mode}: skipped: {modes[mode]['skipped']}")
                 continue
-            _say(f"{mode}: starting the server ...")
-            server = start_server(serving_repository, mode, args.model, args.server_arg)
+            if mode == "floor":
+                try:
+                    server = start_floor(serving_repository / args.model)
+                except floor.FloorUnavailable as exc:
+                    modes[mode] = {"skipped": str(exc)}
+                    _say(f"{mode}: skipped: {exc}")
+                    continue
+            else:
+                _say(f"{mode}: starting the server ...")
+                server = start_server(serving_repository, mode, args.model, args.server_arg)
             steps: dict[str, list[Step]] = {}
             try:
-                config = model_config(server, args.model)
+                if mode != "floor":
+                    config = model_config(server, args.model)
                 for generator in args.load_generators:
                     steps[generator] = []
                     for concurrency in (1, HIGH_CONCURRENCY):
@@ -602,7 +629,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _say(f"in-process ceiling (after), and at the served batch sizes {list(served)} ...")
     after = measure_inprocess(repository, args.model, seconds, served)
     from_idle = None
-    idle_ms = c1_idle_ms(modes, after[1]["batch_p50_ms"])
+    # The servers' own cadence: the floor's shorter round trip would shorten the idle.
+    idle_ms = c1_idle_ms({m: v for m, v in modes.items() if m != "floor"},
+                         after[1]["batch_p50_ms"])
     if idle_ms is not None:
         _say(f"in-process batch 1 called after {idle_ms:.2f} ms idle (the c=1 cadence) ...")
         from_idle = measure_from_idle(repository, args.model, seconds, idle_ms)
@@ -642,7 +671,8 @@ def summarize(
         if "skipped" in measured:
             results[mode] = measured
             continue
-        target = TARGETS[mode]
+        target = TARGETS.get(mode)  # the floor is a yardstick: no targets
+        yardstick = modes.get("floor", {}).get("steps", {})
         by_generator = {}
         for generator, (low, high) in measured["steps"].items():
             ratio = high.perf.row.throughput_per_s / ceiling
@@ -650,17 +680,22 @@ def summarize(
             at_batch = after.get(high.batch_size) if high.batch_size else None
             at_batch_per_s = at_batch["samples_per_s"] if at_batch else None
             added_p50 = low.perf.row.p50_ms - batch1_ms
-            checks = {
-                "ratio": (ratio, target.ratio, ratio >= target.ratio),
-                "c64_p99_ms": (high.perf.row.p99_ms, target.p99_ms,
-                               high.perf.row.p99_ms <= target.p99_ms),
-                "added_p50_ms": (added_p50, target.added_p50_ms, added_p50 <= target.added_p50_ms),
-            }
-            for key, value, limit in (("outside_model_us", high.outside_model_us,
-                                       target.outside_model_us),
-                                      ("executor_us", high.executor_us, target.executor_us)):
-                if limit is not None and value is not None:
-                    checks[key] = (value, limit, value <= limit)
+            checks = {}
+            if target is not None:
+                checks = {
+                    "ratio": (ratio, target.ratio, ratio >= target.ratio),
+                    "c64_p99_ms": (high.perf.row.p99_ms, target.p99_ms,
+                                   high.perf.row.p99_ms <= target.p99_ms),
+                    "added_p50_ms": (added_p50, target.added_p50_ms,
+                                     added_p50 <= target.added_p50_ms),
+                }
+                for key, value, limit in (("outside_model_us", high.outside_model_us,
+                                           target.outside_model_us),
+                                          ("executor_us", high.executor_us, target.executor_us)):
+                    if limit is not None and value is not None:
+                        checks[key] = (value, limit, value <= limit)
+            # The same load generator against the floor, in this run.
+            floor_low, floor_high = yardstick.get(generator, (None, None))
             by_generator[generator] = {
                 "steps": [low.as_dict(), high.as_dict()],
                 "figures": {
@@ -677,6 +712,11 @@ def summarize(
                     "outside_model_us": high.outside_model_us,
                     "executor_us": high.executor_us,
                     "frontend_us": high.frontend_us,
+                    "vs_floor": (high.perf.row.throughput_per_s
+                                 / floor_high.perf.row.throughput_per_s
+                                 if floor_high and mode != "floor" else None),
+                    "p50_over_floor_ms": (low.perf.row.p50_ms - floor_low.perf.row.p50_ms
+                                          if floor_low and mode != "floor" else None),
                 },
                 "targets": {key: {"value": v, "target": t, "pass": ok}
                             for key, (v, t, ok) in checks.items()},
@@ -786,6 +826,16 @@ def render(report: dict[str, Any]) -> str:
     for r in rows:
         lines.append("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())
     lines.append("")
+    against = [
+        f"  {mode}/{generator}: c=64 {f['vs_floor']:.2f} of the floor's throughput, c=1 p50 "
+        f"{f['p50_over_floor_ms']:+.2f} ms over the floor's"
+        for mode, result in report["modes"].items() if "load_generators" in result
+        for generator, r in result["load_generators"].items()
+        if (f := r["figures"]).get("vs_floor") is not None]
+    if against:
+        lines.append("against the floor (batchgate-floor: the same model, no Python; same run):")
+        lines.extend(against)
+        lines.append("")
     lines.append("targets (2-core machine): " + "; ".join(
         f"{mode} ratio ≥ {t.ratio}, p99 ≤ {t.p99_ms:g} ms, added p50 ≤ {t.added_p50_ms} ms"
         + (f", outside the model ≤ {t.outside_model_us:g} µs (executor ≤ {t.executor_us:g})"
@@ -819,9 +869,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="mlp", help="model to measure (default: %(default)s)")
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY,
                         help="repository holding the model (default: the example models)")
-    parser.add_argument("--modes", type=_choices(MODES), default=list(MODES),
-                        help="server modes to measure, in order (default: native,python,single;"
-                             " native is skipped, saying why, where it is not built)")
+    parser.add_argument("--modes", type=_choices(SERVING_MODES), default=list(SERVING_MODES),
+                        help="server modes to measure, in order (default: "
+                             "native,python,single,floor; native is skipped, saying why, where "
+                             "it is not built). floor: batchgate-floor, the all-C++ yardstick "
+                             "(batchgate.bench.floor), built on first use, skipped, saying why, "
+                             "where it cannot be")
     parser.add_argument("--load-generators", type=_choices(LOAD_GENERATORS),
                         default=list(LOAD_GENERATORS),
                         help="closed-loop load: batchgate bench and/or Triton's perf_analyzer "

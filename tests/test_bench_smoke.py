@@ -6,6 +6,7 @@ No timing is asserted: figures on a shared machine are for ``python -m batchgate
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -207,11 +208,15 @@ def test_the_intake_benchmark_times_both_forms_of_every_frame_size(tmp_path):
                for row in rows for form in intake.FORMS)
 
 
+def _perf(concurrency: int, throughput: float, p50_ms: float = 2.0) -> PerfRun:
+    return PerfRun(row=PerfRow(concurrency, throughput, p50_ms, 20.0), stability_percentage=0.0,
+                   wall_s=4.0, cpu_s=1.0, command=["bench"])
+
+
 def _step(concurrency: int, throughput: float, batches: float, samples: float):
     return Step(
         concurrency=concurrency,
-        perf=PerfRun(row=PerfRow(concurrency, throughput, 2.0, 20.0), stability_percentage=0.0,
-                     wall_s=4.0, cpu_s=1.0, command=["bench"]),
+        perf=_perf(concurrency, throughput),
         batches=batches, samples=samples, answered=samples, compute_s=1.0, model_cpu_s=1.0,
         queue_waits=samples, queue_s=0.1, reasons={}, cpu_s={"executor": 2.0, "frontend": 0.5},
         frontend_threads_s={"bg-worker-0": 0.25, "bg-worker-1": 0.25}, machine_busy_s=6.0)
@@ -254,6 +259,51 @@ def test_the_serving_ratio_is_split_at_the_batch_size_the_server_formed():
     report = serving.summarize(args, before, after, modes, None, 10.0, from_idle)
     assert report["settings"]["load_cpus"] == [0]
     assert "load generators on CPU 0" in serving.render(json.loads(json.dumps(report)))
+
+
+def test_each_mode_is_read_against_the_floor_of_the_same_run():
+    """The floor (batchgate-floor) is measured like a mode but held to no target; every mode's
+    c=64 throughput and c=1 p50 are set against the floor's under the same load generator, and
+    the c=1 idle of the from-idle column stays the servers' own."""
+    modes = {
+        "native": {"steps": {"bench": [_step(1, 400.0, 1000, 1000),
+                                       _step(64, 3000.0, 400, 12000)]},
+                   "server_command": ["serve"], "exit_code": 0},
+        "floor": {"steps": {"bench": [dataclasses.replace(_step(1, 800.0, 1000, 1000),
+                                                          perf=_perf(1, 800.0, p50_ms=1.4)),
+                                      _step(64, 4000.0, 400, 12000)]},
+                  "server_command": ["batchgate-floor"], "exit_code": 0},
+    }
+    before = after = {b: {"samples_per_s": 5000.0, "batch_p50_ms": 1.0, "version": "1",
+                          "device": "cpu", "torch": "x"} for b in (64, 1, 30)}
+    args = argparse.Namespace(model="mlp", server_arg=[], seconds_per_step=4.0)
+    report = serving.summarize(args, before, after, modes, None, 10.0)
+    native = report["modes"]["native"]["load_generators"]["bench"]
+    assert native["figures"]["vs_floor"] == pytest.approx(3000 / 4000)
+    assert native["figures"]["p50_over_floor_ms"] == pytest.approx(2.0 - 1.4)
+    assert set(native["targets"]) >= {"ratio", "c64_p99_ms", "added_p50_ms"}
+    yardstick = report["modes"]["floor"]["load_generators"]["bench"]
+    assert yardstick["targets"] == {} and yardstick["figures"]["vs_floor"] is None
+    table = serving.render(json.loads(json.dumps(report)))
+    assert "native/bench: c=64 0.75 of the floor's throughput, c=1 p50 +0.60 ms over the floor's" \
+        in table
+    floor_row = next(line for line in table.splitlines() if line.startswith("floor"))
+    assert "✓" not in floor_row and "✗" not in floor_row
+    assert "floor ratio" not in table  # the targets line names the modes' targets only
+
+
+def test_a_floor_that_cannot_be_built_is_skipped_saying_why(monkeypatch, tmp_path):
+    def unavailable(model_dir):
+        raise serving.floor.FloorUnavailable("no compiler here")
+
+    monkeypatch.setattr(serving, "start_floor", unavailable)
+    monkeypatch.setattr(serving, "measure_inprocess", lambda *a, **k: {
+        b: {"samples_per_s": 5000.0, "batch_p50_ms": 1.0, "version": "1", "device": "cpu",
+            "torch": "x"} for b in (64, 1)})
+    args = argparse.Namespace(model="mlp", model_repository=MODELS, parameter={}, modes=["floor"],
+                              load_generators=["bench"], seconds_per_step=1.0, server_arg=[])
+    report = serving.run(args)
+    assert report["modes"]["floor"] == {"skipped": "no compiler here"}
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
