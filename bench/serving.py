@@ -232,9 +232,10 @@ def measure_from_idle(repository: Path, model: str, seconds: float, idle_ms: flo
 
 
 def c1_idle_ms(modes: dict[str, dict[str, Any]], batch1_ms: float) -> float | None:
-    """How long a model thread waits between requests at c=1 in the fastest c=1 step: its p50
-    less the model's batch-1 time (at least 0.1 ms); None without a c=1 step."""
-    p50s = [low.perf.row.p50_ms for measured in modes.values()
+    """How long a model thread waits between requests at c=1 in the fastest c=1 step of the
+    servers (the floor's shorter round trip left out): its p50 less the model's batch-1 time
+    (at least 0.1 ms); None without a c=1 step."""
+    p50s = [low.perf.row.p50_ms for mode, measured in modes.items() if mode != "floor"
             for low, _high in measured.get("steps", {}).values()]
     return max(0.1, min(p50s) - batch1_ms) if p50s else None
 
@@ -596,6 +597,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 _say(f"{mode}: skipped: {modes[mode]['skipped']}")
                 continue
             if mode == "floor":
+                if args.server_arg:
+                    _say(f"floor: runs without {' '.join(args.server_arg)} (batchgate's flags)")
                 try:
                     server = start_floor(serving_repository / args.model)
                 except floor.FloorUnavailable as exc:
@@ -629,9 +632,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _say(f"in-process ceiling (after), and at the served batch sizes {list(served)} ...")
     after = measure_inprocess(repository, args.model, seconds, served)
     from_idle = None
-    # The servers' own cadence: the floor's shorter round trip would shorten the idle.
-    idle_ms = c1_idle_ms({m: v for m, v in modes.items() if m != "floor"},
-                         after[1]["batch_p50_ms"])
+    idle_ms = c1_idle_ms(modes, after[1]["batch_p50_ms"])
     if idle_ms is not None:
         _say(f"in-process batch 1 called after {idle_ms:.2f} ms idle (the c=1 cadence) ...")
         from_idle = measure_from_idle(repository, args.model, seconds, idle_ms)

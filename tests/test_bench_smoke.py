@@ -277,6 +277,8 @@ def test_each_mode_is_read_against_the_floor_of_the_same_run():
     before = after = {b: {"samples_per_s": 5000.0, "batch_p50_ms": 1.0, "version": "1",
                           "device": "cpu", "torch": "x"} for b in (64, 1, 30)}
     args = argparse.Namespace(model="mlp", server_arg=[], seconds_per_step=4.0)
+    # The native c=1 step's p50 is 2 ms, the floor's 1.4, the model's batch-1 time 1 ms.
+    assert serving.c1_idle_ms(modes, 1.0) == pytest.approx(1.0)
     report = serving.summarize(args, before, after, modes, None, 10.0)
     native = report["modes"]["native"]["load_generators"]["bench"]
     assert native["figures"]["vs_floor"] == pytest.approx(3000 / 4000)

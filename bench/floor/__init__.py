@@ -55,6 +55,7 @@ def torch_dir() -> Path:
 
 
 def _inputs() -> list[Path]:
+    """The files the binary is built from, in this checkout."""
     return [SOURCE, *(ROOT / "protos" / f"{name}.proto" for name in PROTOS)]
 
 
@@ -90,7 +91,10 @@ def build(build_dir: Path = BUILD_DIR) -> Path:
         raise FloorUnavailable(f"batchgate-floor's sources are not here ({', '.join(missing)}): "
                                "run it from a checkout of the repository")
     binary = build_dir / BINARY
-    if binary.exists() and all(binary.stat().st_mtime >= p.stat().st_mtime for p in _inputs()):
+    torch = torch_dir()
+    built_from = [*_inputs(), torch / "version.py"]  # another torch: built again
+    if binary.exists() and all(binary.stat().st_mtime >= p.stat().st_mtime
+                               for p in built_from if p.exists()):
         return binary
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     protoc, plugin = shutil.which("protoc"), shutil.which("grpc_cpp_plugin")
@@ -100,7 +104,6 @@ def build(build_dir: Path = BUILD_DIR) -> Path:
     if missing:
         raise FloorUnavailable(f"building batchgate-floor needs {', '.join(missing)} "
                                "(the native front end's build packages)")
-    torch = torch_dir()
     if not list((torch / "lib").glob("libtorch_cpu.*")):
         raise FloorUnavailable(f"torch's C++ libraries are not in {torch / 'lib'}")
     flags = _run(["pkg-config", "--cflags", "--libs", *_PKG_CONFIG],

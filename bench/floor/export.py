@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         "name": name, "input": spec.inputs[0].name, "output": spec.outputs[0].name,
         "in_width": spec.inputs[0].dims[0], "out_width": spec.outputs[0].dims[0],
         "max_batch_size": spec.max_batch_size,
-        # As the server's model threads: the config's count, else torch's default of one here.
-        "intra_op_threads": spec.intra_op_threads or 1,
+        # As the server's model threads: the config's count; 0 leaves torch's default.
+        "intra_op_threads": spec.intra_op_threads,
     }))
     return 0
 

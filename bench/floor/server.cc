@@ -9,6 +9,7 @@
 //
 //   batchgate-floor MODEL.pt NAME INPUT OUTPUT IN_WIDTH OUT_WIDTH MAX_BATCH WORKERS INTRA_OP
 //
+// INTRA_OP: the model thread's intra-op threads (0: libtorch's default).
 // It listens on 127.0.0.1 on a port of the kernel's choosing and prints
 // {"event": "listening", "port": N} on stdout; each line read on stdin is answered on stdout
 // with one JSON line of counters (requests answered, batches, samples, the model thread's CPU
@@ -183,7 +184,8 @@ int64_t ThreadCpuNs() {
 }
 
 void Batcher::Run(const std::vector<std::unique_ptr<Worker>>& workers) {
-  at::set_num_threads(model_.intra_op);  // per thread, as the server's model threads do
+  // Per thread, as the server's model threads set it; 0 leaves libtorch's default.
+  if (model_.intra_op > 0) at::set_num_threads(model_.intra_op);
   c10::InferenceMode inference_mode;
   std::vector<InferCall*> batch;
   std::vector<std::vector<Call*>> answers(workers.size());
