@@ -25,6 +25,7 @@ import importlib.util
 import json
 import os
 import selectors
+import shlex
 import shutil
 import signal
 import subprocess
@@ -96,7 +97,10 @@ def build(build_dir: Path = BUILD_DIR) -> Path:
     if binary.exists() and all(binary.stat().st_mtime >= p.stat().st_mtime
                                for p in built_from if p.exists()):
         return binary
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    # $CXX may carry a launcher or flags ("ccache g++"): split as a shell would.
+    compiler_command = shlex.split(os.environ.get("CXX", "")) or [
+        shutil.which("c++") or shutil.which("g++") or ""]
+    compiler = shutil.which(compiler_command[0]) if compiler_command[0] else None
     protoc, plugin = shutil.which("protoc"), shutil.which("grpc_cpp_plugin")
     missing = [name for name, path in (("a C++ compiler", compiler), ("protoc", protoc),
                                        ("grpc_cpp_plugin", plugin),
@@ -114,7 +118,8 @@ def build(build_dir: Path = BUILD_DIR) -> Path:
           f"--plugin=protoc-gen-grpc={plugin}", *(f"protos/{name}.proto" for name in PROTOS)],
          "protoc")
     includes = _torch_includes(torch, build_dir)
-    common = [compiler, "-std=c++17", "-O2", "-DNDEBUG", "-Wall", "-Wextra", f"-I{generated}",
+    common = [*compiler_command, "-std=c++17", "-O2", "-DNDEBUG", "-Wall", "-Wextra",
+              f"-I{generated}",
               f"-isystem{includes}", f"-isystem{includes / 'torch/csrc/api/include'}",
               *[f for f in flags if f.startswith("-I") or f.startswith("-D")]]
     units = [SOURCE, *(generated / "protos" / f"{name}.pb.cc" for name in PROTOS),
@@ -134,7 +139,7 @@ def build(build_dir: Path = BUILD_DIR) -> Path:
     if failures:
         raise FloorUnavailable("compiling batchgate-floor failed: " + "\n".join(failures))
     partial = build_dir / (BINARY + ".partial")
-    _run([compiler, *map(str, objects), "-o", str(partial),
+    _run([*compiler_command, *map(str, objects), "-o", str(partial),
           *[f for f in flags if not (f.startswith("-I") or f.startswith("-D"))],
           f"-L{torch / 'lib'}", "-ltorch", "-ltorch_cpu", "-lc10",
           f"-Wl,-rpath,{torch / 'lib'}", "-pthread"], "linking batchgate-floor")
