@@ -44,7 +44,8 @@ def binary():
         return floor.build()
     except floor.FloorUnavailable as exc:
         if os.environ.get("BATCHGATE_REQUIRE_NATIVE"):
-            pytest.fail(f"$BATCHGATE_REQUIRE_NATIVE is set and batchgate-floor did not build: {exc}")
+            pytest.fail(f"$BATCHGATE_REQUIRE_NATIVE is set and batchgate-floor did not build: "
+                        f"{exc}")
         pytest.skip(f"batchgate-floor cannot be built here: {exc}")
 
 
@@ -93,7 +94,8 @@ def test_the_floor_answers_what_the_model_computes_and_keeps_rows_apart(served):
     for i, x in enumerate(inputs):
         data = grpcclient.InferInput("INPUT__0", [1, 2], "FP32")
         data.set_data_from_numpy(x)
-        client.async_infer("affine", [data], callback=lambda result, error, i=i: answered(i, result, error))
+        client.async_infer("affine", [data],
+                           callback=lambda result, error, i=i: answered(i, result, error))
     assert done.wait(30), f"{len(results)} of {len(inputs)} answered"
     for i, x in enumerate(inputs):
         np.testing.assert_allclose(results[i], x @ WEIGHT.T + BIAS, rtol=1e-6)
