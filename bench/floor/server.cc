@@ -61,6 +61,7 @@ class Call {
 // in the past (gRPC rounds an alarm set for "now" up to the next millisecond).
 struct Worker {
   Service* service = nullptr;
+  size_t index = 0;  // in the server's list of workers
   std::unique_ptr<grpc::ServerCompletionQueue> cq;
   std::thread thread;
   std::mutex mutex;
@@ -214,9 +215,7 @@ void Batcher::Run(const std::vector<std::unique_ptr<Worker>>& workers) {
     const auto* out = output.data_ptr<float>();
     for (int64_t i = 0; i < rows; ++i) {
       batch[i]->Answer(out + i * model_.out_width);
-      for (size_t w = 0; w < workers.size(); ++w) {
-        if (workers[w].get() == batch[i]->worker()) answers[w].push_back(batch[i]);
-      }
+      answers[batch[i]->worker()->index].push_back(batch[i]);
     }
     for (size_t w = 0; w < workers.size(); ++w) {
       if (answers[w].empty()) continue;
@@ -414,6 +413,7 @@ int main(int argc, char** argv) {
   for (int i = 0; i < workers_wanted; ++i) {
     workers.push_back(std::make_unique<Worker>());
     workers.back()->service = &service;
+    workers.back()->index = workers.size() - 1;
     workers.back()->cq = builder.AddCompletionQueue();
   }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
