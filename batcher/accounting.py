@@ -73,7 +73,6 @@ class ModelAccounting(BatchAccounting):
     def out_of_memory(self, rows: int, largest: int) -> None:
         if self._metrics is not None:
             self._metrics.oom_events.inc()
-            self._metrics.largest_bucket.set(largest)
 
     def copies(self, queued: int, at_batch: int) -> None:
         if self._metrics is None:

@@ -10,6 +10,11 @@ stream, ending with an event the compute stream waits for. Models whose inputs h
 dims or are BYTES have no fixed buffers: their batches are concatenated on the host and copied
 to the device as they are.
 
+Memory: filling fixed buffers allocates nothing on the device (copies into views of the
+model's arena), so the assembler enters no pool; the host-to-device copies of a model without
+fixed buffers allocate into the instance's ``gather`` pool, which only its assembler enters
+(``batcher/gpu.py``: one thread at a time in a pool).
+
 A request whose inputs must be checked or read right before the batch reads them
 (``check_inputs``: a shared-memory region, read then, which may have shrunk) is checked here;
 when the check fails, that request alone is answered with the error and the batch reads zeros
@@ -40,12 +45,13 @@ class BatchAssembly:
 
     def __init__(self, spec: ModelSpec, *, buckets: BatchBuckets, stager: Any, pooled: bool,
                  copy_stream: torch.cuda.Stream | None, memory: ModelMemory,
-                 accounting: BatchAccounting) -> None:
+                 accounting: BatchAccounting, gather_role: str = "gather") -> None:
         self._buckets = buckets
         self._stager = stager
         self._pooled = pooled
         self._copy_stream = copy_stream
         self._memory = memory
+        self._gather_role = gather_role
         self._accounting = accounting
         self._device = torch.device(spec.device)
         self._cuda = self._device.type == "cuda"
@@ -62,7 +68,7 @@ class BatchAssembly:
         rows = batch.samples
         batch.bucket = self._buckets.pad(rows) if self._batching else 1
         stream = torch.cuda.stream(self._copy_stream) if self._cuda else contextlib.nullcontext()
-        with self._memory.use(), stream:
+        with stream:
             self._gather(batch)
             if batch.bucket > rows:
                 for buffer in batch.slot.inputs:
@@ -172,7 +178,7 @@ class BatchAssembly:
         if not self._cuda:
             batch.tensors = tensors
             return
-        with self._memory.use(), torch.cuda.stream(self._copy_stream):
+        with torch.cuda.stream(self._copy_stream), self._memory.use(self._gather_role):
             batch.tensors = [
                 t.to(self._device, non_blocking=True) if isinstance(t, torch.Tensor) else t
                 for t in tensors

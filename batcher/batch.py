@@ -75,7 +75,7 @@ def default_plan(spec: ModelSpec) -> ExecutorPlan:
 class Batch:
     __slots__ = ("id", "requests", "reason", "samples", "bucket", "slot", "tensors", "ready",
                  "done", "staged", "graph", "taken_at", "started_at", "finished_at", "input_ns",
-                 "model_cpu_ns")
+                 "model_cpu_ns", "device_outputs")
 
     def __init__(self, batch_id: int, requests: list[InferenceRequest], reason: str) -> None:
         self.id = batch_id
@@ -87,6 +87,8 @@ class Batch:
         self.tensors: list[Any] = []
         self.ready: Any = None  # CUDA event: inputs are on the device
         self.done: Any = None  # CUDA event: outputs are in host memory
+        # On a GPU: the device outputs the copies to host read, kept until ``done``.
+        self.device_outputs: list[Any] | None = None
         self.staged: list[Staged] = []
         self.graph = False  # runs as a captured CUDA graph
         self.taken_at = time.monotonic()

@@ -7,14 +7,23 @@ under half a batch while keeping the number of shapes (warm-ups, graphs, cuDNN p
 logarithmic in ``max_batch_size``.
 
 ``BatchBuckets`` is a model's live view of its buckets: after a batch runs out of device memory
-its largest usable bucket is lowered (``lower``), and larger batches then run in chunks no
-larger than that. torch-free, so the config reader can use it.
+(even after the cache was given back, ``batcher/forward.py``) its largest usable bucket is
+lowered (``lower``), and larger batches then run in chunks no larger than that, for a while:
+memory that another model, a burst or a long queue's staged inputs held comes back. After
+``recover_after_s`` the whole batch is tried again; if it fails again the bucket is lowered for
+twice as long (up to ``MAX_RECOVER_AFTER_S``), and a whole batch that runs resets the wait.
+torch-free, so the config reader can use it.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+
+# How long a lowered bucket stays lowered after its first out-of-memory, and at most.
+RECOVER_AFTER_S = 10.0
+MAX_RECOVER_AFTER_S = 600.0
 
 
 def default_buckets(max_batch: int) -> tuple[int, ...]:
@@ -48,32 +57,64 @@ class BatchBuckets:
     """The buckets of one model, and the largest batch it runs in one piece.
 
     ``buckets`` empty means no padding: a batch runs at its own size. ``largest`` starts at
-    ``max_batch`` and only goes down (``lower``), shared by the model's executors.
+    ``max_batch`` (``top``); ``lower`` brings it down for a while (module docstring). Shared by
+    the model's executors.
     """
 
-    def __init__(self, buckets: Sequence[int], max_batch: int) -> None:
+    def __init__(self, buckets: Sequence[int], max_batch: int, *,
+                 recover_after_s: float = RECOVER_AFTER_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.buckets = tuple(buckets)
         if self.buckets and self.buckets[-1] != max_batch:
             raise ValueError(f"the largest bucket must be {max_batch}, got {self.buckets}")
-        self._largest = max(max_batch, 1)
+        if recover_after_s <= 0:
+            raise ValueError(f"recover_after_s must be > 0, got {recover_after_s}")
+        self.top = max(max_batch, 1)
+        self._limit = self.top
+        self._first_wait_s = recover_after_s
+        self._wait_s = recover_after_s
+        self._until: float | None = None  # while lowered: when the whole batch is tried again
+        self._clock = clock
         self._lock = threading.Lock()
 
     @property
     def largest(self) -> int:
-        return self._largest
+        until = self._until
+        if until is not None and self._clock() >= until:
+            with self._lock:
+                if self._until is not None and self._clock() >= self._until:
+                    self._limit, self._until = self.top, None
+        return self._limit
+
+    @property
+    def lowered(self) -> bool:
+        """Whether an out-of-memory keeps ``largest`` below ``top`` now."""
+        return self.largest < self.top
 
     def pad(self, rows: int) -> int:
         """Rows to run a batch of ``rows`` at: its bucket, or ``rows`` itself when there are no
         buckets or it is larger than ``largest`` (it then runs in chunks)."""
-        if not self.buckets or rows > self._largest:
+        if not self.buckets or rows > self.largest:
             return rows
         return bucket_for(rows, self.buckets)
 
     def lower(self, failed_rows: int) -> int:
         """A batch of ``failed_rows`` ran out of memory: ``largest`` drops below it (to the
-        largest bucket under it, or half of it without buckets). Returns the new ``largest``."""
+        largest bucket under it, or half of it without buckets) until the wait passes; the
+        next failure before a whole batch runs waits twice as long. Returns the new
+        ``largest``."""
         with self._lock:
             below = [b for b in self.buckets if b < failed_rows]
             limit = below[-1] if below else max(1, failed_rows // 2)
-            self._largest = min(self._largest, limit)
-            return self._largest
+            self._limit = min(self._limit, limit)
+            self._until = self._clock() + self._wait_s
+            self._wait_s = min(self._wait_s * 2, MAX_RECOVER_AFTER_S)
+            return self._limit
+
+    def recovered(self) -> None:
+        """A whole batch (``top`` rows) ran: the next out-of-memory waits the shortest again."""
+        if self._wait_s == self._first_wait_s:
+            return
+        with self._lock:
+            if self._until is None:
+                self._wait_s = self._first_wait_s

@@ -8,18 +8,22 @@ largest batch). Threads:
   into the slot's buffers — on a GPU from the request's staged device blocks (``staging.py``)
   or from host memory, on a copy stream — zeroes the padding rows up to the batch's bucket and
   records an event;
-- the *compute* thread makes its stream wait for that event, runs the model (a captured CUDA
-  graph for the bucket, or eager under the model's precision), checks that every output kept
-  the batch dimension, and on a GPU starts the copies of the outputs (padding rows dropped) into
-  pinned host memory on an output stream of their own (the next batch's compute does not queue
-  behind them) and records a blocking event;
+- the *compute* thread (the instance's *model thread*) makes its stream wait for that event,
+  runs the model (a captured CUDA graph for the bucket, or eager under the model's precision),
+  checks that every output kept the batch dimension, and on a GPU starts the copies of the
+  outputs (padding rows dropped) into pinned host memory on an output stream of their own (the
+  next batch's compute does not queue behind them) and records a blocking event;
 - on a GPU a *finisher* thread waits for that event, splits the outputs per request and hands
   them back. So one batch is assembled and one computes while the last one's outputs come home.
   On the CPU the compute thread finishes its batch itself (nothing is asynchronous there).
 
 With one batch in flight (``ModelSpec.inflight_batches``: by default on the CPU, and always
-under the deadline policy) a single thread does all of it, one batch at a time. The event
-loop is touched once per finished batch (``call_soon_threadsafe``; or not at all, when the
+under the deadline policy) a single thread, the model thread, does all of it, one batch at a
+time. The model thread is started by the warm-up and runs it before it serves: one thread per
+instance runs the model from its first forward to its last, so its cuBLAS workspaces (one per
+thread and stream, never freed) are made once, outside the pools, and a CUDA graph replays
+with the workspace of the thread it was captured on, which no other live instance shares. The
+event loop is touched once per finished batch (``call_soon_threadsafe``; or not at all, when the
 executor process has the thread answer the batch itself: ``ServedModel.deliver_inline``). A
 model exception fails only its batch.
 
@@ -39,8 +43,16 @@ the model call itself (precision, the outputs' check, graph replay, the out-of-m
 is ``batcher/forward.py``; the batch and slot types and the accounting interface are
 ``batcher/batch.py``.
 
-Memory: on a GPU every allocation of the instance's threads (assembly, forward, graph warm-up)
-is made under the model's own pool (``ExecutorPlan.memory``, ``batcher/gpu.py``).
+Memory (``ExecutorPlan.memory``, ``batcher/gpu.py``): the allocator lets one thread at a time
+into a pool, so each instance allocates into pools of its own, one per thread role: its
+forwards (eager batches, graph warm-ups) into ``compute<i>``, its graph captures into
+``graphs<i>``, and, for a model without fixed buffers, its assembler's host-to-device copies
+into ``gather<i>``; the fixed-buffer gather allocates nothing. When a call hangs past
+``execution_timeout_ms`` its runner keeps the compute pool it is in, and the next runner gets a
+fresh one. Device memory a stream other than its own reads is kept referenced by its batch until
+the batch's event completed, never ``record_stream``-ed: while any thread is inside a pool the
+allocator defers such frees indefinitely. Waits after a failure synchronize this instance's
+streams, never the whole device.
 
 Models whose inputs have variable dims or are BYTES cannot have fixed buffers: their batches
 are concatenated on the host and copied to the device as they are (no padding, no graphs).
@@ -90,6 +102,7 @@ log = structlog.get_logger(__name__)
 
 _interop_lock = threading.Lock()
 _interop_set = False
+_SERVE = object()  # the model thread's last job: serve until the queue closes
 
 
 class Executor:
@@ -145,17 +158,27 @@ class Executor:
         self._outputs_read: Any = None  # the last batch's output copies (an event)
         self._memory = (self._plan.memory if self._plan.memory is not None
                         else gpu.ModelMemory("cpu"))
+        # The pool this instance's forwards allocate into; a new one after a hung call.
+        self._compute_role = gpu.role("compute", index)
+        self._compute_generation = 0
         self._overdue: list[Batch] = []  # failed past the timeout, device work still running
         self._input_types = [t.datatype for t in spec.inputs]
         self._output_specs: Sequence[TensorSpec] = spec.outputs
         self._model = ModelForward(spec, module, buckets=self._buckets, pooled=self._pooled,
-                                   accounting=self._accounting)
+                                   accounting=self._accounting,
+                                   pool=lambda: self._memory.use(self._compute_role),
+                                   reclaim=self._memory.reclaim)
         self._assembly = BatchAssembly(
             spec, buckets=self._buckets, stager=self._stager, pooled=self._pooled,
-            copy_stream=self._copy_stream, memory=self._memory, accounting=self._accounting)
+            copy_stream=self._copy_stream, memory=self._memory, accounting=self._accounting,
+            gather_role=gpu.role("gather", index))
         # Storages of our buffers, for the alias check; grows when a slot is replaced.
         self._owned_storage = set(self._plan.owned_storage)
         self._threads: list[threading.Thread] = []
+        # The model thread's work: warm-up jobs, then _SERVE (or None: stop unserved).
+        self._model_jobs: queue_module.SimpleQueue = queue_module.SimpleQueue()
+        self._model_thread: threading.Thread | None = None
+        self._started = False
         self.alive = threading.Event()
         self._on_dead = on_dead
         self._dead = False  # set under _running_lock: no batch is handed over after it
@@ -178,62 +201,59 @@ class Executor:
     # -- lifecycle -----------------------------------------------------------------------------
 
     def warm_up(self, samples: Sequence[Sequence[np.ndarray]]) -> dict[str, Any]:
-        """Run each input set through the batch path (slot buffers, padding, precision), on a
-        thread configured like the compute thread; then capture the CUDA graphs, if planned.
+        """Run each input set through the batch path (slot buffers, padding, precision) on the
+        instance's model thread (started here, configured as it serves); then capture the CUDA
+        graphs, if planned.
 
         Returns ``batch_sizes`` (rows each run had, padding included), ``activation_bytes``
-        (where the model's memory is measured, on CUDA: the most the largest run allocated
-        beyond what was live before, else None),
-        ``graphs`` (what became of the CUDA graphs, "" when none were planned) and ``timed``
-        ((rows, seconds) of a second run per batch size). Raises what a run raised; out of
-        memory is not split here: a model that does not fit must not load.
+        (where the model's memory is measured: what the instance's compute pool holds after
+        the runs, its peak, since the pool keeps its segments; else None), ``graphs`` (what
+        became of the CUDA graphs, "" when none were planned) and ``timed`` ((rows, seconds) of
+        a second run per batch size). Raises what a run raised; out of memory is not split
+        here: a model that does not fit must not load.
         """
         report: dict[str, Any] = {"batch_sizes": [], "activation_bytes": None, "graphs": "",
                                   "timed": []}
         failure: list[BaseException] = []
+        done = threading.Event()
 
         def run() -> None:
-            self._configure_thread()
             self._model.warming = True
             try:
                 for arrays in samples:
-                    report["batch_sizes"].append(self._warm_one(arrays, report))
+                    report["batch_sizes"].append(self._warm_one(arrays))
                 if self._plan.graph_buffers is not None:
                     report["graphs"] = self._capture_graphs()
-                if self._cuda:
-                    torch.cuda.synchronize(self._device)
-                report["timed"] = self._timed_runs(samples, report)
+                self._sync_streams()
+                report["timed"] = self._timed_runs(samples)
+                if self._memory.measures:
+                    report["activation_bytes"] = self._memory.reserved(self._compute_role)
             except BaseException as exc:  # reported to the loader below
                 failure.append(exc)
             finally:
                 self._model.warming = False
+                done.set()
 
-        thread = threading.Thread(target=run, name=f"{self._spec.name}-warmup", daemon=True)
-        thread.start()
-        thread.join()
+        self._start_model_thread()
+        self._model_jobs.put(run)
+        done.wait()
         if failure:
             raise failure[0]
         return report
 
-    def _warm_one(self, arrays: Sequence[np.ndarray], report: dict[str, Any]) -> int:
+    def _warm_one(self, arrays: Sequence[np.ndarray]) -> int:
         rows = arrays[0].shape[0] if self._batching and arrays else 1
         request = InferenceRequest([np.array(a) for a in arrays], batch_size=rows)
         batch = Batch(0, [request], "warmup")
         batch.slot = self._plan.slots[0]
-        measure = self._memory.measures and rows == max(self._spec.batching.max_batch_size, 1)
-        if measure:
-            before = self._memory.start_peak()
         self._assemble(batch)
         self._launch(batch)
         if batch.done is not None:
             batch.done.synchronize()
-        if measure:
-            peak = self._memory.peak_since(before)
-            report["activation_bytes"] = max(peak, report["activation_bytes"] or 0)
+        batch.device_outputs = None
         return batch.bucket
 
-    def _timed_runs(self, samples: Sequence[Sequence[np.ndarray]], report: dict[str, Any]
-                    ) -> list[tuple[int, float]]:
+    def _timed_runs(self, samples: Sequence[Sequence[np.ndarray]]) -> list[tuple[int, float]]:
         """(rows, seconds) of a second, warm run per batch size (on its CUDA graph when one was
         captured): what the model's latency profile starts from (batcher/profile.py)."""
         timed, seen = [], set()
@@ -243,7 +263,7 @@ class Executor:
                 continue
             seen.add(rows)
             started = time.perf_counter()
-            self._warm_one(arrays, report)
+            self._warm_one(arrays)
             timed.append((rows, time.perf_counter() - started))
         return timed
 
@@ -252,14 +272,12 @@ class Executor:
         graphs = cuda_graphs.BucketGraphs(
             self._device, lambda inputs, capturing: self._model.forward(inputs, len(inputs[0]),
                                                                   capturing=capturing),
-            static_inputs, static_outputs,
-            pool=self._memory.graph_pool_id() if self._memory.measures else None,
-            use_pool=self._memory.use)
+            static_inputs, static_outputs, memory=self._memory, instance=self._index)
         try:
             graphs.capture()
         except Exception as exc:
             with contextlib.suppress(Exception):
-                torch.cuda.synchronize(self._device)
+                self._memory.allocator.synchronize(graphs.capture_stream)
             reason = exception_summary(exc)
             log.warning("cuda_graphs_failed", model=self._spec.name, instance=self._index,
                         reason=reason, running="eager")
@@ -271,36 +289,70 @@ class Executor:
 
     def start(self) -> None:
         name = f"{self._spec.name}-{self._index}"
-        if not self._pipelined:
-            # One batch at a time: forming, assembling and computing on one thread saves a
-            # thread hand-off (and a GIL hand-off) per batch.
-            self._threads = [
-                threading.Thread(target=self._serial_loop, name=f"{name}-batch", daemon=True),
-            ]
-        else:
-            self._threads = [
-                threading.Thread(target=self._assemble_loop, name=f"{name}-assemble", daemon=True),
-                threading.Thread(target=self._compute_loop, name=f"{name}-compute", daemon=True),
-            ]
+        self._threads = []
+        if self._pipelined:
+            self._threads.append(threading.Thread(
+                target=self._assemble_loop, name=f"{name}-assemble", daemon=True))
             if self._cuda:
                 self._threads.append(threading.Thread(
                     target=self._finish_loop, name=f"{name}-finish", daemon=True))
         self.alive.set()
+        self._started = True
+        self._start_model_thread()
+        self._model_jobs.put(_SERVE)
         for thread in self._threads:
             thread.start()
 
+    def _start_model_thread(self) -> None:
+        """The thread that runs the model: with one batch in flight it forms, assembles and
+        computes (saving a thread and a GIL hand-off per batch); with more, it computes."""
+        if self._model_thread is not None:
+            return
+        role = "compute" if self._pipelined else "batch"
+        self._model_thread = threading.Thread(
+            target=self._model_thread_main, name=f"{self._spec.name}-{self._index}-{role}",
+            daemon=True)
+        self._model_thread.start()
+
+    def _model_thread_main(self) -> None:
+        self._configure_thread()
+        while True:
+            job = self._model_jobs.get()
+            if job is None:  # stopped before it served
+                return
+            if job is _SERVE:
+                (self._compute_loop if self._pipelined else self._serial_loop)()
+                return
+            job()
+            job = None  # the warm-up's closure and what it holds go now
+
     def join(self, timeout_s: float | None) -> bool:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        for thread in self._threads:
+        threads = list(self._threads)
+        if self._model_thread is not None:
+            if not self._started:
+                # Warmed up, never started: it waits idle for a job, and ends at this one.
+                self._model_jobs.put(None)
+                self._model_thread.join()
+            threads.append(self._model_thread)
+        for thread in threads:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             thread.join(left)
-        return not any(t.is_alive() for t in self._threads)
+        return not any(t.is_alive() for t in threads)
 
-    def release_module(self) -> None:
-        """The instance has stopped: drop what keeps the model's memory alive (its module,
-        its graphs), so that its pools can go back to the device."""
+    def release(self) -> None:
+        """The instance has stopped: drop what holds the model's memory (its module, its graphs
+        and their pool, its slots' buffers, which view the model's arena, the stager's blocks)
+        so that its pools and arena can go back to the device. Call it with no thread inside
+        a pool (the pool gate held exclusively, ``ModelMemory.close``)."""
         self._model.module = None
         self._model.graphs = None
+        self._plan = None
+        self._stager = None
+        self._assembly = None
+        self._free_slots = queue_module.SimpleQueue()
+        self._overdue = []
+        self._outputs_read = None
 
     # -- the threads ---------------------------------------------------------------------------
 
@@ -361,7 +413,6 @@ class Executor:
             self._handoff.put(None)
 
     def _serial_loop(self) -> None:
-        self._configure_thread()
         try:
             while True:
                 taken = batch = None  # as in _assemble_loop
@@ -403,7 +454,6 @@ class Executor:
         return self._running > 0
 
     def _compute_loop(self) -> None:
-        self._configure_thread()
         try:
             while (batch := self._handoff.get()) is not None:
                 self._compute(batch)
@@ -508,6 +558,7 @@ class Executor:
                 f"model '{spec.name}' did not finish a batch of {batch.samples} within "
                 f"execution_timeout_ms={spec.execution_timeout_ms}; the batch failed and the "
                 "instance continues on a fresh thread"), inputs_in_use=True)
+            self._retire_compute_pool()
             if finisher:
                 self._retire()
             return
@@ -544,21 +595,18 @@ class Executor:
 
     def _launch(self, batch: Batch) -> list[torch.Tensor]:
         """Run the batch; host tensors of its outputs, padding rows dropped. On a GPU their
-        copies are still under way: they are valid once ``batch.done`` has completed."""
+        copies are still under way: they are valid once ``batch.done`` has completed, and the
+        device outputs they are copied from stay referenced by the batch until then."""
         if not self._cuda:
             return [self._owned(t) for t in self._run(batch)]
         stream = self._model.graphs.replay_stream if batch.graph else self._compute_stream
-        with self._memory.use(), torch.cuda.stream(stream):
+        with torch.cuda.stream(stream):
             if batch.ready is not None:
                 stream.wait_event(batch.ready)
             if batch.graph and self._outputs_read is not None:
                 # The replay rewrites the graph's fixed output buffers: the last batch's
                 # copies out of them (on the output stream) must have been made.
                 stream.wait_event(self._outputs_read)
-            if not self._pooled:
-                for t in batch.tensors:  # allocated on the copy stream, used on this one
-                    if isinstance(t, torch.Tensor):
-                        t.record_stream(stream)
             outputs = self._run(batch)
             computed = torch.cuda.Event()
             computed.record(stream)
@@ -575,10 +623,10 @@ class Executor:
                 pinned = torch.empty(tensor.shape, dtype=TORCH_DTYPES[spec.datatype],
                                      pin_memory=True)
                 pinned.copy_(tensor, non_blocking=True)
-                tensor.record_stream(out)  # not reused before the copy has read it
                 host.append(pinned)
             batch.done = gpu.host_event()
             batch.done.record(out)
+        batch.device_outputs = outputs  # read by the output stream until batch.done
         self._outputs_read = batch.done
         return host
 
@@ -686,18 +734,38 @@ class Executor:
             ended = [b for b in self._overdue if b.done.query()]
             self._overdue = [b for b in self._overdue if b not in ended]
         for batch in ended:
+            batch.tensors = []
+            batch.device_outputs = None
             if batch.staged:
                 self._stager.release(batch.staged)
                 batch.staged = []
             self._deliver(Outcome(batch, None, None, release_only=True))
 
     def _fail(self, batch: Batch, error: Exception) -> None:
-        if self._cuda:
-            # The failed forward may have left copies or kernels reading the slot's buffers:
-            # they must end before the slot and the staged blocks are reused.
-            with contextlib.suppress(Exception):
-                torch.cuda.synchronize(self._device)
+        # The failed forward may have left copies or kernels reading the slot's buffers: they
+        # must end before the slot and the staged blocks are reused.
+        self._sync_streams()
         self._finish(batch, None, error)
+
+    def _sync_streams(self) -> None:
+        """Wait for this instance's device work (its streams; never the whole device, where
+        other models' work runs)."""
+        if not self._cuda:
+            return
+        graphs = self._model.graphs
+        streams = (self._copy_stream, self._compute_stream, self._output_stream,
+                   graphs.replay_stream if graphs is not None else None)
+        for stream in streams:
+            if stream is not None:
+                with contextlib.suppress(Exception):
+                    stream.synchronize()
+
+    def _retire_compute_pool(self) -> None:
+        """A call that timed out may still be inside the compute pool on its abandoned runner
+        (and never come back): the next runner allocates into a fresh one."""
+        self._memory.retire(self._compute_role)
+        self._compute_generation += 1
+        self._compute_role = gpu.role("compute", self._index, self._compute_generation)
 
     def _finish(self, batch: Batch, results: list[dict[str, np.ndarray]] | None,
                 error: Exception | None, *, outputs: list[np.ndarray] | None = None,
@@ -705,10 +773,12 @@ class Executor:
         """Hand the batch's answers (or its ``error``) on. ``ran``: the forward's and the
         outputs' nanoseconds of a batch that ran; its accounting travels with the outcome, for
         the receiver to run after the answers have gone."""
-        batch.tensors = []
         if inputs_in_use:
+            # Its device work may still read them: the tensors stay with the batch too.
             self._replace_slot(batch.slot)  # staged blocks too stay with the batch
         else:
+            batch.tensors = []
+            batch.device_outputs = None
             self._recycle(batch)
         self._accounting.ended(batch)
         if self._turns is not None:  # after the count: the share asks whether more work waits
@@ -744,9 +814,9 @@ class Executor:
 
     def _release_late(self, batch: Batch) -> None:
         """A timed-out call returned (on its abandoned runner): its inputs are free now."""
-        if self._cuda:
-            with contextlib.suppress(Exception):
-                torch.cuda.synchronize(self._device)
+        self._sync_streams()
+        batch.tensors = []
+        batch.device_outputs = None
         if batch.staged:
             self._stager.release(batch.staged)
             batch.staged = []

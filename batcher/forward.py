@@ -1,14 +1,22 @@
-"""The model call of one instance: the forward in its precision, the check of what it
-returned, a captured CUDA graph's replay, and the out-of-memory split.
+"""The model call of one instance: the forward in its precision, inside the instance's memory
+pool, the check of what it returned, a captured CUDA graph's replay, and out-of-memory
+recovery.
 
 ``ModelForward.run(batch)`` runs a batch whose inputs are on the device and returns its
-outputs (padding rows dropped). A forward that runs out of memory (``torch.OutOfMemoryError``,
-or a cuBLAS/cuDNN allocation failure: ``batcher/gpu.py``) is split in halves, each run again,
-once the failed forward's frames are gone (outside the ``except`` block, whose traceback would
-keep them and their activations alive); the largest bucket is lowered below the size that
-failed and the event reported (``BatchAccounting.out_of_memory``). Only a single sample that
-does not fit fails, with RESOURCE_EXHAUSTED. During warm-up (``warming``) nothing is split: a
-model that does not fit must not load.
+outputs (padding rows dropped). The forward allocates inside the instance's own pool
+(``pool()``, ``batcher/gpu.py``), entered around each forward and nothing else: a replay
+allocates nothing.
+
+Out of memory (``torch.OutOfMemoryError``, or a cuBLAS/cuDNN allocation failure:
+``batcher/gpu.py``): inside a pool the allocator frees no other cached block before it gives
+up, so the first failure is not the last word. The forward leaves the pool, its frames are
+gone (outside the ``except`` block, whose traceback would keep them and their activations
+alive), ``reclaim()`` gives the device's unused cached segments back once no thread is inside a
+pool, and the batch runs once more. Only when that fails too is it split in halves, each run
+again, and the largest bucket lowered below the size that failed (``BatchBuckets.lower``: for
+a while, not for good; it comes back when memory allows). Only a single sample that does not
+fit fails, with RESOURCE_EXHAUSTED. During warm-up (``warming``) nothing is split: a model
+that does not fit must not load (the retry after a reclaim still runs).
 
 Outputs: a tensor, a tuple or list of tensors, or a dict by output name; each must keep the
 batch dimension, and a BYTES output becomes the object array of bytes it is sent as.
@@ -16,7 +24,8 @@ batch dimension, and a BYTES output becomes the object array of bytes it is sent
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import numpy as np
@@ -67,7 +76,11 @@ class ModelForward:
     """One instance's model call (see the module docstring)."""
 
     def __init__(self, spec: ModelSpec, module: Any, *, buckets: BatchBuckets, pooled: bool,
-                 accounting: BatchAccounting) -> None:
+                 accounting: BatchAccounting,
+                 pool: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 reclaim: Callable[[], None] = lambda: None) -> None:
+        """``pool()``: the context the forward allocates under (the instance's pool);
+        ``reclaim()``: frees the device's unused cached memory, called outside it."""
         self._spec = spec
         self.module = module
         self._device = torch.device(spec.device)
@@ -75,6 +88,8 @@ class ModelForward:
         self._buckets = buckets
         self._pooled = pooled  # fixed buffers: a batch's tensors hold its bucket's rows
         self._accounting = accounting
+        self._pool = pool
+        self._reclaim = reclaim
         self._output_specs: Sequence[TensorSpec] = spec.outputs
         self._bytes_outputs = tuple(i for i, o in enumerate(spec.outputs)
                                     if o.datatype == "BYTES")
@@ -87,37 +102,58 @@ class ModelForward:
             outputs = self.graphs.replay(batch.bucket, batch.tensors)
             return [t[:rows] for t in outputs]
         if not self._batching:
-            return self.forward(batch.tensors, rows)
+            return self.eager(batch.tensors, rows, split=False)
         return self.eager(batch.tensors, rows)
 
-    def eager(self, tensors: Sequence[Any], rows: int) -> list[torch.Tensor]:
+    def eager(self, tensors: Sequence[Any], rows: int, *, split: bool = True,
+              reclaimed: bool = False) -> list[torch.Tensor]:
         """Outputs of the first ``rows`` rows of ``tensors`` (which may hold padding after
-        them), split into pieces when ``rows`` is over the largest bucket or runs out of memory."""
+        them), in pieces when ``rows`` is over the largest bucket; out of memory is retried
+        once after a reclaim, then split (module docstring). ``split`` False: one sample,
+        never split."""
         largest = self._buckets.largest
-        if rows > largest:
-            return self._in_pieces(tensors, rows, largest)
-        running = tensors[0].shape[0] if self._pooled else rows
-        try:
-            outputs = self.forward(tensors, running)
-        except Exception as exc:
-            if self.warming or gpu.classify(exc) != "oom":
-                raise
-        else:
+        if split and rows > largest:
+            return self._in_pieces(tensors, rows, largest, reclaimed)
+        running = tensors[0].shape[0] if self._pooled and split else rows
+        outputs = self._attempt(tensors, running)
+        if outputs is None and not reclaimed:
+            # Outside the pool and the except block: the failed forward's memory is free.
+            log.warning("batch_out_of_memory", model=self._spec.name, rows=running,
+                        retrying="after giving cached memory back")
+            self._reclaim()
+            reclaimed = True
+            outputs = self._attempt(tensors, running)
+        if outputs is not None:
+            if split and running == self._buckets.top:
+                self._buckets.recovered()
             return [t[:rows] for t in outputs] if running != rows else outputs
-        # Out of memory. Split only here, outside the except block: inside it the exception's
-        # traceback keeps the failed forward's frames, and their activations, alive.
-        if rows == 1:
+        if self.warming:
+            raise torch.OutOfMemoryError(
+                f"model '{self._spec.name}' ran out of device memory warming up a batch of "
+                f"{running}")
+        if rows == 1 or not split:
             raise ResourceExhausted(
                 f"model '{self._spec.name}' ran out of device memory on a single sample")
         largest = self._buckets.lower(running)
         log.warning("batch_out_of_memory", model=self._spec.name, rows=running,
                     largest_bucket=largest, retrying_in=2)
         self._accounting.out_of_memory(running, largest)
-        return self._in_pieces(tensors, rows, min(largest, -(-rows // 2)))
+        return self._in_pieces(tensors, rows, min(largest, -(-rows // 2)), reclaimed)
 
-    def _in_pieces(self, tensors: Sequence[Any], rows: int, size: int) -> list[torch.Tensor]:
+    def _attempt(self, tensors: Sequence[Any], rows: int) -> list[torch.Tensor] | None:
+        """One forward inside the pool; None when it ran out of memory (its frames gone)."""
+        try:
+            with self._pool():
+                return self.forward(tensors, rows)
+        except Exception as exc:
+            if gpu.classify(exc) != "oom":
+                raise
+        return None
+
+    def _in_pieces(self, tensors: Sequence[Any], rows: int, size: int, reclaimed: bool
+                   ) -> list[torch.Tensor]:
         parts = [self.eager([t[start:min(start + size, rows)] for t in tensors],
-                             min(size, rows - start))
+                            min(size, rows - start), reclaimed=reclaimed)
                  for start in range(0, rows, size)]
         return [np.concatenate(column) if isinstance(column[0], np.ndarray) else torch.cat(column)
                 for column in zip(*parts)]

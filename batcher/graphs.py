@@ -1,28 +1,32 @@
-"""CUDA graphs per batch bucket, captured at load into the model's own graph pool.
+"""CUDA graphs per batch bucket, captured at load into the instance's own graph pool.
 
 A captured graph replays a whole forward with one launch, which removes the CPU's kernel-launch
-gaps between small kernels, where the GPU sits idle. Each bucket of a model gets its
+gaps between small kernels, where the GPU sits idle. Each bucket of an instance gets its
 graph, captured on the bucket's fixed input buffers (``static_inputs``, in the device memory
 pool) and ending with a copy of the outputs into the bucket's fixed output buffers
 (``static_outputs``, in the pool too), so nothing a replay leaves behind lives in the graph pool.
 
-Each model has its own graph pool (``ModelMemory.graph_pool_id``, ``batcher/gpu.py``), its own
-capture stream and its own replay stream. Its buckets share the pool, which is safe because they
-replay on that one stream, in order; largest bucket first, so smaller graphs reuse its memory.
-Nothing is shared with another model: one model's capture never touches the streams (and so the
-cuBLAS workspaces, which are kept per handle and stream) another model replays on, and graph
-models on one GPU run concurrently.
+Each instance has its own graph pool (the ``graphs<i>`` role of the model's memory,
+``batcher/gpu.py``), its own capture stream and its own replay stream: graphs replayed at once
+on different streams must not share a pool, and two instances of a model replay at once. An
+instance's buckets share its pool, which is safe because they replay on its one stream, in
+order; largest bucket first, so smaller graphs reuse its memory. The eager runs before a
+capture allocate into the instance's compute pool, as its eager batches do.
 
-Capture calls ``CUDAGraph.capture_begin``/``capture_end`` on the model's capture stream rather
-than ``torch.cuda.graph``, which synchronizes the whole device and empties the caching
-allocator's device and pinned-host caches: loading one graph model would stall every model
-serving on the device. Only the capture stream is synchronized. ``capture_error_mode=
-"thread_local"``: other models keep serving from other threads while one captures. Autocast runs
-with its cast cache off inside a capture (cached casts would be freed while the graph still reads
-them).
+The instance's model thread captures (``batcher/executor.py``), the thread that later replays
+and runs its eager batches: the cuBLAS workspace a graph's kernels were captured with is that
+thread's own for the stream (``batcher/allocator.py``), and no live thread of another instance
+has that handle.
 
-CUDA only. ``unavailable_reason`` says why a model runs eager instead ("no CUDA device", an
-output with variable dims); a failed capture is reported by the caller, which then runs eager.
+Capture goes through the allocator (``ModelMemory.capture``), not ``torch.cuda.graph``, which
+synchronizes the whole device and empties the caching allocator's device and pinned-host
+caches: loading one graph model would stall every model serving on the device. Only the
+capture stream is synchronized. ``capture_error_mode="thread_local"``: other models keep
+serving from other threads while one captures. Autocast runs with its cast cache off inside a
+capture (cached casts would be freed while the graph still reads them).
+
+``unavailable_reason`` says why a model runs eager instead ("no CUDA device", an output with
+variable dims); a failed capture is reported by the caller, which then runs eager.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Any
 
 import torch
 
+from batchgate.batcher import gpu
 from batchgate.batcher.spec import ModelSpec
 
 # Eager runs on the capture stream before capturing: lazy initialisation (cuBLAS handles and
@@ -40,9 +45,11 @@ from batchgate.batcher.spec import ModelSpec
 WARMUP_RUNS = 3
 
 
-def unavailable_reason(spec: ModelSpec) -> str | None:
-    """Why ``spec`` cannot have CUDA graphs, or None when it can."""
-    if not spec.device.startswith("cuda"):
+def unavailable_reason(spec: ModelSpec, memory: gpu.ModelMemory | None = None) -> str | None:
+    """Why ``spec`` cannot have CUDA graphs (captured into ``memory``'s pools), or None."""
+    if memory is not None and memory.supports_graphs:
+        pass
+    elif not spec.device.startswith("cuda"):
         return "no CUDA device: the model runs on the CPU"
     if not spec.buckets:
         return "no batch buckets: a graph has one fixed batch size (set buckets)"
@@ -55,26 +62,31 @@ def unavailable_reason(spec: ModelSpec) -> str | None:
 Forward = Callable[[Sequence[torch.Tensor], bool], Sequence[torch.Tensor]]
 
 
+def on_stream(stream: Any) -> contextlib.AbstractContextManager:
+    """``torch.cuda.stream(stream)``, or nothing where there are no streams (None)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
 class BucketGraphs:
-    """One captured graph per bucket, with its fixed input and output buffers."""
+    """One instance's captured graph per bucket, with their fixed input and output buffers."""
 
     def __init__(self, device: torch.device, forward: Forward,
                  static_inputs: dict[int, tuple[torch.Tensor, ...]],
                  static_outputs: dict[int, tuple[torch.Tensor, ...]], *,
-                 pool: Any = None, use_pool: Callable[[], Any] | None = None) -> None:
+                 memory: gpu.ModelMemory, instance: int) -> None:
         """``forward(inputs, capturing)`` runs the model (precision applied) and returns its
-        outputs, batch dimension first. ``pool``: the graph pool handle (default: a new private
-        one); ``use_pool()``: the context the eager runs before capture allocate under."""
+        outputs, batch dimension first; ``memory``: the model's pools, ``instance``'s roles."""
         self._device = device
         self._forward = forward
         self._inputs = static_inputs
         self._outputs = static_outputs
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        with torch.cuda.device(device):
-            self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-            self.capture_stream = torch.cuda.Stream(device)
-            self.replay_stream = torch.cuda.Stream(device)
-        self._use_pool = use_pool if use_pool is not None else contextlib.nullcontext
+        self._graphs: dict[int, Any] = {}
+        self._memory = memory
+        self._allocator = memory.allocator
+        self._graph_role = gpu.role("graphs", instance)
+        self._eager_role = gpu.role("compute", instance)
+        self.capture_stream = self._allocator.stream(device)
+        self.replay_stream = self._allocator.stream(device)
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -85,24 +97,25 @@ class BucketGraphs:
         for bucket in sorted(self._inputs, reverse=True):
             self._graphs[bucket] = self._capture_one(bucket)
 
-    def _capture_one(self, bucket: int) -> torch.cuda.CUDAGraph:
+    def _capture_one(self, bucket: int) -> Any:
         stream = self.capture_stream
         inputs, outputs = self._inputs[bucket], self._outputs[bucket]
         for tensor in inputs:
             tensor.zero_()
-        stream.wait_stream(torch.cuda.current_stream(self._device))
-        with self._use_pool(), torch.cuda.stream(stream):
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self._device))
+        with on_stream(stream):
             for _ in range(WARMUP_RUNS):
-                self._forward(inputs, False)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            graph.capture_begin(self.pool, capture_error_mode="thread_local")
-            try:
-                for static, produced in zip(outputs, self._forward(inputs, True)):
-                    static.copy_(produced)
-            finally:
-                graph.capture_end()
-        stream.synchronize()
+                with self._memory.use(self._eager_role):
+                    self._forward(inputs, False)
+        graph = self._allocator.new_graph()
+
+        def body() -> None:
+            for static, produced in zip(outputs, self._forward(inputs, True)):
+                static.copy_(produced)
+
+        self._memory.capture(self._graph_role, graph, stream, body)
+        self._allocator.synchronize(stream)
         return graph
 
     def replay(self, bucket: int, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -111,5 +124,5 @@ class BucketGraphs:
         output buffers: read them (enqueue the copies) before the next replay."""
         for static, given in zip(self._inputs[bucket], inputs):
             static.copy_(given, non_blocking=True)
-        self._graphs[bucket].replay()
+        self._allocator.replay(self._graphs[bucket])
         return self._outputs[bucket]

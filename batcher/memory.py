@@ -155,7 +155,7 @@ class DevicePools:
         return arena
 
     def release(self, owner: str, arena: DevicePool) -> None:
-        """Give ``owner``'s arena back (its buffers must no longer be used)."""
+        """Give ``owner``'s arena back (its buffers must no longer be used, nor viewed)."""
         key = str(arena.device)
         with self._lock:
             arenas = self._arenas.get(key, {})
@@ -166,10 +166,8 @@ class DevicePools:
             self._outside_fallbacks[key] = self._outside_fallbacks.get(key, 0) + arena.fallbacks
         log.info("device_pool_released", device=key, model=owner, bytes=arena.bytes_reserved)
         self.refresh(arena)
-        del arena
-        if key.startswith("cuda"):
-            with torch.cuda.device(torch.device(key)):
-                torch.cuda.empty_cache()  # the arena's segment goes back to the device
+        # Its segment goes back to the device once no view of it is left and the cache is
+        # emptied with no thread inside a pool: the model's ModelMemory.close does both.
 
     def refresh(self, pool: DevicePool) -> None:
         """Set the gauges of ``pool``'s device (and count its new fallbacks)."""

@@ -22,8 +22,10 @@ a batch.
 5. the input stager (``input_staging`` queue) and the executor threads.
 
 What it found goes to ``load_report``, which the server shows in the model's config parameters.
-``stop`` gives the plan's arena back to the device and closes the model's own allocator pools
-(``memory``), so that their segments go back to the device.
+``stop``, once no thread is inside any pool (``ModelMemory.close``, ``batcher/gpu.py``), drops
+everything that views the model's memory (its module, graphs, slots, staged blocks), then gives
+the plan's arena back and drops the model's own allocator pools, so that their segments go back
+to the device whole.
 
 Around the queue: a latency profile (seeded by a timed warm run per batch size, fed by every
 batch) that admission control and the deadline policy predict from; the device's weighted turns
@@ -144,6 +146,7 @@ class ServedModel:
         self._pooled = all(t.fixed() and t.datatype != "BYTES" for t in spec.inputs)
         self._buckets = BatchBuckets(spec.buckets if self._pooled else (),
                                      spec.batching.max_batch_size)
+        self._published_largest = self._buckets.top
         batching = spec.batching
         # Batch times per batch size: seeded at warm-up, updated by every batch. A model that
         # pads to buckets takes a bucket's time for any batch in it; one that does not takes
@@ -223,9 +226,9 @@ class ServedModel:
             check_inputs = self._warmup_inputs[0]
         # warmup false: the model must not run before it is ready, so neither does the check.
         skipped = None if spec.warmup else "the warmup parameter is false"
-        with self.memory.use():  # fp16 weights are converted here
-            self._module, checked = precisions.check(
-                spec, self._module, None if skipped else check_inputs, self._run_once, skipped)
+        self._module, checked = precisions.check(
+            spec, self._module, None if skipped else check_inputs, self._run_once, skipped,
+            converter=self._convert)
         weights = self._weight_bytes()
         graph_buckets, graphs_status = self._graph_plan()
         self._reserve(graph_buckets)
@@ -256,7 +259,8 @@ class ServedModel:
             self.load_report["footprint_bytes"] = "not measured on the CPU"
         self._refresh_memory(force=True)
         if self._metrics is not None:
-            self._metrics.largest_bucket.set(self._buckets.largest)
+            self._published_largest = self._buckets.largest
+            self._metrics.largest_bucket.set(self._published_largest)
         if self._stager is not None:
             self._stager.start()
         if self._turns is not None:
@@ -271,14 +275,22 @@ class ServedModel:
 
     # -- loading steps ---------------------------------------------------------------------------
 
+    def _convert(self, module: Any, precision: str) -> Any:
+        """The module in ``precision``'s weights (fp16 weights are made here, in the model's
+        weights pool)."""
+        with self.memory.use(gpu.WEIGHTS):
+            return precisions.convert(module, precision)
+
     def _run_once(self, module: Any, arrays: list[np.ndarray], precision: str
                   ) -> list[torch.Tensor]:
-        """One forward of ``module`` on ``arrays`` (the precision check's runs)."""
+        """One forward of ``module`` on ``arrays`` (the precision check's runs), in the first
+        instance's compute pool, which its warm-up and batches use next."""
         device = torch.device(self._spec.device)
-        tensors = [to_torch(np.array(a), t.datatype).to(device)
-                   for a, t in zip(arrays, self._spec.inputs)]
-        with torch.inference_mode(), precisions.autocast(precision, device.type):
-            returned = module(*precisions.cast_inputs(tensors, precision))
+        with self.memory.use(gpu.role("compute", 0)):
+            tensors = [to_torch(np.array(a), t.datatype).to(device)
+                       for a, t in zip(arrays, self._spec.inputs)]
+            with torch.inference_mode(), precisions.autocast(precision, device.type):
+                returned = module(*precisions.cast_inputs(tensors, precision))
         returned = unpack_outputs(returned, self._spec.outputs, self._spec.name)
         # BYTES outputs have no precision: the check compares the numeric ones.
         return [t for t, o in zip(returned, self._spec.outputs) if o.datatype != "BYTES"]
@@ -287,7 +299,7 @@ class ServedModel:
         """What the model holds before any batch: its pool's allocated bytes when its weights
         were loaded under it, else its parameters' and buffers' bytes on its device."""
         stats = self.memory.stats()
-        in_pool = stats["eager"].allocated if stats is not None else 0
+        in_pool = stats["weights"].allocated if stats and "weights" in stats else 0
         return in_pool or gpu.module_bytes(self._module, torch.device(self._spec.device))
 
     def _admit_footprint(self, weights: int, warm: dict[str, Any]) -> None:
@@ -298,11 +310,13 @@ class ServedModel:
             return
         stats = memory.stats() or {}
         graphs = stats["graphs"].reserved if "graphs" in stats else 0
+        # Every instance's own pools: their segments stay cached, so what they reserved is
+        # their peak, measured without synchronizing the device or counting other models.
+        activations = stats["activations"].reserved if "activations" in stats else 0
         plan = sum(r.nbytes for _, r in self._reservations if r)
         staging = self._stager.cap_bytes if self._stager is not None else 0
         self.footprint = footprint = gpu.Footprint(
-            weights=weights, activations=warm["activation_bytes"] or 0, graphs=graphs,
-            staging=staging, plan=plan)
+            weights=weights, activations=activations, graphs=graphs, staging=staging, plan=plan)
         # Taken from the device already: the pools' segments (which hold the warm-up's peak)
         # and the plan and staging, which the model's arena reserved before the warm-up.
         held = sum(s.reserved for s in stats.values()) + plan + staging
@@ -350,7 +364,7 @@ class ServedModel:
         spec = self._spec
         if not spec.cuda_graphs:
             return (), "off"
-        reason = cuda_graphs.unavailable_reason(spec)
+        reason = cuda_graphs.unavailable_reason(spec, self.memory)
         if reason is not None:
             log.info("cuda_graphs_unavailable", model=spec.name, reason=reason, running="eager")
             return (), f"eager: {reason}"
@@ -443,11 +457,17 @@ class ServedModel:
         device = torch.device(spec.device)
         metrics = self._metrics
 
+        staging = gpu.role("staging")
+
         def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> Block | None:
+            # On the stager's thread: what does not come from the arena comes from the
+            # model's staging pool.
             if pool is None:
-                tensor = torch.empty(shape, dtype=dtype, device=device)
+                with self.memory.use(staging):
+                    tensor = torch.empty(shape, dtype=dtype, device=device)
                 return Block(tensor, lambda: None, tensor.nbytes, True)
-            handle = pool.allocate(shape, dtype, lifetime="short")  # freed once its batch ran
+            handle = pool.allocate(shape, dtype, lifetime="short",  # freed once its batch ran
+                                   outside=lambda: self.memory.use(staging))
             if handle is None:
                 return None
             return Block(handle.tensor, handle.release, handle.nbytes, handle.in_pool)
@@ -484,11 +504,17 @@ class ServedModel:
             turns=self._turns, views_wanted=lambda: self.on_results is None)
 
     def _after_batch(self) -> None:
-        """After each batch: the gauges that follow the memory in use."""
+        """After each batch: the gauges that follow the memory in use, and the largest bucket
+        (which comes back up a while after an out-of-memory lowered it)."""
         pools = {pool for pool, _ in self._reservations if pool is not None}
         for pool in pools:
             self._device.refresh(pool)
         self._refresh_memory()
+        if self._metrics is not None:
+            largest = self._buckets.largest
+            if largest != self._published_largest:
+                self._published_largest = largest
+                self._metrics.largest_bucket.set(largest)
 
     def _warm_up(self) -> dict[str, Any]:
         """Warm every instance; the first one's report (they run the same batches)."""
@@ -510,10 +536,14 @@ class ServedModel:
                     f"model '{spec.name}' failed its warm-up "
                     f"({type(exc).__name__}); the server log has the details"
                 ) from exc
+        report = reports[0]
+        measured = [r["activation_bytes"] for r in reports if r["activation_bytes"] is not None]
+        if measured:  # each instance has a compute pool of its own
+            report["activation_bytes"] = sum(measured)
         if samples:
-            log.info("model_warmed_up", model=spec.name, batch_sizes=reports[0]["batch_sizes"],
-                     activation_bytes=reports[0]["activation_bytes"])
-        return reports[0]
+            log.info("model_warmed_up", model=spec.name, batch_sizes=report["batch_sizes"],
+                     activation_bytes=report["activation_bytes"])
+        return report
 
     def _release(self) -> None:
         """Give the memory plans back to the pool, then the model's arena (idempotent)."""
@@ -552,7 +582,6 @@ class ServedModel:
             self._stager.stop()
         hung = sum(e.hung_calls for e in self._executors)
         if drained and not hung:
-            self._release()
             self._close_memory()
         elif self._reservations:
             # A batch still running (a drain that timed out, a call that hung) may write the
@@ -561,14 +590,18 @@ class ServedModel:
                         bytes=sum(r.nbytes for _, r in self._reservations if r))
 
     def _close_memory(self) -> None:
-        """Give the model's pools back to the device: its executors and plan are gone, and
-        its module goes with them (the pools' segments are freed once nothing uses them)."""
-        if self.memory.measures:
+        """Give the model's memory back to the device: with no thread inside any pool, drop
+        every view of it (executors' slots and graphs, the stager, the plan), then the arena,
+        then the model's pools (``ModelMemory.close``)."""
+        def drop_views() -> None:
             for executor in self._executors:
-                executor.release_module()
+                executor.release()
             self._module = None
-            self._refresh_memory(force=True, closing=True)
-        self.memory.close()
+            self._stager = None
+            self._release()
+
+        self.memory.close(before=drop_views)
+        self._refresh_memory(force=True, closing=True)
 
     # -- the event loop's side -----------------------------------------------------------------
 

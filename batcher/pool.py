@@ -59,6 +59,7 @@ owns (page cache, other processes), so a CPU pool takes an explicit ``size_bytes
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import math
 import random
@@ -350,13 +351,16 @@ class DevicePool:
     # --- tensors -----------------------------------------------------------------------------
 
     def allocate(self, shape: Sequence[int] | int, dtype: torch.dtype, *,
-                 lifetime: str = "short") -> PoolTensor | None:
+                 lifetime: str = "short",
+                 outside: Callable[[], contextlib.AbstractContextManager] | None = None,
+                 ) -> PoolTensor | None:
         """A ``shape``/``dtype`` tensor viewing the arena, with its handle.
 
         ``lifetime``: ``"short"`` for a request's buffers (freed when its batch has run),
         ``"long"`` for what is held much longer; it decides where the block goes (module
         docstring). When no free block fits: ``None`` with nothing changed (``strict``), or a plain
-        ``torch.empty`` on the device, counted in ``fallbacks`` (``strict=False``).
+        ``torch.empty`` on the device, counted in ``fallbacks`` (``strict=False``), made under
+        ``outside()`` when given (the model's own allocator pool).
         """
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         if any(dim < 0 for dim in shape):
@@ -368,8 +372,9 @@ class DevicePool:
                 return None
             with self._lock:
                 self._fallbacks += 1
-            return PoolTensor(self, torch.empty(shape, dtype=dtype, device=self.device), None,
-                              nbytes)
+            with outside() if outside is not None else contextlib.nullcontext():
+                tensor = torch.empty(shape, dtype=dtype, device=self.device)
+            return PoolTensor(self, tensor, None, nbytes)
         return PoolTensor(self, self._view(offset, shape, dtype), offset, nbytes)
 
     def free(self, handle: PoolTensor) -> None:

@@ -128,11 +128,14 @@ def seeded_inputs(spec: ModelSpec) -> list[np.ndarray] | None:
 
 def check(spec: ModelSpec, module: Any, inputs: list[np.ndarray] | None,
           run: Callable[[Any, list[np.ndarray], str], list[torch.Tensor]],
-          unmeasured: str | None = None) -> tuple[Any, PrecisionReport]:
+          unmeasured: str | None = None,
+          converter: Callable[[Any, str], Any] | None = None) -> tuple[Any, PrecisionReport]:
     """Compare ``module`` in ``spec.precision`` with fp32 on ``inputs``; returns the module to
     serve (converted for fp16 weights) and the report. ``run(module, inputs, precision)`` runs
     one forward on the model's device and returns its outputs; ``unmeasured`` says why, when
-    ``inputs`` is None."""
+    ``inputs`` is None; ``converter(module, precision)`` makes the module to serve (default:
+    ``convert``; the server's makes fp16 weights in the model's weights pool)."""
+    make = converter if converter is not None else convert
     precision = spec.precision
     if precision == "fp32":
         return module, PrecisionReport(precision, 0.0, "fp32 is the reference")
@@ -142,14 +145,14 @@ def check(spec: ModelSpec, module: Any, inputs: list[np.ndarray] | None,
             unmeasured or "inputs with variable dims or BYTES, and no model_warmup")
         log.info("precision_not_checked", model=spec.name, precision=precision,
                  reason=report.note)
-        return convert(module, precision), report
+        return make(module, precision), report
     try:
         with fp32_exact():
             reference = [t.float().cpu() for t in run(module, inputs, "fp32")]
     except Exception as exc:
         raise LoadError(f"model {spec.name!r}: the fp32 reference run of the precision check "
                         f"raised {exception_summary(exc)}") from exc
-    module = convert(module, precision)
+    module = make(module, precision)
     try:
         outputs = [t.float().cpu() for t in run(module, inputs, precision)]
     except Exception as exc:

@@ -2,7 +2,8 @@
 device's free memory, the metrics, and unload giving the bytes back.
 
 On the CPU a model's memory is not measured (``ModelMemory`` is inert there), so these tests
-hand the model a stand-in with CUDA's figures: its pool's segments, the device's free memory.
+put the allocator contract's double in place (``tests/support/allocator_contract.py``): models
+get pools whose bytes the test's modules set, and the device's free memory is the double's.
 What only a GPU can show (real ``torch.cuda.MemPool`` segments, their release at unload) is in
 the ``cuda``-marked tests.
 """
@@ -10,10 +11,8 @@ the ``cuda``-marked tests.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import gc
-import threading
 
 import numpy as np
 import pytest
@@ -27,51 +26,23 @@ from batchgate.batcher.metrics import BatcherMetrics
 from batchgate.batcher.model import ServedModel
 from batchgate.batcher.request import InferenceRequest
 from batchgate.batcher.spec import BatchingConfig, ModelSpec, TensorSpec
+from tests.support.allocator_contract import contract_installed
 
 CUDA = torch.cuda.is_available()
 MIB = 1 << 20
 
 
-class StandInMemory(gpu.ModelMemory):
-    """A model's pools as CUDA would report them: ``weights`` allocated at load, ``peak`` more
-    reserved by its largest warm-up batch; the device has ``free`` of ``total`` bytes."""
+class Activations(torch.nn.Module):
+    """y = 3x, holding ``peak`` bytes of the contract double's pool while it runs."""
 
-    def __init__(self, *, weights: int, peak: int, free: int, total: int = 80 << 30) -> None:
-        super().__init__("cpu", "stand-in")
-        self.weights, self.peak, self.free, self.total = weights, peak, free, total
-        self.reserved = weights
-        self.threads: set[str] = set()
+    def __init__(self, contract, peak: int) -> None:
+        super().__init__()
+        self._contract, self._peak = contract, peak
 
-    @property
-    def measures(self) -> bool:
-        return not self.closed
-
-    @contextlib.contextmanager
-    def use(self):
-        self.threads.add(threading.current_thread().name)
-        yield
-
-    def stats(self):
-        if self.closed:
-            return None
-        return {"eager": gpu.PoolStats(self.reserved, self.weights)}
-
-    def start_peak(self) -> int:
-        return self.weights
-
-    def peak_since(self, start: int) -> int:
-        self.reserved = self.weights + self.peak  # the caching allocator keeps the segments
-        return self.peak
-
-    def free_and_total(self):
-        return self.free, self.total
-
-    def device_stats(self):
-        return gpu.PoolStats(self.reserved + 3 * MIB, self.weights + MIB)
-
-    def close(self) -> None:
-        self.closed = True
-        self.reserved = 0
+    def forward(self, x):
+        token = self._contract.allocate(self._peak)
+        self._contract.free(token)
+        return x * 3
 
 
 def _spec() -> ModelSpec:
@@ -81,8 +52,12 @@ def _spec() -> ModelSpec:
                      batching=BatchingConfig(max_batch_size=8), buckets=(1, 8))
 
 
-def _model(memory: StandInMemory, registry: CollectorRegistry) -> ServedModel:
-    return ServedModel(_spec(), lambda x: x * 3, metrics=BatcherMetrics(registry),
+def _model(contract, registry: CollectorRegistry, *, weights: int, peak: int) -> ServedModel:
+    """A model whose load put ``weights`` bytes in its weights pool."""
+    memory = gpu.ModelMemory("cpu", "m")
+    with memory.use():
+        assert contract.allocate(weights) is not None
+    return ServedModel(_spec(), Activations(contract, peak), metrics=BatcherMetrics(registry),
                        pools=DevicePools(PoolSettings(1 << 20)), memory=memory)
 
 
@@ -92,33 +67,45 @@ def _gauge(registry, name, **labels):
 
 async def test_the_footprint_is_measured_reported_and_given_back_at_unload():
     registry = CollectorRegistry()
-    memory = StandInMemory(weights=40 * MIB, peak=12 * MIB, free=8 << 30)
-    model = _model(memory, registry)
-    model.start()
-    try:
-        x = np.ones((3, 4), np.float32)
-        out = await model.infer(InferenceRequest([x], batch_size=3))
-        np.testing.assert_array_equal(out["y"], x * 3)
-        report = model.load_report
-        plan = int(report["memory_plan_bytes"])
-        assert plan > 0
-        assert report["weight_bytes"] == str(40 * MIB)
-        assert report["activation_bytes"] == str(12 * MIB)
-        assert report["footprint_bytes"] == str(52 * MIB + plan)
-        labels = {"model": "m", "device": "cpu"}
-        for part, value in (("weights", 40 * MIB), ("activations", 12 * MIB), ("plan", plan)):
-            assert _gauge(registry, "batchgate_model_footprint_bytes", part=part,
-                          **labels) == value
-        assert _gauge(registry, "batchgate_model_device_bytes_reserved", **labels) == 52 * MIB
-        assert _gauge(registry, "batchgate_model_device_bytes_allocated", **labels) == 40 * MIB
-        assert _gauge(registry, "batchgate_device_fragmentation_bytes", device="cpu") == \
-            52 * MIB + 3 * MIB - (40 * MIB + MIB)
-        # The load and the batches allocated under the model's pool, on its own threads.
-        assert any(name.endswith("-warmup") for name in memory.threads)
-        assert any(name.endswith("-batch") for name in memory.threads)
-    finally:
-        model.stop(5)
-    assert memory.closed and model.module is None
+    with contract_installed() as contract:
+        model = _model(contract, registry, weights=40 * MIB, peak=12 * MIB)
+        other = gpu.ModelMemory("cpu", "other")
+        # Another model's traffic on the device does not count in this one's figures.
+        with other.use(gpu.role("compute", 0)):
+            contract.free(contract.allocate(500 * MIB))
+        model.start()
+        try:
+            x = np.ones((3, 4), np.float32)
+            out = await model.infer(InferenceRequest([x], batch_size=3))
+            np.testing.assert_array_equal(out["y"], x * 3)
+            report = model.load_report
+            plan = int(report["memory_plan_bytes"])
+            assert plan > 0
+            assert report["weight_bytes"] == str(40 * MIB)
+            assert report["activation_bytes"] == str(12 * MIB)
+            assert report["footprint_bytes"] == str(52 * MIB + plan)
+            labels = {"model": "m", "device": "cpu"}
+            for part, value in (("weights", 40 * MIB), ("activations", 12 * MIB),
+                                ("plan", plan)):
+                assert _gauge(registry, "batchgate_model_footprint_bytes", part=part,
+                              **labels) == value
+            assert _gauge(registry, "batchgate_model_device_bytes_reserved", **labels) == 52 * MIB
+            assert _gauge(registry, "batchgate_model_device_bytes_allocated",
+                          **labels) == 40 * MIB
+            # Device-wide: every pool together, the other model's 500 MiB cached included.
+            assert _gauge(registry, "batchgate_device_fragmentation_bytes", device="cpu") == \
+                12 * MIB + 500 * MIB
+            # The model's batches (and its warm-up) ran in its instance's compute pool, on its
+            # model thread only.
+            compute = [pool for pool, names in
+                       ((p, contract.threads_in(p)) for p in contract.pools)
+                       if names == {"m-0-batch"}]
+            assert len(compute) == 1
+        finally:
+            model.stop(5)
+            other.close()
+        assert model.memory.closed and model.module is None
+        assert not contract.live_pools()
     labels = {"model": "m", "device": "cpu"}
     assert _gauge(registry, "batchgate_model_device_bytes_reserved", **labels) == 0
     assert _gauge(registry, "batchgate_model_footprint_bytes", part="weights", **labels) == 0
@@ -127,15 +114,15 @@ async def test_the_footprint_is_measured_reported_and_given_back_at_unload():
 def test_a_model_whose_footprint_does_not_fit_is_refused_naming_the_bytes():
     registry = CollectorRegistry()
     # 5 % of 16 GiB of headroom is more than the 100 MiB left free after its load.
-    memory = StandInMemory(weights=40 * MIB, peak=12 * MIB, free=100 * MIB, total=16 << 30)
-    model = _model(memory, registry)
-    with pytest.raises(ResourceExhausted) as info:
-        model.start()
-    model.stop(0)  # what the repository does with a model that failed its load
+    with contract_installed(total_bytes=16 << 30, free_bytes=100 * MIB) as contract:
+        model = _model(contract, registry, weights=40 * MIB, peak=12 * MIB)
+        with pytest.raises(ResourceExhausted) as info:
+            model.start()
+        model.stop(0)  # what the repository does with a model that failed its load
+        assert model.memory.closed and not contract.live_pools()
     message = str(info.value)
     assert "model 'm' needs" in message and f"weights {40 * MIB}" in message
     assert f"{100 * MIB} bytes are free" in message
-    assert memory.closed
 
 
 def test_admission_counts_only_what_the_model_has_not_taken_yet():
@@ -202,7 +189,7 @@ async def test_a_model_pool_holds_its_weights_and_activations_and_unload_returns
     model.start()
     try:
         assert int(model.load_report["weight_bytes"]) >= weights
-        assert memory.stats()["eager"].reserved >= weights
+        assert memory.stats()["weights"].reserved >= weights
         assert int(model.load_report["footprint_bytes"]) >= weights
         out = await model.infer(InferenceRequest([x], batch_size=5))
         np.testing.assert_allclose(out["y"], want, rtol=1e-4, atol=1e-4)
@@ -224,10 +211,11 @@ def _linear_model(name: str, width: int, **fields) -> tuple[ServedModel, torch.n
     memory = gpu.ModelMemory("cuda:0", name)
     with memory.use():  # its weights in its own pool
         module = copy.deepcopy(cpu).to("cuda:0")
+    fields.setdefault("batching", BatchingConfig(max_batch_size=64))
     spec = ModelSpec(name=name, version="1", platform="test", device="cuda:0",
                      inputs=(TensorSpec("x", "FP32", (width,)),),
-                     outputs=(TensorSpec("y", "FP32", (width,)),),
-                     batching=BatchingConfig(max_batch_size=64), buckets=(1, 8, 64), **fields)
+                     outputs=(TensorSpec("y", "FP32", (width,)),), buckets=(1, 8, 64),
+                     **fields)
     return ServedModel(spec, module, memory=memory), cpu
 
 
@@ -269,6 +257,67 @@ async def test_a_graph_model_captured_while_another_serves_leaves_both_correct()
     finally:
         if late is not None:
             late.stop(5)
+        serving.stop(5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device; this machine has none")
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+async def test_two_instances_with_two_batches_in_flight_answer_concurrent_load_on_cuda(graphs):
+    model, cpu = _linear_model("pair", 1024, cuda_graphs=graphs, instance_count=2,
+                               batching=BatchingConfig(max_batch_size=64,
+                                                       max_inflight_batches=2))
+    model.start()
+    try:
+        if graphs:
+            assert model.load_report["cuda_graphs_status"].startswith("captured")
+        rng = np.random.default_rng(1)
+        xs = [rng.standard_normal((rows, 1024), dtype=np.float32)
+              for rows in (1, 3, 64, 17, 8, 40, 2, 64) * 25]
+        outs = await asyncio.gather(*(model.infer(InferenceRequest([x], batch_size=len(x)))
+                                      for x in xs))
+        with torch.inference_mode():
+            for x, out in zip(xs, outs):
+                np.testing.assert_allclose(out["y"], cpu(torch.from_numpy(x)).numpy(),
+                                           rtol=2e-3, atol=2e-3)
+        # No cuBLAS workspace (32 MiB each on an H100, never freed) landed in the pools: after
+        # the batches, nothing is left allocated in the instances' compute pools.
+        stats = model.memory.stats()
+        assert stats["activations"].allocated == 0, stats
+        weights = sum(p.numel() * 4 for p in cpu.parameters())
+        assert stats["weights"].allocated == weights, stats
+    finally:
+        model.stop(5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device; this machine has none")
+async def test_unloading_a_model_while_another_serves_returns_its_pools_on_cuda():
+    serving, serving_cpu = _linear_model("stays", 1024)
+    leaving, _ = _linear_model("goes", 2048)
+    serving.start()
+    leaving.start()
+    try:
+        stop = False
+
+        async def traffic():
+            rng = np.random.default_rng(2)
+            while not stop:
+                x = rng.standard_normal((8, 1024), dtype=np.float32)
+                out = await serving.infer(InferenceRequest([x], batch_size=8))
+                with torch.inference_mode():
+                    want = serving_cpu(torch.from_numpy(x)).numpy()
+                np.testing.assert_allclose(out["y"], want, rtol=2e-3, atol=2e-3)
+
+        running = asyncio.ensure_future(traffic())
+        held = sum(s.reserved for s in leaving.memory.stats().values())
+        before = torch.cuda.memory_reserved(0)
+        await asyncio.to_thread(leaving.stop, 5)
+        # Its pools went back to the device whole, while the other model kept serving.
+        assert before - torch.cuda.memory_reserved(0) >= held
+        stop = True
+        await running
+    finally:
         serving.stop(5)
 
 

@@ -232,9 +232,28 @@ def test_batch_buckets_pad_and_lower():
     assert [buckets.pad(n) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
     assert buckets.lower(8) == 4 and buckets.largest == 4
     assert buckets.pad(3) == 4 and buckets.pad(6) == 6  # over the largest: runs in pieces
-    assert buckets.lower(8) == 4  # never goes back up
+    assert buckets.lower(8) == 4
     plain = BatchBuckets((), 8)
     assert plain.pad(5) == 5 and plain.lower(5) == 2
+
+
+def test_a_lowered_bucket_comes_back_and_waits_longer_each_time_it_fails_again():
+    now = [0.0]
+    buckets = BatchBuckets((1, 2, 4, 8), 8, recover_after_s=10, clock=lambda: now[0])
+    assert buckets.lower(8) == 4 and buckets.lowered
+    now[0] = 9.9
+    assert buckets.largest == 4
+    now[0] = 10.0
+    assert buckets.largest == 8 and not buckets.lowered  # the whole batch is tried again
+    assert buckets.lower(8) == 4  # ...and fails: lowered twice as long
+    now[0] = 29.9
+    assert buckets.largest == 4
+    now[0] = 30.0
+    assert buckets.largest == 8
+    buckets.recovered()  # a whole batch ran: the next failure waits the shortest again
+    assert buckets.lower(8) == 4
+    now[0] = 40.0
+    assert buckets.largest == 8
 
 
 # -- precision ---------------------------------------------------------------------------------
@@ -420,7 +439,8 @@ def test_a_batch_out_of_memory_is_split_and_the_bucket_lowered(gpu_server):
         assert sample(samples, "batchgate_model_largest_bucket", model="oom") == 4
         # Now batches over 4 run in pieces of 4: no second out-of-memory.
         np.testing.assert_array_equal(client.infer("oom", {"INPUT__0": -x})["OUTPUT__0"], 1 - x)
-    assert sizes(log_dir, "oom")[before:] == [8, 4, 4, 4, 4]
+    # 8 rows fail, fail again after the cache was given back, then run as two halves.
+    assert sizes(log_dir, "oom")[before:] == [8, 8, 4, 4, 4, 4]
     assert sample(scrape(gpu_server.metrics_url), "batchgate_oom_events_total", model="oom") == 1
 
 
