@@ -250,26 +250,32 @@ class ModelMemory:
 
     def reserved(self, role: str) -> int:
         """Bytes the pool of ``role`` holds on the device (0 before its first use)."""
+        if self._allocator is None:
+            return 0
+        # Under the lock, so that no reference of ours outlives a concurrent close's drop.
         with self._lock:
             pool = self._pools.get(role)
-        if pool is None or self._allocator is None:
-            return 0
-        return self._allocator.pool_stats(pool)[0]
+            return 0 if pool is None else self._allocator.pool_stats(pool)[0]
 
     def stats(self) -> dict[str, PoolStats] | None:
         """Per kind of pool (``weights``, ``activations``, ``graphs``, ``staging``): bytes
         reserved and allocated; None when inert or closed."""
         if self._allocator is None or self.closed:
             return None
-        with self._lock:
-            pools = list(self._pools.items()) + [("activations", p) for p in self._retired]
         figures: dict[str, list[int]] = {}
-        for role, pool in pools:
-            reserved, allocated = self._allocator.pool_stats(pool)
-            kind = role_kind(role)
-            total = figures.setdefault(kind, [0, 0])
-            total[0] += reserved
-            total[1] += allocated
+        # Under the lock, so that no reference of ours outlives a concurrent close's drop (the
+        # pool would then die here, outside the gate).
+        with self._lock:
+            if self.closed:
+                return None
+            pools = list(self._pools.items()) + [("activations", p) for p in self._retired]
+            pool = None
+            for role, pool in pools:
+                reserved, allocated = self._allocator.pool_stats(pool)
+                total = figures.setdefault(role_kind(role), [0, 0])
+                total[0] += reserved
+                total[1] += allocated
+            pools = pool = None
         return {kind: PoolStats(*figure) for kind, figure in figures.items()}
 
     def free_and_total(self) -> tuple[int, int]:
@@ -377,6 +383,8 @@ class _PoolEntry:
             steps.enter_context(allocator.GATE.shared())
             pool_id = memory._enter(role)
             steps.callback(memory._leave, role)
+            self._local.inside = (id(memory), role)
+            steps.callback(setattr, self._local, "inside", None)
             if self._capture is None:
                 steps.enter_context(alloc.using(pool_id, memory.device))
             else:
@@ -386,12 +394,10 @@ class _PoolEntry:
             steps.close()
             raise
         self._steps = steps
-        self._local.inside = (id(memory), role)
 
     def __exit__(self, *exc: Any) -> None:
         if self._nested:
             return
-        self._local.inside = None
         steps, self._steps = self._steps, None
         if steps is not None:
             steps.close()
