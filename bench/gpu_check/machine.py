@@ -143,6 +143,7 @@ def allocator_in_force(device: str) -> dict[str, Any]:
             expandable = segment.get("is_expandable")
     found["expandable_segments"] = expandable
     del probe
+    torch.cuda.empty_cache()  # the probe's segment would count as reserved in what follows
     return found
 
 
