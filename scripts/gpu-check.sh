@@ -39,9 +39,6 @@ if ! "$python" -c 'import torch' 2>/dev/null; then
     echo "gpu-check: $python cannot import torch; this check runs with the machine's own torch" >&2
     exit 1
 fi
-"$python" -c 'import platform, torch
-print(f"gpu-check: Python {platform.python_version()}, torch {torch.__version__} (CUDA "
-      f"{torch.version.cuda}), {torch.cuda.device_count()} CUDA device(s)")'
 
 site=$(mktemp -d "${TMPDIR:-/tmp}/batchgate-gpu-check.XXXXXX")
 trap 'rm -rf "$site"' EXIT
@@ -51,6 +48,9 @@ echo "gpu-check: installing the wheels of scripts/gpu-check-requirements.txt int
 
 cd "$root"
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+"$python" -c 'import platform, torch
+print(f"gpu-check: Python {platform.python_version()}, torch {torch.__version__} (CUDA "
+      f"{torch.version.cuda}), {torch.cuda.device_count()} CUDA device(s)")'
 runner=()
 command -v timeout >/dev/null && runner=(timeout --kill-after=10 "$limit_s")
 set +e
