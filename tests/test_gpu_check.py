@@ -356,3 +356,23 @@ def test_targets_are_met_only_by_a_measured_figure():
     # Section (d) ran but gave no figure: said so, not passed.
     assert verdicts["h2d"].status == "UNMEASURED"
     assert "no row measured it" in verdicts["h2d"].result
+
+
+def test_a_server_trace_that_dies_while_serving_fails_the_concurrent_target(monkeypatch):
+    # An abort inside the allocator (a MemPool released while a thread records into it) kills
+    # the process: that is the concurrent load failing, not a figure left unmeasured.
+    from batchgate.bench.gpu_check import memory
+    from batchgate.bench.gpu_check.report import Budget, Report
+    from batchgate.bench.gpu_check.targets import evaluate
+
+    monkeypatch.setattr(memory, "gpu_check_command", lambda *flags: [
+        sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGABRT)"])
+    report = Report()
+    memory.server_trace_rows(report, Budget(report, 60), "cuda:0")
+    evaluate(report, "cuda:0", {"b"})
+
+    verdicts = {row.data["target"]: row for row in report.rows if row.section == "targets"}
+    assert verdicts["concurrent"].status == "NOT MET"
+    assert "signal 6" in verdicts["concurrent"].result
+    assert verdicts["memory"].status == "UNMEASURED"
+    assert "did not give" in verdicts["memory"].result

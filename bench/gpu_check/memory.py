@@ -54,7 +54,8 @@ def section_memory(report: Report, budget: Budget, device: str) -> None:
         theirs[label] = result["ratio"]
         report.add(
             "b", check, f"peak allocated / peak reserved {result['ratio']:.1%} on average, "
-            f"{result['min_ratio']:.1%} at worst (PYTORCH_ALLOC_CONF={conf!r})", INFO, **result)
+            f"{result['min_ratio']:.1%} at worst; {describe_allocator(result['allocator'])}",
+            INFO, **result)
     if theirs:
         report.add(
             "b", "arenas vs caching allocator, same traces",
@@ -81,9 +82,17 @@ def server_trace_rows(report: Report, budget: Budget, device: str) -> None:
         result = alloc_child(report, budget, conf, f"--_server-trace={device},{index}",
                              "SERVER_TRACE ", check)
         if result is None:
-            if pooled:
+            failed = report.rows[-1]
+            if pooled and failed.data.get("returncode", 0) < 0:
+                # Killed by a signal while it served (an abort in the allocator is one): the
+                # concurrent load did fail, whatever else is unknown.
+                report.add("b", f"concurrent load, {label}",
+                           f"the process died of signal {-failed.data['returncode']} while "
+                           f"serving: {failed.result}", FAIL, target="concurrent",
+                           died=failed.data["returncode"], device=device)
+            elif pooled:
                 report.unmeasured("concurrent", f"the server trace with pools did not run: "
-                                  f"{report.rows[-1].result}")
+                                  f"{failed.result}")
             continue
         served = (f"{result['requests']} requests from {result['clients']} clients over "
                   f"{len(result['models'])} models ({result['instances']} instances x "
@@ -151,6 +160,7 @@ def alloc_child(report: Report, budget: Budget, conf: str, flag: str, marker: st
     result = marked_json(out.stdout, marker)
     if out.returncode != 0 or result is None:
         tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
-        report.add("b", label, f"subprocess exit {out.returncode}: {tail}", ERROR)
+        report.add("b", label, f"subprocess exit {out.returncode}: {tail}", ERROR,
+                   returncode=out.returncode, stderr_tail=out.stderr.strip().splitlines()[-20:])
         return None
     return result

@@ -13,7 +13,6 @@ holds at once (``LIVE_INPUTS``, ``LIVE_OUTPUTS``: the trace's lifetimes, one bat
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -86,10 +85,10 @@ def pool_trace_figure(device: str, seed: int) -> dict[str, Any]:
             "refused": refused, "sizing": "per-model plan, reserved up front"}
 
 
-def alloc_replay_main() -> int:
+def alloc_replay_main(allocator: dict[str, Any]) -> int:
     """Child of (b): the ``mixed_trace`` seeds replayed through the caching allocator
     (``torch.empty`` and drop), each from an empty cache, under whatever allocator settings
-    the process was started with."""
+    the process was started with (``allocator``: them, as in force)."""
     import torch
 
     from batchgate.batcher.pool import mixed_trace, peak_live_bytes
@@ -115,7 +114,7 @@ def alloc_replay_main() -> int:
                       "ratio": allocated / reserved if reserved else 0.0,
                       "segments_peak": torch.cuda.memory_stats().get("segment.all.peak", 0)})
     print("ALLOC_REPLAY " + json.dumps({
-        "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF", ""),
+        "allocator": allocator,
         "ratio": sum(s["ratio"] for s in seeds) / len(seeds),
         "min_ratio": min(s["ratio"] for s in seeds),
         "seeds": seeds,

@@ -102,7 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     configured = configure()
     if args.alloc_replay:
-        return alloc_replay_main()
+        return alloc_replay_main({**allocator_settings(configured),
+                                  **allocator_in_force("cuda:0")})
     if args.server_trace is not None:
         ensure_structlog()
         device = args.server_trace.split(",")[0]

@@ -29,6 +29,8 @@ class Target:
 
 def _concurrent(rows: list[Row]) -> tuple[str, str]:
     row = rows[-1].data
+    if "died" in row:
+        return NOT_MET, rows[-1].result
     ok = row["requests"] > 0 and row["failed"] == 0 and row["wrong"] == 0 and not row["problems"]
     text = (f"{row['requests']} requests, {row['failed']} failed, {row['wrong']} wrong, "
             f"{row['instances']} instances x {row['inflight_batches']} batches in flight each, "
