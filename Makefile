@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test install tools native native-asan protos check-protos lint clean
+.PHONY: serve test install tools native native-asan protos check-protos lint clean gpu-check gpu-check-wheels
 
 $(STAMP): pyproject.toml setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -39,10 +39,30 @@ serve: $(STAMP) native
 test: $(STAMP) tools native native-asan
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# The GPU check on a GPU machine, with its own torch and no .venv (scripts/gpu-check.sh):
+# `make gpu-check OUT=DIR`, `make gpu-check CPU=1` for the same recipe on the CPU. Its wheels
+# come from .whl/, which `make gpu-check-wheels` fills where PyPI is reachable.
+OUT ?= bench/out/gpu-check
+gpu-check:
+	bash scripts/gpu-check.sh $(if $(CPU),--cpu) $(OUT)
+
+gpu-check-wheels:
+	bash scripts/gpu-check-wheels.sh
+
 protos: $(STAMP)
 	$(BIN)/python -m batchgate.protos.generate
 
-check-protos: $(STAMP)
+check-# The GPU check on a GPU machine, with its own torch and no .venv (scripts/gpu-check.sh):
+# `make gpu-check OUT=DIR`, `make gpu-check CPU=1` for the same recipe on the CPU. Its wheels
+# come from .whl/, which `make gpu-check-wheels` fills where PyPI is reachable.
+OUT ?= bench/out/gpu-check
+gpu-check:
+	bash scripts/gpu-check.sh $(if $(CPU),--cpu) $(OUT)
+
+gpu-check-wheels:
+	bash scripts/gpu-check-wheels.sh
+
+protos: $(STAMP)
 	$(BIN)/python -m batchgate.protos.generate --check
 
 clean:

@@ -5,10 +5,15 @@
 top-level module but `batchgate`. Everything else about the distribution is in pyproject.toml.
 """
 
+import runpy
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
-# Repository folders, each installed as batchgate.<folder> with its sub-packages.
-FOLDERS = ("server", "batcher", "clients", "bench", "protos")
+# Repository folders, each installed as batchgate.<folder> with its sub-packages; declared once,
+# in batchgate/_checkout.py (which also finds them in a checkout that is not installed).
+FOLDERS = runpy.run_path(str(Path(__file__).resolve().parent / "batchgate" / "_checkout.py"))[
+    "FOLDERS"]
 
 
 def layout() -> tuple[list[str], dict[str, str]]:

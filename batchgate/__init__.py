@@ -15,9 +15,15 @@ benchmarks; the `server` extra) and `batchgate.protos` (the generated protocol m
 from __future__ import annotations
 
 from importlib import import_module
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from batchgate import _checkout
+
 __version__ = "0.1.0"
+
+# Run from a checkout that is not installed, batchgate.<folder> is the checkout's folder.
+_checkout.install(Path(__file__).resolve().parent)
 
 # The SDK's public names, re-exported from batchgate.clients (its __all__).
 _SDK_NAMES = (

@@ -36,19 +36,28 @@ def available() -> bool:
     return torch.cuda.is_available()
 
 
+def runtime_soname(cuda_version: str | None) -> str:
+    """The soname of the CUDA runtime of ``cuda_version`` (``torch.version.cuda``): one
+    per major version from CUDA 12 on (``libcudart.so.13``), ``libcudart.so.11.0`` before."""
+    if not cuda_version:
+        raise StatusError(Code.FAILED_PRECONDITION,
+                          f"this torch ({torch.__version__}) is not built with CUDA")
+    major = int(cuda_version.split(".")[0])
+    return f"libcudart.so.{major}" if major >= 12 else f"libcudart.so.{major}.0"
+
+
 def _cudart() -> ctypes.CDLL:
-    """The CUDA runtime torch already loaded (dlopen finds it by its soname)."""
+    """The CUDA runtime torch already loaded: dlopen of its soname finds the library torch's
+    CUDA module was linked against, not another version's."""
     global _runtime
     if _runtime is None:
-        for name in ("libcudart.so.12", "libcudart.so.13", "libcudart.so.11.0", "libcudart.so"):
-            try:
-                library = ctypes.CDLL(name)
-                break
-            except OSError:
-                continue
-        else:
+        name = runtime_soname(torch.version.cuda)
+        try:
+            library = ctypes.CDLL(name)
+        except OSError:
             raise StatusError(Code.FAILED_PRECONDITION,
-                              "the CUDA runtime library (libcudart) cannot be loaded")
+                              f"the CUDA runtime library {name} (torch's CUDA "
+                              f"{torch.version.cuda}) cannot be loaded") from None
         library.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _Handle,
                                                  ctypes.c_uint]
         library.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]

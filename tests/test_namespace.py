@@ -26,11 +26,11 @@ import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from batchgate._checkout import FOLDERS
 from batchgate.protos import inference_pb2, model_config_pb2, registry, wire_pb2
 
 REPO = Path(__file__).resolve().parents[1]
-# The folders installed under batchgate.<name>; at the top level they must not be importable.
-FOLDERS = ("server", "batcher", "clients", "bench", "protos")
+# FOLDERS: installed under batchgate.<name>; at the top level they must not be importable.
 SCANNED = (*FOLDERS, "tests", "batchgate")
 # "server.cli", "-m server.cli", "bench.loadgen.cli.main": a module path of the old layout.
 OLD_PATH = re.compile(rf"(?:^|\s|-m\s*)({'|'.join(FOLDERS)})\.(\w+)")
@@ -91,6 +91,39 @@ def test_installed_package_maps_to_the_folders(cwd, tmp_path):
     # The suite runs on the editable install (`make install`): the checkout's own files.
     assert Path(app_file).samefile(REPO / "server" / "app.py")
     assert top_level == "[]"
+
+
+def test_a_checkout_that_is_not_installed_imports_from_its_folders(tmp_path):
+    # As on a machine with torch preinstalled and nothing of ours: site-packages on the path
+    # without its .pth files (-S; PYTHONPATH entries are not site directories), so the editable
+    # install's finder is absent and only the checkout itself can map batchgate.<folder>.
+    site = os.pathsep.join(dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib")))
+    script = IMPORT_CHECK + textwrap.dedent("""
+        import batchgate.bench.gpu_check.run, tests.support.harness
+        print(sorted(m for m in sys.modules if m.partition(".")[0] in {folders!r}))
+        """).format(folders=FOLDERS)
+    env = {**os.environ, "PYTHONPATH": site}
+    done = _run([sys.executable, "-S", "-c", script], cwd=REPO, env=env)
+    assert done.returncode == 0, done.stderr
+    app_file, top_level, after_bench = done.stdout.splitlines()
+    assert Path(app_file).samefile(REPO / "server" / "app.py")
+    assert top_level == after_bench == "[]"
+    # The same process without the checkout's finder: nothing else would have found them.
+    bare = _run([sys.executable, "-S", "-c", "import sys, batchgate; "
+                 "sys.meta_path[:] = [f for f in sys.meta_path "
+                 "if type(f).__name__ != 'CheckoutFinder']; import batchgate.server"],
+                cwd=REPO, env=env)
+    assert "No module named 'batchgate.server'" in bare.stderr, bare.stderr
+
+
+def test_an_installed_layout_gets_no_checkout_finder(tmp_path):
+    from batchgate import _checkout
+
+    installed = tmp_path / "site" / "batchgate"
+    (installed / "server").mkdir(parents=True)
+    assert not _checkout.is_checkout(installed)
+    assert not _checkout.install(installed)
+    assert _checkout.is_checkout(REPO / "batchgate")
 
 
 # --- the wheel, in a fresh virtual environment -----------------------------------------------

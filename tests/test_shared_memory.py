@@ -485,42 +485,97 @@ def test_perf_analyzer_with_system_shared_memory_has_no_errors(shm_server, tmp_p
                                              timeout=30).regions
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA device")
-def test_cuda_shared_memory_inputs_and_outputs(shm_server):
-    import torch
+# The CUDA client, in a process of its own: CUDA refuses to open an IPC handle in the process
+# that made it, and in one-process mode the server is this test's process. Each region is its
+# own cudaMalloc allocation, so the handle's base (what the server maps) is the region's start;
+# the tensors lie at offsets inside the regions, and the bytes around the output are read back
+# to show that the offset, not the base, was written.
+CUDA_CLIENT_SCRIPT = textwrap.dedent("""
+    import ctypes, json, sys
+    import grpc, numpy as np, torch
+    from batchgate.protos import inference_pb2 as pb, inference_pb2_grpc
+    from batchgate.server.cuda_ipc import runtime_soname
 
-    x = torch.tensor([[1.5, -2.0]], device="cuda")
-    out = torch.zeros((1, 2), device="cuda")
-    libcudart = __import__("ctypes").CDLL("libcudart.so.12")
-    handles = []
-    for tensor in (x, out):
-        handle = (__import__("ctypes").c_char * 64)()
-        assert libcudart.cudaIpcGetMemHandle(handle, __import__("ctypes").c_void_p(
-            tensor.data_ptr())) == 0
-        handles.append(bytes(handle))
-    stub = _stub(shm_server.address)
-    assert "cuda_shared_memory" in stub.ServerMetadata(pb.ServerMetadataRequest(),
-                                                       timeout=30).extensions
-    for name, handle in zip(("gx", "gy"), handles):
+    REGION, IN_AT, OUT_AT = 1024, 256, 512
+    torch.cuda.init()  # loads torch's CUDA runtime: the soname below is that library
+    rt = ctypes.CDLL(runtime_soname(torch.version.cuda))
+
+    def check(status, what):
+        if status != 0:
+            raise SystemExit(f"{what}: CUDA error {status}")
+
+    def allocate():
+        pointer = ctypes.c_void_p()
+        check(rt.cudaMalloc(ctypes.byref(pointer), ctypes.c_size_t(REGION)), "cudaMalloc")
+        check(rt.cudaMemset(pointer, 0, ctypes.c_size_t(REGION)), "cudaMemset")
+        handle = (ctypes.c_char * 64)()
+        check(rt.cudaIpcGetMemHandle(handle, pointer), "cudaIpcGetMemHandle")
+        return pointer.value, bytes(handle)
+
+    def copy(dst, src, nbytes, kind):  # kind 1: host to device, 2: device to host
+        check(rt.cudaMemcpy(ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes),
+                            kind), "cudaMemcpy")
+
+    x = np.array([[1.5, -2.0]], dtype=np.float32)
+    (x_ptr, x_handle), (out_ptr, out_handle) = allocate(), allocate()
+    copy(x_ptr + IN_AT, x.ctypes.data, x.nbytes, 1)
+    stub = inference_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(sys.argv[1]))
+    found = {"extensions": list(stub.ServerMetadata(pb.ServerMetadataRequest(),
+                                                    timeout=30).extensions)}
+    for name, handle in (("gx", x_handle), ("gy", out_handle)):
         stub.CudaSharedMemoryRegister(pb.CudaSharedMemoryRegisterRequest(
-            name=name, raw_handle=handle, device_id=0, byte_size=8), timeout=30)
+            name=name, raw_handle=handle, device_id=0, byte_size=REGION), timeout=30)
     try:
-        assert set(stub.CudaSharedMemoryStatus(pb.CudaSharedMemoryStatusRequest(),
-                                               timeout=30).regions) == {"gx", "gy"}
+        found["regions"] = sorted(stub.CudaSharedMemoryStatus(
+            pb.CudaSharedMemoryStatusRequest(), timeout=30).regions)
         request = pb.ModelInferRequest(model_name="failing")
         tensor = request.inputs.add(name="INPUT__0", datatype="FP32", shape=[1, 2])
         tensor.parameters["shared_memory_region"].string_param = "gx"
-        tensor.parameters["shared_memory_byte_size"].int64_param = 8
+        tensor.parameters["shared_memory_offset"].int64_param = IN_AT
+        tensor.parameters["shared_memory_byte_size"].int64_param = x.nbytes
         output = request.outputs.add(name="OUTPUT__0")
         output.parameters["shared_memory_region"].string_param = "gy"
-        output.parameters["shared_memory_byte_size"].int64_param = 8
-        reply = stub.ModelInfer(request, timeout=30)
-        assert reply.raw_output_contents == [b""]
-        torch.cuda.synchronize()
-        assert out.cpu().tolist() == [[2.5, -1.0]]
+        output.parameters["shared_memory_offset"].int64_param = OUT_AT
+        output.parameters["shared_memory_byte_size"].int64_param = x.nbytes
+        found["raw_output_contents"] = [len(r) for r in stub.ModelInfer(
+            request, timeout=30).raw_output_contents]
+        # The server synchronised its copy before it replied.
+        around = np.zeros(8, np.float32)  # 16 bytes either side of the output
+        copy(around.ctypes.data, out_ptr + OUT_AT - 16, around.nbytes, 2)
+        found["around_output"] = around.tolist()
     finally:
         stub.CudaSharedMemoryUnregister(pb.CudaSharedMemoryUnregisterRequest(), timeout=30)
+    rt.cudaFree(ctypes.c_void_p(x_ptr))
+    rt.cudaFree(ctypes.c_void_p(out_ptr))
+    print(json.dumps(found))
+""")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA device (this machine has none)")
+def test_cuda_shared_memory_inputs_and_outputs(shm_server):
+    done = subprocess.run([sys.executable, "-c", CUDA_CLIENT_SCRIPT, shm_server.address],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "cuda_shared_memory" in found["extensions"]
+    assert found["regions"] == ["gx", "gy"]
+    assert found["raw_output_contents"] == [0]  # the output went to the region
+    # x + 1 at the output's offset, nothing written before or after it.
+    assert found["around_output"] == [0.0] * 4 + [2.5, -1.0] + [0.0] * 2
+
+
+def test_the_cuda_runtime_is_the_one_of_the_cuda_torch_was_built_for():
+    from batchgate.server.cuda_ipc import runtime_soname
+    from batchgate.server.status import Code, StatusError
+
+    assert runtime_soname("13.0") == "libcudart.so.13"
+    assert runtime_soname("12.8") == "libcudart.so.12"
+    assert runtime_soname("11.8") == "libcudart.so.11.0"
+    with pytest.raises(StatusError) as info:
+        runtime_soname(None)  # a CPU build of torch
+    assert info.value.code == Code.FAILED_PRECONDITION
+    assert "not built with CUDA" in str(info.value)
 
 
 # -- the registry itself, without a server --------------------------------------------------------

@@ -1,7 +1,7 @@
 """The GPU check: every GPU path of batchgate measured in one run of a few minutes.
 
 Without a CUDA device it prints one line saying so and exits 0: nothing is pretended. With one,
-it runs five sections, each in its own try/except and time budget, prints one table at the end
+it runs six sections, each in its own try/except and time budget, prints one table at the end
 (the device machine returns only the tail of stdout) and, with ``--json FILE``, writes every
 figure there too:
 
@@ -17,23 +17,28 @@ figure there too:
     convolutions while ``torch.backends.cudnn.allow_tf32`` is on, torch's default, and for
     every model if matmuls may use TF32: TF32's 10-bit mantissa puts the max error near 5e-4),
     fp16 2e-2 (autocast and weights), bf16 5e-2 (8-bit mantissa).
-(b) memory. First ``batchgate.batcher.pool.mixed_trace`` (several models, random batch sizes, interleaved
-    lifetimes; ``POOL_TRACE_SEEDS``): a synthetic trace of inputs and outputs through our
-    device pool alone, each trace in the smallest arena that serves it, and through PyTorch's
-    caching allocator (``torch.empty`` per allocation) in a subprocess per allocator setting.
-    Then what the server itself allocates (``server_trace_main``, a subprocess per row of
-    ``SERVER_TRACE_MODES``: per-model pools, PyTorch's default allocator, expandable_segments
-    alone): ServedModels of several sizes serving requests of random batch sizes concurrently,
-    one unloaded and another loaded while the rest serve; device-wide bytes in use / reserved
-    sampled after every round (target: >= 90 % with pools, and above PyTorch's figures). With
-    pools, a CUDA-graph model is loaded while the others serve and its answers are checked.
+(b) memory. First ``batchgate.batcher.pool.mixed_trace`` (several models, random batch sizes,
+    interleaved lifetimes; ``POOL_TRACE_SEEDS``): a synthetic trace through our arenas, one per
+    model reserved up front at its plan as the server reserves it (``pool_trace``: from each
+    model's limits, never from the trace's own peak), and through PyTorch's caching allocator
+    (``torch.empty`` per allocation) in a subprocess per allocator setting; what that
+    comparison can and cannot say is printed with it. Then what the server itself allocates
+    while it serves (``server_trace_main``, a subprocess per row of ``SERVER_TRACE_MODES``:
+    per-model pools, PyTorch's default allocator, expandable_segments alone, each on the same
+    online trace): ServedModels of several sizes, two instances of two batches in flight
+    each, serving closed-loop clients at random batch sizes, one unloaded and another loaded
+    while the rest serve; device bytes in use / reserved sampled on a thread throughout, no
+    synchronize (target: >= 90 % with pools, and above PyTorch's default); every answer
+    checked and every failed request counted (the concurrent-load row). With pools, a
+    CUDA-graph model is loaded while the others serve and its answers are checked.
 (c) throughput: the example encoder, a bigger encoder (d_model 512, 6 layers, sequence 128) and
     ResNet-50 (if torchvision imports; random weights), fp32, amp-fp16 and amp-fp16 replayed as
     one CUDA graph in a tight in-process loop at batch ``THROUGHPUT_BATCH``, then amp-fp16
     eager and amp-fp16 with CUDA graphs per bucket through the whole gateway (the harness's
     in-thread server, ``tests.support.harness.start_in_thread``, on port 0 over a temporary
-    model repository; ``batchgate.bench.loadgen``'s closed loop from ``LOAD_PROCESSES`` spawned workers
-    at ``LOAD_CONCURRENCY`` requests in flight in all, one sample per request, after
+    model repository; ``batchgate.bench.loadgen``'s closed loop from ``LOAD_PROCESSES``
+    spawned workers at ``LOAD_CONCURRENCY`` requests in flight in all, one sample per request,
+    after
     ``LOAD_WARMUP_S`` of warm-up): gateway samples/s / in-process samples/s of the same path.
 (d) host-to-device time on the critical path, for an mlp batch of 64 and a cnn batch of 32,
     timed with CUDA events against the forward: the batch's copy after it closes from pageable
@@ -41,48 +46,55 @@ figure there too:
     and what staging leaves there, the device-to-device gather of rows staged while queued:
     copy / (copy + forward). Then the gather as the executor really does it
     (``section_gather``): GATHER_REQUESTS single-sample requests of a ResNet-sized input per
-    batch, staged at batch and while queued, assembly time against a ResNet-50 forward (target
-    <= 5 %); and the shared arena pinned as the executor process pins it, with its cost.
+    batch, staged at batch and while queued, the inputs' time on the instance's copy stream
+    against the forward's on its stream, both from CUDA events (``copy_events``; target <=
+    5 %), beside the host's time around the assembly; and the shared arena pinned as the
+    executor process pins it, with its cost.
 (e) GPU busy %: NVML utilisation sampled every 100 ms while the gateway runs (c)'s load.
-(t) ``pytest -m cuda`` on the same machine, in the same call (``--no-pytest`` leaves it out).
+(t) ``pytest -m cuda`` on the same machine, in the same call (``--no-pytest`` leaves it out;
+    ``--cpu --pytest`` runs it on the CPU, where the cuda tests skip and say why).
+
+Then the targets (``targets``), one row each, from the rows above: MET or NOT MET with the
+figures, or UNMEASURED with why (no CUDA device, a section not run, torchvision or NVML
+missing, a child that failed): a figure that was not measured is never a pass.
+
+Every process of the check calls ``batchgate.batcher.gpu_env.configure()`` before CUDA starts,
+as the server's entry points do (the gateway then runs with expandable segments, as in
+production; the children that compare allocators get their setting in the environment, which
+configure() leaves as it is); the machine lines and each memory row print the allocator's
+settings as they are in force (``PYTORCH_ALLOC_CONF`` and ``PYTORCH_CUDA_ALLOC_CONF``, and
+whether the allocator's segments are expandable).
 
 Exit status: 0; 1 when a correctness check of (a) failed or could not run; 3 when the run hit
 ``HARD_LIMIT_S`` (the table so far is printed first).
 
 ``--cpu`` runs section (a) on the CPU (fp32, amp-bf16, and the bucketed, staged path), (b)'s
-synthetic traces through our pool and one run of the server trace's harness (its device figures
-are unmeasured there), so the harness itself is tested on machines without a GPU; ``--cpu
---sections c`` also exercises (c)'s gateway harness there.
+synthetic traces through our arenas and one run of the server trace's harness (its device
+figures are unmeasured there), so the harness itself is tested on machines without a GPU;
+``--cpu --sections c`` also exercises (c)'s gateway harness there.
 
-On the device machine (python 3.12 image with torch, torchvision and nvidia-ml-py, but without
-structlog, grpcio-health-checking or grpcio-reflection, and with grpcio/protobuf of unknown
-versions) carry the server's packages as wheels. Here, in the repository root (``.whl/`` is
-in .gitignore, so it travels only when carried)::
+On a GPU machine, one command from the repository root (it needs the machine's CUDA torch,
+no network and nothing installed)::
 
-    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-        --platform manylinux2014_x86_64 -d .whl structlog==26.1.0 grpcio==1.81.1 \
-        grpcio-health-checking==1.81.1 grpcio-reflection==1.81.1 protobuf==6.33.6 \
-        pytest==9.2.0 pytest-asyncio==1.5.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4 \
-        Pygments==2.21.0
+    scripts/gpu-check.sh OUTDIR
 
-and run, with ``carry: [".whl"]``::
-
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; \
-    PYTHONUNBUFFERED=1 python3 -m batchgate.bench.gpu_check --json $OUT/gpu_check.json
-
-Without structlog a stand-in logger is used (and said so): (b)'s synthetic trace needs torch
-alone, (a), (b)'s server trace and (d) need protobuf >= 6.33 too (the generated config module),
-(c) every package above but pytest's, (t) pytest's too. The check uses only torch API that
-torch 2.11 (the GPU machines') and 2.13 (CI) both have.
+installs the wheels listed in ``scripts/gpu-check-requirements.txt`` from ``.whl/`` into a
+private folder first on the path (``scripts/gpu-check-wheels.sh`` downloads them beforehand,
+where PyPI is reachable; ``.whl/`` is in .gitignore, so it travels only when carried), runs
+this check with ``batchgate.*`` resolved from the checkout itself, and writes the output (the
+table last) and the JSON into OUTDIR. ``scripts/gpu-check.sh --cpu OUTDIR`` runs the same
+recipe on a machine without a GPU. Run without those wheels, a machine without structlog gets
+a stand-in logger (said so); (b)'s synthetic trace needs torch alone, (a), the server trace and
+(d) need protobuf >= 6.33 too, (c) the server's packages, (t) pytest's. The check uses only
+torch API that torch 2.11 (the GPU machines') and 2.13 (CI) both have.
 
 The modules, one a section: ``correctness`` (a); ``memory``, ``pool_trace`` and
-``server_trace`` (b); ``throughput``, ``workloads``, ``inprocess`` and ``load`` (c: the server
-is ``tests.support.harness``'s in-thread one, the load ``batchgate.bench.loadgen``'s); ``nvml`` (e);
-``h2d`` and ``gather`` (d); ``cuda_tests`` (t). Shared: ``report`` (rows, the table, budgets),
-``machine`` (what the run was on), ``children`` (child processes), ``samples`` (inputs and
-model helpers); ``run`` ties them together.
+``server_trace`` (b); ``throughput``, ``workloads``, ``inprocess`` and ``load`` (c: the
+server is ``tests.support.harness``'s in-thread one, the load ``batchgate.bench.loadgen``'s);
+``nvml`` (e); ``h2d``, ``gather`` and ``copy_events`` (d); ``cuda_tests`` (t); ``targets``.
+Shared: ``report`` (rows, the table, budgets), ``machine`` (what the run was on),
+``children`` (child processes), ``samples`` (inputs and model helpers); ``run`` ties them
+together.
 """
 
 from batchgate.bench.gpu_check.pool_trace import pool_trace_figure

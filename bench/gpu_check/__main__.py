@@ -1,4 +1,5 @@
-"""``python -m batchgate.bench.gpu_check`` (from the repository root), or ``python bench/gpu_check``."""
+"""``python -m batchgate.bench.gpu_check`` (from the repository root, installed or not), or
+``python bench/gpu_check``."""
 
 import sys
 from pathlib import Path

@@ -22,7 +22,7 @@ def section_pytest(report: Report, budget: Budget) -> None:
     # Only the files that hold cuda tests: the others need packages the machine may lack.
     files = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "tests").glob("test_*.py")
                    if "mark.cuda" in path.read_text())
-    command = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
+    command = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider",
                "--deselect", "tests/test_gpu_check.py::test_full_run_on_cuda", *files]
     try:
         out = run_child(command, env=dict(os.environ), timeout_s=timeout)
@@ -31,8 +31,11 @@ def section_pytest(report: Report, budget: Budget) -> None:
         return
     lines = [line for line in out.stdout.strip().splitlines() if line.strip()]
     summary = lines[-1] if lines else "no output"
-    report.add("t", "pytest -m cuda", summary,
-               PASS if out.returncode == 0 else FAIL, returncode=out.returncode,
-               tail=lines[-30:])
+    # Every test skipped (no device, or it lacks what they need) is no pass: the reasons follow.
+    ran = " passed" in summary or " failed" in summary
+    status = (FAIL if out.returncode != 0 else PASS if ran else SKIP)
+    skipped = [line for line in lines if line.startswith("SKIPPED")]
+    report.add("t", "pytest -m cuda", summary + (f"; {skipped[0]}" if skipped and not ran else ""),
+               status, returncode=out.returncode, skipped=skipped, tail=lines[-30:])
 
 

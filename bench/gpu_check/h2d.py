@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from batchgate.bench.gpu_check.report import INFO, SKIP, Budget, Report
-from batchgate.bench.gpu_check.samples import (EXAMPLE_INPUTS, ROOT, autocast_for, build_from_source,
-                                     random_array)
+from batchgate.bench.gpu_check.samples import (EXAMPLE_INPUTS, ROOT, autocast_for,
+                                               build_from_source, random_array)
 
 H2D_CASES = (("mlp", 64), ("cnn", 32))
 H2D_WARMUP = 5

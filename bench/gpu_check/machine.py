@@ -80,7 +80,8 @@ def ensure_structlog() -> str:
 def project_imports() -> dict[str, str]:
     """Which parts of the project import here: 'ok' or the error."""
     found = {}
-    for module in ("batchgate.batcher.model", "batchgate.server.model_config", "batchgate.server.app", "batchgate.clients"):
+    for module in ("batchgate.batcher.model", "batchgate.server.model_config",
+                   "batchgate.server.app", "batchgate.clients"):
         try:
             importlib.import_module(module)
             found[module] = "ok"
@@ -110,9 +111,56 @@ def machine_facts(device: str) -> dict[str, Any]:
             driver=driver_version(),
             cudnn=torch.backends.cudnn.version(),
             tf32=tf32_flags(),
-            alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         )
     return facts
+
+
+def allocator_settings(configured: dict[str, str] | None) -> dict[str, Any]:
+    """The allocator's settings as this process runs: both variables torch reads (None where
+    unset), what ``gpu_env.configure()`` returned, and on a CUDA device what the allocator does
+    (``allocator_in_force``)."""
+    from batchgate.batcher.gpu_env import ALLOC_CONF_VARS
+
+    settings: dict[str, Any] = {name: os.environ.get(name) for name in ALLOC_CONF_VARS}
+    settings["configure"] = configured
+    return settings
+
+
+def allocator_in_force(device: str) -> dict[str, Any]:
+    """Read back from the allocator after one allocation: its backend, and whether the segment
+    it made is expandable (None: this torch's snapshot does not say)."""
+    import torch
+
+    found: dict[str, Any] = {}
+    with contextlib.suppress(Exception):
+        found["backend"] = torch.cuda.get_allocator_backend()
+    probe = torch.empty(1 << 20, dtype=torch.uint8, device=device)
+    address = probe.data_ptr()
+    expandable = None
+    for segment in torch.cuda.memory_snapshot():
+        start = segment.get("address", 0)
+        if start <= address < start + segment.get("total_size", 0):
+            expandable = segment.get("is_expandable")
+    found["expandable_segments"] = expandable
+    del probe
+    torch.cuda.empty_cache()  # the probe's segment would count as reserved in what follows
+    return found
+
+
+def describe_allocator(settings: dict[str, Any]) -> str:
+    """One line: both variables as set, and what the allocator was seen doing."""
+    from batchgate.batcher.gpu_env import ALLOC_CONF_VARS
+
+    text = ", ".join(f"{name}={settings.get(name)!r}" if settings.get(name) is not None
+                     else f"{name} unset" for name in ALLOC_CONF_VARS)
+    if "expandable_segments" in settings:
+        seen = settings["expandable_segments"]
+        text += ("; in force: expandable segments "
+                 + ("unknown (no is_expandable in the snapshot)" if seen is None
+                    else "on" if seen else "off"))
+        if settings.get("backend"):
+            text += f", backend {settings['backend']}"
+    return text
 
 
 def tf32_flags() -> dict[str, bool | None]:
@@ -152,8 +200,9 @@ def print_machine(report: Report) -> None:
         f"{key} {m[key]}" for key in ("gpu", "capability", "gpu_memory_gib", "driver", "torch",
                                       "torch_cuda", "cudnn", "python", "cpus") if key in m))
     if "tf32" in m:
-        say(f"tf32 allowed: matmul {m['tf32']['matmul']}, cudnn {m['tf32']['cudnn']}; "
-            f"PYTORCH_CUDA_ALLOC_CONF={m['alloc_conf']!r}")
+        say(f"tf32 allowed: matmul {m['tf32']['matmul']}, cudnn {m['tf32']['cudnn']}")
+    if "allocator" in m:
+        say("allocator: " + describe_allocator(m["allocator"]))
     say("packages: " + ", ".join(f"{k} {v}" for k, v in m["packages"].items()))
     if m.get("structlog_note"):
         say(m["structlog_note"])

@@ -19,23 +19,29 @@ from batchgate.bench.gpu_check.correctness import (CPU_VARIANTS, EXAMPLE_MODELS,
 from batchgate.bench.gpu_check.cuda_tests import section_pytest
 from batchgate.bench.gpu_check.gather import section_gather
 from batchgate.bench.gpu_check.h2d import section_h2d
-from batchgate.bench.gpu_check.machine import ensure_structlog, machine_facts, print_machine, project_imports
+from batchgate.bench.gpu_check.machine import (allocator_in_force, allocator_settings,
+                                               ensure_structlog, machine_facts, print_machine,
+                                               project_imports)
 from batchgate.bench.gpu_check.memory import section_memory
 from batchgate.bench.gpu_check.pool_trace import alloc_replay_main
 from batchgate.bench.gpu_check.server_trace import server_trace_main
 from batchgate.bench.gpu_check.throughput import section_throughput
 from batchgate.bench.gpu_check.workloads import CPU_THROUGHPUT, GPU_THROUGHPUT
 from batchgate.bench.gpu_check.report import ERROR, HARD_LIMIT_S, SKIP, Report, run_section, say
+from batchgate.bench.gpu_check.targets import evaluate, unmeasured_without_gpu
 
 # Time budgets (seconds): the whole run must stay well under 8 minutes.
-A_BUDGET_S = 70.0
-D_BUDGET_S = 40.0
-B_BUDGET_S = 125.0
-C_BUDGET_S = 110.0
-T_BUDGET_S = 90.0  # pytest -m cuda
+A_BUDGET_S = 65.0
+D_BUDGET_S = 35.0
+B_BUDGET_S = 140.0  # the synthetic traces, and five child processes: two replays, three traces
+C_BUDGET_S = 100.0
+T_BUDGET_S = 85.0  # pytest -m cuda
 
 
 def finish(report: Report, json_path: Path | None, exit_code: int) -> int:
+    if not any(row.section == "targets" for row in report.rows):
+        evaluate(report, report.machine.get("device", "cpu"),
+                 set(report.machine.get("sections", ())))
     say("")
     print_machine(report)
     say(report.table())
@@ -81,28 +87,43 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help=argparse.SUPPRESS)
     parser.add_argument("--_server-trace", dest="server_trace", default=None,
                         help=argparse.SUPPRESS)
-    parser.add_argument("--no-pytest", dest="pytest", action="store_false",
-                        help="on a GPU, do not run `pytest -m cuda` at the end")
+    parser.add_argument("--pytest", action=argparse.BooleanOptionalAction, default=None,
+                        help="run `pytest -m cuda` at the end (default: on a GPU, not with "
+                             "--cpu, where the cuda tests skip and say why)")
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    # First, in every process of the check: the allocator reads its settings once, when CUDA
+    # starts, and the gateway serves with what configure() sets in production (children get
+    # their setting in the environment, which configure() then leaves as it is).
+    from batchgate.batcher.gpu_env import configure
+
+    configured = configure()
     if args.alloc_replay:
-        return alloc_replay_main()
+        return alloc_replay_main({**allocator_settings(configured),
+                                  **allocator_in_force("cuda:0")})
     if args.server_trace is not None:
         ensure_structlog()
-        return server_trace_main(args.server_trace)
+        device = args.server_trace.split(",")[0]
+        allocator = allocator_settings(configured)
+        if device.startswith("cuda"):
+            allocator.update(allocator_in_force(device))
+        return server_trace_main(args.server_trace, allocator)
 
     import torch
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.cpu:
-        say(f"gpu_check: no GPU present (torch {torch.__version__}: torch.cuda.is_available() "
-            "is False); every GPU figure is unmeasured. `--cpu` tests the harness on the CPU.")
+        reason = (f"no GPU present (torch {torch.__version__}: torch.cuda.is_available() is "
+                  "False)")
+        say(f"gpu_check: {reason}; every GPU figure is unmeasured. `--cpu` tests the harness "
+            "on the CPU.")
         if args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({"cuda": False, "torch": torch.__version__}))
+            args.json.write_text(json.dumps({"cuda": False, "torch": torch.__version__,
+                                             "unmeasured": unmeasured_without_gpu(reason)}))
         return 0
 
     device = "cpu" if args.cpu else "cuda:0"
@@ -118,6 +139,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     report.machine["structlog_note"] = ensure_structlog()
     report.machine["imports"] = project_imports()
     report.machine["device"] = device
+    report.machine["sections"] = sorted(sections)
+    report.machine["allocator"] = allocator_settings(configured)
+    if cuda and not args.cpu:
+        report.machine["allocator"].update(allocator_in_force(device))
     print_machine(report)
 
     variants = CPU_VARIANTS if args.cpu else GPU_VARIANTS
@@ -135,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if sections & {"c", "e"}:
         settings = CPU_THROUGHPUT if args.cpu else GPU_THROUGHPUT
         run_section(report, "c", C_BUDGET_S, lambda r, b: section_throughput(r, b, settings))
-    if cuda and not args.cpu and args.pytest:
+    if args.pytest if args.pytest is not None else cuda and not args.cpu:
         run_section(report, "t", T_BUDGET_S, section_pytest)
     return finish(report, args.json, 1 if report.correctness_failed() else 0)
 

@@ -1,10 +1,12 @@
-"""(b) what the server itself allocates: a child process per allocator setting."""
+"""(b) what the server itself allocates, sampled while it serves: a child process per allocator
+setting (the allocator reads its settings once, when CUDA starts in the process)."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
-import os
+import threading
 import time
 from typing import Any
 
@@ -17,19 +19,72 @@ SERVER_TRACE_MODES = (
     ("PyTorch default", "expandable_segments:False", False),
     ("expandable_segments alone", "expandable_segments:True", False),
 )
-SERVER_TRACE_ROUNDS = 60  # rounds of SERVER_TRACE_WIDTH requests over the loaded models
-SERVER_TRACE_WIDTH = 16
-SERVER_TRACE_SECONDS = 25.0
+# Every model runs as the GPU serves by default and beyond: two instances, each with two batches
+# in flight (one assembling while one computes), so the pools see every thread that enters them.
+TRACE_INSTANCES = 2
+TRACE_INFLIGHT = 2
+TRACE_CLIENTS = 24  # requests in flight at once over all models, each client a closed loop
+TRACE_SECONDS = {"cuda": 12.0, "cpu": 3.0}
+SAMPLE_INTERVAL_S = 0.005
 SERVER_TRACE_POOL_BYTES = 256 << 20  # the cap of the device pool the plans are admitted into
+# (width, layers), max batch: three serve from the start, the fourth is loaded mid-trace.
+GPU_STACKS = (((256, 4), 64), ((1024, 4), 128), ((4096, 3), 64), ((2048, 3), 128))
+CPU_STACKS = (((64, 2), 16), ((128, 2), 16), ((256, 2), 8), ((96, 2), 16))
+ANSWER_TOLERANCE = 1e-3  # of max |reference|: fp32 on both sides
 
 
-def server_trace_main(argument: str) -> int:
-    """Child of (b): what the server itself allocates. ServedModels of several sizes (the
-    example models and linear stacks), each with its own pool or not (the mode), served
-    requests of random batch sizes concurrently; mid-trace one model is unloaded and another
-    loaded while the rest serve; with pools a CUDA-graph model is loaded while the others serve
-    and its answers are checked. The device's bytes in use / reserved is sampled after every
-    round. Prints one SERVER_TRACE JSON line."""
+class DeviceSampler:
+    """The device's bytes in use and reserved every SAMPLE_INTERVAL_S on a thread, while the
+    trace is being served: no synchronize, so these are the allocator's figures as the streams
+    run. In use is what torch has handed out less the device pool's arenas' free room (an
+    arena is one allocation to torch, whatever of it the plans and staged inputs use)."""
+
+    def __init__(self, device: str, pools: Any) -> None:
+        self.device = device
+        self.pools = pools
+        self.samples: list[tuple[int, int]] = []  # (in use, reserved)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="memory-sampler", daemon=True)
+
+    def __enter__(self) -> DeviceSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        import torch
+
+        while not self._stop.wait(SAMPLE_INTERVAL_S):
+            reserved = torch.cuda.memory_reserved(self.device)
+            allocated = torch.cuda.memory_allocated(self.device)
+            arena_free = sum(p.bytes_reserved - p.bytes_in_use for p in self.pools.pools())
+            if reserved:
+                self.samples.append((allocated - arena_free, reserved))
+
+    def figures(self) -> dict[str, Any]:
+        if not self.samples:
+            return {"samples": 0}
+        ratios = sorted(used / reserved for used, reserved in self.samples)
+        peak_used, peak_reserved = max(self.samples, key=lambda s: s[1])
+        return {"samples": len(ratios), "ratio_mean": sum(ratios) / len(ratios),
+                "ratio_min": ratios[0], "ratio_p10": ratios[len(ratios) // 10],
+                "ratio_at_peak_reserved": peak_used / peak_reserved,
+                "peak_reserved_sampled": peak_reserved,
+                "peak_in_use_sampled": max(used for used, _ in self.samples)}
+
+
+def server_trace_main(argument: str, allocator: dict[str, Any]) -> int:
+    """Child of (b): ServedModels of several sizes (linear stacks; each with pools of its own or
+    not: the mode), TRACE_INSTANCES instances of TRACE_INFLIGHT batches in flight, serve
+    TRACE_CLIENTS closed-loop clients sending random batch sizes; a third of the way in one
+    model is unloaded and another loaded while the rest serve, half way (with pools) a
+    CUDA-graph model is loaded and its answers checked. Every answer is checked against the
+    module on the CPU; every failed request is counted with its error. The device's bytes in use
+    and reserved are sampled on a thread throughout (``DeviceSampler``). ``allocator``: the
+    settings this process runs with. Prints one SERVER_TRACE JSON line."""
     import torch
 
     from batchgate.batcher.gpu import ModelMemory
@@ -44,10 +99,8 @@ def server_trace_main(argument: str) -> int:
     if cuda:
         torch.cuda.init()
     pools = DevicePools(PoolSettings(SERVER_TRACE_POOL_BYTES))
-    rng = np.random.default_rng(TRACE_SEED)
-    stacks = (((256, 4), 64), ((1024, 4), 128), ((4096, 3), 64), ((2048, 3), 128))
-    if not cuda:
-        stacks = (((64, 2), 16), ((128, 2), 16), ((256, 2), 8), ((96, 2), 16))
+    stacks = GPU_STACKS if cuda else CPU_STACKS
+    seconds = TRACE_SECONDS["cuda" if cuda else "cpu"]
 
     def linear(width: int, layers: int, seed: int) -> Any:
         with torch.random.fork_rng(devices=[]):
@@ -64,7 +117,9 @@ def server_trace_main(argument: str) -> int:
         spec = ModelSpec(name=name, version="1", platform="test", device=device,
                          inputs=(TensorSpec("x", "FP32", (width,)),),
                          outputs=(TensorSpec("y", "FP32", (width,)),),
-                         batching=BatchingConfig(max_batch_size=max_batch), **fields)
+                         batching=BatchingConfig(max_batch_size=max_batch,
+                                                 max_inflight_batches=TRACE_INFLIGHT),
+                         instance_count=TRACE_INSTANCES, **fields)
         model = ServedModel(spec, module, pools=pools, memory=memory)
         model.start()
         return model, cpu_module
@@ -73,93 +128,110 @@ def server_trace_main(argument: str) -> int:
     for number, ((width, layers), max_batch) in enumerate(stacks[:3]):
         name = f"linear{width}x{layers}"
         models[name] = served(name, width, layers, max_batch, number)
-    samples: list[float] = []
-    correct = True
-    requests = 0
-    unloaded = next(iter(models))
+    all_models = list(models)
+    unloaded = all_models[0]
     (late_width, late_layers), late_batch = stacks[3]
     loaded = f"linear{late_width}x{late_layers}"
+    all_models.append(loaded)
+    counts = {"requests": 0, "failed": 0, "wrong": 0}
+    errors: collections.Counter[str] = collections.Counter()
     graph: dict[str, Any] | None = None
+    stopped: list[Any] = []
+    problems: list[str] = []  # the swap's or the graph model's load that raised
 
-    def sample() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-            reserved = torch.cuda.memory_reserved()
-            if reserved:
-                samples.append(torch.cuda.memory_allocated() / reserved)
+    async def one(model: Any, cpu_module: Any, x: np.ndarray) -> None:
+        try:
+            out = (await model.infer(InferenceRequest([x], batch_size=x.shape[0])))["y"]
+        except Exception as exc:
+            counts["failed"] += 1
+            errors[f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"] += 1
+            return
+        finally:
+            counts["requests"] += 1
 
-    async def one(model: Any, cpu_module: Any, rows: int) -> bool:
-        x = rng.standard_normal((rows, model.spec.inputs[0].dims[0]), dtype=np.float32)
-        out = (await model.infer(InferenceRequest([x], batch_size=rows)))["y"]
-        with torch.inference_mode():
-            want = cpu_module(torch.from_numpy(x)).numpy()
-        return bool(np.abs(out - want).max() <= 1e-3 * max(1.0, float(np.abs(want).max())))
+        def reference() -> np.ndarray:
+            with torch.inference_mode():
+                return cpu_module(torch.from_numpy(x)).numpy()
+
+        want = await asyncio.to_thread(reference)
+        if not np.abs(out - want).max() <= ANSWER_TOLERANCE * max(1.0, float(np.abs(want).max())):
+            counts["wrong"] += 1
+
+    async def client(number: int, deadline: float) -> None:
+        rng = np.random.default_rng((TRACE_SEED, number))
+        while time.monotonic() < deadline:
+            names = sorted(models)
+            # Picked and submitted with no await between: an unloaded model is never picked.
+            model, cpu_module = models[names[int(rng.integers(len(names)))]]
+            rows = int(rng.integers(1, model.spec.max_batch_size + 1))
+            width = model.spec.inputs[0].dims[0]
+            await one(model, cpu_module, rng.standard_normal((rows, width), dtype=np.float32))
+
+    async def swap_and_graphs(started: float) -> None:
+        try:
+            await swap_and_graph_model(started)
+        except Exception as exc:  # the row says so; the trace and its figures go on
+            problems.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+
+    async def swap_and_graph_model(started: float) -> None:
+        nonlocal graph
+        await asyncio.sleep(max(0.0, started + seconds / 3 - time.monotonic()))
+        gone = models.pop(unloaded)[0]
+        stopped.append(gone)
+        _, late = await asyncio.gather(
+            asyncio.to_thread(gone.stop, 5.0),
+            asyncio.to_thread(served, loaded, late_width, late_layers, late_batch, 7))
+        models[loaded] = late
+        if not (cuda and pooled):
+            return
+        await asyncio.sleep(max(0.0, started + seconds / 2 - time.monotonic()))
+        model, cpu_module = await asyncio.to_thread(
+            served, "graphs", 512, 3, 64, 11, cuda_graphs=True, buckets=(1, 8, 64))
+        before = dict(counts)
+        rng = np.random.default_rng(TRACE_SEED)
+        await asyncio.gather(*(one(model, cpu_module,
+                                   rng.standard_normal((rows, 512), dtype=np.float32))
+                               for rows in (1, 5, 8, 33, 64)))
+        status = model.load_report.get("cuda_graphs_status", "")
+        failed = counts["failed"] - before["failed"]
+        wrong = counts["wrong"] - before["wrong"]
+        graph = {"status": status, "failed": failed, "wrong": wrong,
+                 "ok": failed == 0 and wrong == 0 and status.startswith("captured")}
+        await asyncio.to_thread(model.stop, 5.0)
 
     async def trace() -> None:
-        nonlocal correct, requests, graph
         started = time.monotonic()
-        swap: asyncio.Future | None = None
-        graph_load: asyncio.Future | None = None
-        for round_number in range(SERVER_TRACE_ROUNDS):
-            if time.monotonic() - started > SERVER_TRACE_SECONDS:
-                break
-            if round_number == SERVER_TRACE_ROUNDS // 3:
-                # Unload one model and load another while the rest keep serving.
-                gone = models.pop(unloaded)[0]
-                swap = asyncio.ensure_future(asyncio.gather(
-                    asyncio.to_thread(gone.stop, 5.0),
-                    asyncio.to_thread(served, loaded, late_width, late_layers, late_batch, 7)))
-            if round_number == SERVER_TRACE_ROUNDS // 2 and cuda and pooled:
-                graph_load = asyncio.ensure_future(asyncio.to_thread(
-                    served, "graphs", 512, 3, 64, 11, cuda_graphs=True, buckets=(1, 8, 64)))
-            if swap is not None and swap.done():
-                models[loaded] = swap.result()[1]
-                swap = None
-            if graph_load is not None and graph_load.done():
-                model, cpu_module = graph_load.result()
-                results = await asyncio.gather(*(one(model, cpu_module, rows)
-                                                 for rows in (1, 5, 8, 33, 64)))
-                graph = {"status": model.load_report.get("cuda_graphs_status", ""),
-                         "ok": all(results) and model.load_report.get(
-                             "cuda_graphs_status", "").startswith("captured"),
-                         "error": 0.0 if all(results) else 1.0}
-                model.stop(5.0)
-                graph_load = None
-            names = list(models)
-            jobs = []
-            for _ in range(SERVER_TRACE_WIDTH):
-                model, cpu_module = models[names[int(rng.integers(len(names)))]]
-                jobs.append(one(model, cpu_module,
-                                int(rng.integers(1, model.spec.max_batch_size + 1))))
-            results = await asyncio.gather(*jobs)
-            correct = correct and all(results)
-            requests += len(results)
-            sample()
-        if swap is not None:
-            models[loaded] = (await swap)[1]
-        if graph_load is not None:
-            model, _ = await graph_load
-            graph = {"status": "loaded after the trace ended", "ok": False, "error": 1.0}
-            model.stop(5.0)
+        deadline = started + seconds
+        await asyncio.gather(swap_and_graphs(started),
+                             *(client(n, deadline) for n in range(TRACE_CLIENTS)))
 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    asyncio.run(trace())
+        with DeviceSampler(device, pools) as sampler:
+            asyncio.run(trace())
+    else:
+        sampler = None
+        asyncio.run(trace())
+    failed_by_stats = sum(m.stats.snapshot().fail.count
+                          for m in [*stopped, *(m for m, _ in models.values())])
     result: dict[str, Any] = {
-        "mode": label, "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF", ""),
-        "pooled": pooled, "models": sorted([*models, unloaded]), "unloaded": unloaded,
-        "loaded": loaded, "requests": requests, "correct": correct, "graph_model": graph,
-        "ratio_end": None, "ratio_mean": None, "ratio_min": None,
+        "mode": label, "allocator": allocator, "pooled": pooled, "device": device,
+        "instances": TRACE_INSTANCES, "inflight_batches": TRACE_INFLIGHT,
+        "clients": TRACE_CLIENTS, "seconds": seconds, "models": all_models,
+        "unloaded": unloaded, "loaded": loaded, **counts,
+        "failed_by_stats": failed_by_stats, "errors": dict(errors.most_common(3)),
+        "correct": counts["wrong"] == 0 and counts["failed"] == 0 and not problems,
+        "problems": problems, "graph_model": graph,
+        "ratio_mean": None, "ratio_min": None,
     }
-    if cuda and samples:
-        result.update(ratio_end=samples[-1], ratio_mean=sum(samples) / len(samples),
-                      ratio_min=min(samples), peak_reserved=torch.cuda.max_memory_reserved(),
-                      peak_allocated=torch.cuda.max_memory_allocated(),
-                      fragmentation_end=torch.cuda.memory_reserved()
-                      - torch.cuda.memory_allocated())
+    if sampler is not None:
+        result.update(sampler.figures(), peak_reserved=torch.cuda.max_memory_reserved(),
+                      peak_allocated=torch.cuda.max_memory_allocated())
+        result["model_pools"] = {
+            name: {pool: {"reserved": s.reserved, "allocated": s.allocated}
+                   for pool, s in (model.memory.stats() or {}).items()}
+            for name, (model, _) in models.items()}
     for model, _ in models.values():
         model.stop(5.0)
     print("SERVER_TRACE " + json.dumps(result), flush=True)
     return 0
-
-

@@ -17,8 +17,8 @@ from batchgate.bench.gpu_check.machine import torchvision_problem
 from batchgate.bench.gpu_check.nvml import NvmlSampler, busy_summary
 from batchgate.bench.gpu_check.report import ERROR, INFO, SKIP, Budget, Report, chain
 from batchgate.bench.gpu_check.samples import TOKEN_IDS_HIGH, build_from_source
-from batchgate.bench.gpu_check.workloads import (ThroughputModel, ThroughputSettings, throughput_models,
-                                       write_model)
+from batchgate.bench.gpu_check.workloads import (ThroughputModel, ThroughputSettings,
+                                                 throughput_models, write_model)
 
 if TYPE_CHECKING:
     from tests.support.harness import RunningServer
@@ -33,6 +33,7 @@ def section_throughput(report: Report, budget: Budget, settings: ThroughputSetti
         report.add("e", "NVML sampling", "no CUDA device: not sampled", SKIP)
     elif nvml.unavailable:
         report.add("e", "NVML sampling", nvml.unavailable, SKIP)
+        report.unmeasured("busy", nvml.unavailable)
 
     repository = Path(tempfile.mkdtemp(prefix="gpu_check_repository_"))
     amp = f"amp-{settings.precision}"
@@ -43,11 +44,13 @@ def section_throughput(report: Report, budget: Budget, settings: ThroughputSetti
             if model.name not in settings.models:
                 continue
             problem = torchvision_problem() if model.name == "resnet50" else ""
+            if not problem and budget.left() < 5 * settings.inprocess_s + 10:
+                problem = "not run: over the section's budget"
             if problem:
                 report.add("c", model.label, f"skipped: {problem}", SKIP)
-                continue
-            if budget.left() < 5 * settings.inprocess_s + 10:
-                report.add("c", model.label, "not run: over the section's budget", SKIP)
+                if model.name == "resnet50":
+                    for target in ("amp", "gateway", "busy"):
+                        report.unmeasured(target, f"ResNet-50 {problem}")
                 continue
             graphed = dataclasses.replace(model, name=f"{model.name}_graphs")
             try:
@@ -70,6 +73,10 @@ def section_throughput(report: Report, budget: Budget, settings: ThroughputSetti
             except Exception as exc:
                 sys.stderr.write(traceback.format_exc())
                 report.add("c", model.label, f"in-process loop raised {chain(exc)}", ERROR)
+                if model.name == "resnet50":
+                    for target in ("amp", "gateway", "busy"):
+                        report.unmeasured(target, f"ResNet-50's in-process loop raised "
+                                          f"{chain(exc)}")
                 shutil.rmtree(repository / model.name, ignore_errors=True)
                 shutil.rmtree(repository / graphed.name, ignore_errors=True)
                 continue
@@ -79,7 +86,8 @@ def section_throughput(report: Report, budget: Budget, settings: ThroughputSetti
             report.add("c", f"{prefix} fp32", f"{fp32:,.0f} samples/s", INFO, samples_per_s=fp32)
             report.add("c", f"{prefix} {amp}",
                        f"{amp_rate:,.0f} samples/s ({amp_rate / fp32:.2f}x fp32)", INFO,
-                       samples_per_s=amp_rate, speedup_vs_fp32=amp_rate / fp32)
+                       samples_per_s=amp_rate, speedup_vs_fp32=amp_rate / fp32,
+                       target="amp" if model.name == "resnet50" else None, model=model.name)
             served.append((model, f"{model.name} gateway {amp} c{settings.concurrency}",
                            amp_rate))
             if "graphs" in rates:
@@ -93,6 +101,7 @@ def section_throughput(report: Report, budget: Budget, settings: ThroughputSetti
                                graph_rate))
             else:
                 report.add("c", f"{prefix} {amp}+graphs", "needs a CUDA device", SKIP)
+                report.unmeasured("gateway", f"{model.name}: CUDA graphs need a CUDA device")
         if cuda:
             torch.cuda.empty_cache()
         if not served:
@@ -107,8 +116,8 @@ def gateway_load(report: Report, budget: Budget, settings: ThroughputSettings, r
                  nvml: NvmlSampler | None) -> None:
     from tests.support.harness import start_in_thread
 
-    # The whole server (``batchgate.server.app.Gateway``) on a thread here: its models' statistics and
-    # load reports are read directly, the load comes from other processes.
+    # The whole server (``batchgate.server.app.Gateway``) on a thread here: its models'
+    # statistics and load reports are read directly, the load comes from other processes.
     running = start_in_thread(repository, timeout_s=max(budget.left(), 10), metrics_port=None,
                               gc_freeze=True)
     try:
@@ -118,17 +127,28 @@ def gateway_load(report: Report, budget: Budget, settings: ThroughputSettings, r
             if entry is None or entry.state != "READY":
                 reason = entry.reason if entry is not None else "not in the repository"
                 report.add("c", check, f"model not READY: {reason}", ERROR)
+                gateway_unmeasured(report, model, f"{model.name} not READY: {reason}")
                 continue
             if budget.left() < settings.warmup_s + settings.load_s + 10:
                 report.add("c", check, "not run: over the section's budget", SKIP)
+                gateway_unmeasured(report, model, f"{check}: over (c)'s budget")
                 continue
             try:
                 one_load(report, settings, running, model, inprocess, check, nvml)
             except Exception as exc:
                 sys.stderr.write(traceback.format_exc())
                 report.add("c", check, f"raised {chain(exc)}", ERROR)
+                gateway_unmeasured(report, model, f"{check} raised {chain(exc)}")
     finally:
         running.stop()
+
+
+def gateway_unmeasured(report: Report, model: ThroughputModel, reason: str) -> None:
+    """The targets a gateway load would have measured, said unmeasured and why."""
+    if model.name.endswith("_graphs"):
+        report.unmeasured("gateway", reason)
+    if model.name.startswith("resnet50"):
+        report.unmeasured("busy", reason)
 
 
 def one_load(report: Report, settings: ThroughputSettings, running: RunningServer,
@@ -160,7 +180,9 @@ def one_load(report: Report, settings: ThroughputSettings, running: RunningServe
             f"p50 {p50:.1f} ms, p99 {p99:.1f} ms; {errors} errors"
             + (f" (most: {first_error})" if first_error else "")
             + (f"; graphs {graphs}" if graphs != "off" else ""))
+    graphed = model.name.endswith("_graphs")
     report.add("c", check, text, INFO if errors == 0 else ERROR, samples_per_s=rate,
+               target="gateway" if graphed else None, model=model.name,
                ratio_vs_inprocess=ratio, inprocess_samples_per_s=inprocess_amp,
                requests_ok=result.ok, errors=errors, errors_by_status=result.figures["errors"],
                mean_batch=mean_batch, p50_ms=p50, p99_ms=p99, first_error=first_error,
@@ -169,4 +191,5 @@ def one_load(report: Report, settings: ThroughputSettings, running: RunningServe
                seconds=settings.load_s, warmup_s=settings.warmup_s)
     if nvml is not None and not nvml.unavailable:
         text, figures = busy_summary(nvml.between(*result.window))
-        report.add("e", f"{model.name} under gateway load", text, INFO, **figures)
+        report.add("e", f"{model.name} under gateway load", text, INFO, model=model.name,
+                   target="busy" if model.name.startswith("resnet50") else None, **figures)
