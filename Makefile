@@ -22,6 +22,7 @@ install: $(STAMP)
 tools: $(STAMP)
 	bash scripts/install-perf-analyzer.sh || echo "perf_analyzer not installed: its test will say why it skipped"
 	bash scripts/install-nginx.sh || echo "nginx not installed: its tests will say why they skipped"
+	PYTHON=$(BIN)/python bash scripts/gpu-check-wheels.sh > /dev/null || echo "the GPU check's wheels not downloaded: the test of scripts/gpu-check.sh will say why it skipped"
 
 # The native front end (server/native, C++ on Debian's / Ubuntu's gRPC): the script installs the
 # build packages it needs. When it cannot build, this says so once and serve falls back to the
@@ -52,17 +53,7 @@ gpu-check-wheels:
 protos: $(STAMP)
 	$(BIN)/python -m batchgate.protos.generate
 
-check-# The GPU check on a GPU machine, with its own torch and no .venv (scripts/gpu-check.sh):
-# `make gpu-check OUT=DIR`, `make gpu-check CPU=1` for the same recipe on the CPU. Its wheels
-# come from .whl/, which `make gpu-check-wheels` fills where PyPI is reachable.
-OUT ?= bench/out/gpu-check
-gpu-check:
-	bash scripts/gpu-check.sh $(if $(CPU),--cpu) $(OUT)
-
-gpu-check-wheels:
-	bash scripts/gpu-check-wheels.sh
-
-protos: $(STAMP)
+check-protos: $(STAMP)
 	$(BIN)/python -m batchgate.protos.generate --check
 
 clean:
