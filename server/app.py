@@ -114,7 +114,8 @@ class Gateway:
                             on_connection_change=self._on_executor)
         self.repository = repository
         limits = RequestLimits(max_request_bytes=settings.request_bytes_limit,
-                               max_tensor_elements=settings.max_tensor_elements)
+                               max_tensor_elements=settings.max_tensor_elements,
+                               max_reply_bytes=settings.max_message_bytes)
         control = (ControlPlane(repository, max_load_files_bytes=settings.max_load_files_bytes)
                    if not self._remote else repository)
         # Registrations live where the models run: here, or in the executor process.

@@ -161,7 +161,8 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         self._count(model_name, grpc.StatusCode.OK, started)
         return response
 
-    async def _infer(self, request: pb.ModelInferRequest, deadline: float | None):
+    async def _infer(self, request: pb.ModelInferRequest, deadline: float | None, *,
+                     stream: bool = False):
         if self.drain.draining:
             await self.drain.refuse()  # parked while the drain parks calls (server/drain.py)
             raise ModelUnavailable(SHUTTING_DOWN_MESSAGE)
@@ -177,7 +178,8 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         response = pb.ModelInferResponse(
             model_name=spec.name, model_version=spec.version, id=request.id
         )
-        return encode_outputs(response, spec, outputs, decoded.requested_outputs)
+        return encode_outputs(response, spec, outputs, decoded.requested_outputs,
+                              max_reply_bytes=self._limits.max_reply_bytes, stream=stream)
 
     async def ModelStreamInfer(self, request_iterator, context) -> AsyncIterator:
         """Answers in completion order; an error answers its own request and keeps the stream.
@@ -194,7 +196,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         async def answer(request: pb.ModelInferRequest) -> None:
             started = time.monotonic()
             try:
-                response = await self._infer(request, deadline)
+                response = await self._infer(request, deadline, stream=True)
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:

@@ -348,13 +348,13 @@ void InferCall::OnExecutorAnswer(ExecutorAnswer answer) {
     if (!answered_) {
       grpc::ByteBuffer reply;
       std::string problem;
-      if (EncodeResponse(*ticket_.model, id_, ticket_.outputs, *answer.result, frontend.arena(),
-                         false, &reply, &problem)) {
-        Answer(grpc::Status::OK, &reply);
-      } else {
+      const grpc::Status encoded = EncodeResponse(
+          *ticket_.model, id_, ticket_.outputs, *answer.result, frontend.arena(), false,
+          static_cast<uint64_t>(frontend.handover().max_message_bytes), &reply, &problem);
+      if (!problem.empty()) {
         Log(LogLevel::kError, "executor_protocol_error", {LogField("error", problem)});
-        Answer(grpc::Status(grpc::StatusCode::INTERNAL, kInternalMessage), nullptr);
       }
+      Answer(encoded, encoded.ok() ? &reply : nullptr);
     }
     // Copied out (or not wanted any more): the executor may reuse the output blocks.
     frontend.link().FreeOutputs(answer.generation, *answer.result);

@@ -13,8 +13,6 @@ namespace {
 // (HTTP/2 flow control then holds it back).
 constexpr size_t kMaxBacklog = 256;
 
-const char* const kInternalMessage = "internal server error; the server log has the details";
-
 double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
@@ -125,17 +123,16 @@ void StreamInferCall::OnAnswer(Request* key, ExecutorAnswer answer) {
     if (wanted) {
       grpc::ByteBuffer reply;
       std::string problem;
-      if (EncodeResponse(*request->ticket_.model, request->id_, request->ticket_.outputs,
-                         *answer.result, frontend.arena(), true, &reply, &problem)) {
-        frontend.metrics().Count(request->model_name_, grpc::StatusCode::OK,
-                                 SecondsSince(request->started_));
-        Queue(std::move(reply));
-      } else {
+      const grpc::Status encoded = EncodeResponse(
+          *request->ticket_.model, request->id_, request->ticket_.outputs, *answer.result,
+          frontend.arena(), true, static_cast<uint64_t>(frontend.handover().max_message_bytes),
+          &reply, &problem);
+      if (!problem.empty()) {
         Log(LogLevel::kError, "executor_protocol_error", {LogField("error", problem)});
-        frontend.metrics().Count(request->model_name_, grpc::StatusCode::INTERNAL,
-                                 SecondsSince(request->started_));
-        Queue(StreamError(kInternalMessage));
       }
+      frontend.metrics().Count(request->model_name_, encoded.error_code(),
+                               SecondsSince(request->started_));
+      Queue(encoded.ok() ? std::move(reply) : StreamError(encoded.error_message()));
     }
     frontend.link().FreeOutputs(answer.generation, *answer.result);
   } else if (wanted) {

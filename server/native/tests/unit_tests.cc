@@ -558,10 +558,17 @@ void TestSharedMemoryDecode() {
   CHECK_EQ(decoded.placements[1].region(), std::string("out"));
   CHECK_EQ(decoded.placements[1].offset(), uint64_t{16});
   CHECK_EQ(decoded.placements[1].nbytes(), uint64_t{64});
-  r.add_outputs()->set_name("OUT_FP32");
-  CHECK(decode(r, &decoded).ok());
-  CHECK_EQ(decoded.placements.size(), size_t{3});
-  CHECK_EQ(decoded.placements[2].region(), std::string());
+  // The other way round: "" after the placed one.
+  inference::ModelInferRequest reversed = r;
+  reversed.mutable_outputs()->SwapElements(0, 1);
+  CHECK(decode(reversed, &decoded).ok());
+  CHECK_EQ(decoded.placements.size(), size_t{2});
+  CHECK_EQ(decoded.placements[0].region(), std::string("out"));
+  CHECK_EQ(decoded.placements[1].region(), std::string());
+  // An output asked for twice (placed or not): refused, as Triton does.
+  reversed.add_outputs()->set_name("OUT_BYTES");
+  CHECK_EQ(decode(reversed, &decoded).error_message(),
+           std::string("model 'pair': output 'OUT_BYTES' is requested twice"));
   (*placed->mutable_parameters())["shared_memory_byte_size"].set_double_param(64);
   CHECK_EQ(decode(r, &decoded).error_message(), std::string(SHM_OUTPUT_SIZE_TYPE_MESSAGE));
 }
@@ -589,7 +596,8 @@ void TestPlacedOutputReply() {
   second->add_shape(1);
   grpc::ByteBuffer reply;
   std::string problem;
-  CHECK(batchgate::EncodeResponse(*model, "id", {}, result, arena, false, &reply, &problem));
+  CHECK(batchgate::EncodeResponse(*model, "id", {}, result, arena, false, 1 << 20, &reply,
+                                  &problem).ok());
   inference::ModelInferResponse response;
   std::vector<grpc::Slice> slices;
   CHECK(reply.Dump(&slices).ok());
