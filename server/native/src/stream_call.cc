@@ -81,7 +81,9 @@ void StreamInferCall::OnRead(bool ok) {
   }
   inference::ModelInferRequest request;
   grpc::Status error;
-  if (!ParseRequest(&incoming_, &request, rpc_, &error)) {
+  const bool parsed = ParseInferRequest(&incoming_, &request, rpc_,
+                                        worker_.frontend().handover().wire_limits, &error);
+  if (!parsed && error.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED) {
     // grpcio's request iterator raises, which ends service.py's stream at once: OK, with the
     // answers already queued, and the requests still in flight cancelled.
     no_more_requests_ = true;
@@ -91,7 +93,12 @@ void StreamInferCall::OnRead(bool ok) {
     Unref();
     return;
   }
-  HandleRequest(request);
+  if (parsed) {
+    HandleRequest(request);
+  } else {
+    // Past a wire limit: answered in the stream as any refusal, and the stream goes on.
+    Queue(StreamError(error.error_message()));
+  }
   StartRead();
   Unref();
 }
