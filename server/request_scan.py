@@ -19,6 +19,7 @@ and refuse the same request with the same rule.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from batchgate.batcher.errors import ResourceExhausted
@@ -28,6 +29,13 @@ from batchgate.server.request_limits import RULES
 MAX_DEPTH = 100  # protobuf's recursion limit, in C++ and in upb
 _LOW_BYTES = bytes(range(0x80))  # the bytes that end a varint
 _WINDOW = 1 << 16
+# InferTensorContents' numeric fields unpacked (one value a field): bool, int, int64, uint,
+# uint64 as varints (at most ten bytes), fp32 as four bytes, fp64 as eight; a run of them, any
+# mixed, matched possessively (no backtracking, nothing kept per value).
+_UNPACKED_TAGS = frozenset({0x08, 0x10, 0x18, 0x20, 0x28, 0x35, 0x39})
+_UNPACKED_VALUES = re.compile(
+    rb"(?:[\x08\x10\x18\x20\x28][\x80-\xff]{0,9}[\x00-\x7f]|\x35[\x00-\xff]{4}"
+    rb"|\x39[\x00-\xff]{8})*+")
 
 
 class MalformedRequest(Exception):
@@ -118,46 +126,56 @@ def _varint_count(data: bytes, pos: int, end: int, room: int) -> int:
 
 
 class _Scan:
-    __slots__ = ("data", "limits", "inputs", "raw", "outputs", "strings", "unknown")
+    __slots__ = ("data", "limits", "strings", "unknown")
 
     def __init__(self, data: bytes, limits: WireLimits) -> None:
         self.data = data
         self.limits = limits
-        self.inputs = self.raw = self.outputs = self.strings = self.unknown = 0
+        self.strings = self.unknown = 0  # the counts across the request's messages
 
     # -- the messages ----------------------------------------------------------------------------
 
     def request(self) -> None:
         data, limits = self.data, self.limits
+        most_raw, most_inputs, most_outputs = (limits.raw_input_contents, limits.inputs,
+                                               limits.outputs)
         end = len(data)
-        pos = 0
-        parameters = 0
+        pos = raw = inputs = outputs = parameters = 0
         while pos < end:
-            tag, pos = _tag(data, pos, end)
-            field = tag >> 3
+            tag = data[pos]
+            if 8 <= tag < 0x80:
+                pos += 1
+            else:
+                tag, pos = _tag(data, pos, end)
             if tag & 7 != 2:
                 pos = self.other(tag, pos, end, 0)
                 continue
-            length, pos = _length(data, pos, end)
+            if pos < end and data[pos] < 0x80:
+                length = data[pos]
+                pos += 1
+            else:
+                length, pos = _length(data, pos, end)
             stop = pos + length
-            if field == 7:
-                self.raw += 1
-                if self.raw > limits.raw_input_contents:
+            if stop > end:
+                raise MalformedRequest
+            if tag == 0x3A:  # raw_input_contents
+                raw += 1
+                if raw > most_raw:
                     raise limits.refusal("raw_input_contents")
-            elif field == 5:
-                self.inputs += 1
-                if self.inputs > limits.inputs:
+            elif tag == 0x2A:  # inputs
+                inputs += 1
+                if inputs > most_inputs:
                     raise limits.refusal("inputs")
                 self.tensor(pos, stop)
-            elif field == 6:
-                self.outputs += 1
-                if self.outputs > limits.outputs:
+            elif tag == 0x32:  # outputs
+                outputs += 1
+                if outputs > most_outputs:
                     raise limits.refusal("outputs")
                 self.output(pos, stop)
-            elif field <= 3:
+            elif tag <= 0x1A:  # model_name, model_version, id
                 if length > limits.name_bytes:
                     raise limits.refusal("name_bytes")
-            elif field == 4:
+            elif tag == 0x22:  # parameters
                 parameters += 1
                 if parameters > limits.parameters:
                     raise limits.refusal("parameters")
@@ -169,11 +187,13 @@ class _Scan:
     def tensor(self, pos: int, end: int) -> None:
         """An InferInputTensor (level 1)."""
         data, limits = self.data, self.limits
-        dimensions = 0
-        parameters = 0
+        dimensions = parameters = 0
         while pos < end:
-            tag, pos = _tag(data, pos, end)
-            field = tag >> 3
+            tag = data[pos]
+            if 8 <= tag < 0x80:
+                pos += 1
+            else:
+                tag, pos = _tag(data, pos, end)
             if tag & 7 != 2:
                 if tag == 0x18:  # shape, one unpacked dimension
                     dimensions += 1
@@ -183,21 +203,31 @@ class _Scan:
                 else:
                     pos = self.other(tag, pos, end, 1)
                 continue
-            length, pos = _length(data, pos, end)
+            if pos < end and data[pos] < 0x80:
+                length = data[pos]
+                pos += 1
+            else:
+                length, pos = _length(data, pos, end)
             stop = pos + length
-            if field <= 2:
+            if stop > end:
+                raise MalformedRequest
+            if tag <= 0x12:  # name, datatype
                 if length > limits.name_bytes:
                     raise limits.refusal("name_bytes")
-            elif field == 3:  # shape, packed
-                dimensions += _varint_count(data, pos, stop, limits.dimensions - dimensions)
-                if dimensions > limits.dimensions:
-                    raise limits.refusal("dimensions")
-            elif field == 4:
+            elif tag == 0x1A:  # shape, packed
+                room = limits.dimensions - dimensions
+                if length <= room:  # each dimension takes a byte at least
+                    dimensions += length - len(data[pos:stop].translate(None, _LOW_BYTES))
+                else:
+                    dimensions += _varint_count(data, pos, stop, room)
+                    if dimensions > limits.dimensions:
+                        raise limits.refusal("dimensions")
+            elif tag == 0x22:  # parameters
                 parameters += 1
                 if parameters > limits.parameters:
                     raise limits.refusal("parameters")
                 self.entry(pos, stop, 2)
-            elif field == 5:
+            elif tag == 0x2A:  # contents
                 self.contents(pos, stop)
             else:
                 self.count_unknown()
@@ -207,7 +237,11 @@ class _Scan:
         """An InferTensorContents (level 2): its bytes_contents counted, the rest skipped."""
         data, limits = self.data, self.limits
         while pos < end:
-            tag, pos = _tag(data, pos, end)
+            tag = data[pos]
+            if 8 <= tag < 0x80:
+                pos += 1
+            else:
+                tag, pos = _tag(data, pos, end)
             field = tag >> 3
             wire_type = tag & 7
             if wire_type == 2:
@@ -219,6 +253,13 @@ class _Scan:
                 elif field > 8:
                     self.count_unknown()
                 pos += length  # fields 1-7 packed: values of their own type, not counted
+            elif tag in _UNPACKED_TAGS and data[pos - 1] == tag:
+                # Values sent one field each (not packed): the run of them is matched in C,
+                # at ~40 ns a value where a loop here would take ~10 times as long.
+                run_end = _UNPACKED_VALUES.match(data, pos - 1, end).end()
+                if run_end < pos:  # not even one: a value cut short
+                    raise MalformedRequest
+                pos = run_end
             elif wire_type == 0 and field <= 5:
                 _, pos = _varint(data, pos, end, 10)
             elif (wire_type == 5 and field == 6) or (wire_type == 1 and field == 7):
@@ -233,17 +274,26 @@ class _Scan:
         data, limits = self.data, self.limits
         parameters = 0
         while pos < end:
-            tag, pos = _tag(data, pos, end)
-            field = tag >> 3
+            tag = data[pos]
+            if 8 <= tag < 0x80:
+                pos += 1
+            else:
+                tag, pos = _tag(data, pos, end)
             if tag & 7 != 2:
                 pos = self.other(tag, pos, end, 1)
                 continue
-            length, pos = _length(data, pos, end)
+            if pos < end and data[pos] < 0x80:
+                length = data[pos]
+                pos += 1
+            else:
+                length, pos = _length(data, pos, end)
             stop = pos + length
-            if field == 1:
+            if stop > end:
+                raise MalformedRequest
+            if tag == 0x0A:  # name
                 if length > limits.name_bytes:
                     raise limits.refusal("name_bytes")
-            elif field == 2:
+            elif tag == 0x12:  # parameters
                 parameters += 1
                 if parameters > limits.parameters:
                     raise limits.refusal("parameters")
@@ -256,13 +306,23 @@ class _Scan:
         """A parameters map's entry: key = 1 (a string), value = 2 (an InferParameter)."""
         data, limits = self.data, self.limits
         while pos < end:
-            tag, pos = _tag(data, pos, end)
+            tag = data[pos]
+            if 8 <= tag < 0x80:
+                pos += 1
+            else:
+                tag, pos = _tag(data, pos, end)
             field = tag >> 3
             if tag & 7 != 2:
                 pos = self.other(tag, pos, end, level)
                 continue
-            length, pos = _length(data, pos, end)
+            if pos < end and data[pos] < 0x80:
+                length = data[pos]
+                pos += 1
+            else:
+                length, pos = _length(data, pos, end)
             stop = pos + length
+            if stop > end:
+                raise MalformedRequest
             if field == 1:
                 if length > limits.name_bytes:
                     raise limits.refusal("name_bytes")
@@ -276,7 +336,11 @@ class _Scan:
         """An InferParameter: bool = 1, int64 = 2, string = 3, double = 4, uint64 = 5."""
         data, limits = self.data, self.limits
         while pos < end:
-            tag, pos = _tag(data, pos, end)
+            tag = data[pos]
+            if 8 <= tag < 0x80:
+                pos += 1
+            else:
+                tag, pos = _tag(data, pos, end)
             if tag == 0x1A:  # string_param
                 length, pos = _length(data, pos, end)
                 if length > limits.name_bytes:
@@ -324,7 +388,11 @@ class _Scan:
             raise MalformedRequest
         data = self.data
         while pos < end:
-            tag, pos = _tag(data, pos, end)
+            tag = data[pos]
+            if 8 <= tag < 0x80:
+                pos += 1
+            else:
+                tag, pos = _tag(data, pos, end)
             wire_type = tag & 7
             if wire_type == 4:
                 if tag >> 3 != field:

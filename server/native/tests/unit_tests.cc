@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -572,6 +573,22 @@ void TestSharedMemoryDecode() {
            std::string("model 'pair': output 'OUT_BYTES' is requested twice"));
   (*placed->mutable_parameters())["shared_memory_byte_size"].set_double_param(64);
   CHECK_EQ(decode(r, &decoded).error_message(), std::string(SHM_OUTPUT_SIZE_TYPE_MESSAGE));
+
+  // A BYTES input's byte size is the client's word, up to 2**64 - 1: with the placed FP32
+  // input's 24 bytes it must not wrap round below --max-request-bytes.
+  r = PlacedPairRequest();
+  r.clear_raw_input_contents();
+  auto* text = r.mutable_inputs(1);
+  (*text->mutable_parameters())["shared_memory_region"].set_string_param("r");
+  (*text->mutable_parameters())["shared_memory_byte_size"].set_uint64_param(
+      std::numeric_limits<uint64_t>::max() - 10);
+  status = decode(r, &decoded);
+  CHECK(status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
+  CHECK_EQ(status.error_message(),
+           std::string("model 'pair': the request's inputs take more bytes than this server "
+                       "allows (--max-request-bytes 67108864)"));
+  (*text->mutable_parameters())["shared_memory_byte_size"].set_uint64_param(64);
+  CHECK(decode(r, &decoded).ok());
 }
 
 // An output placed in the client's region: its metadata in the reply, no contents.
@@ -616,6 +633,25 @@ void TestPlacedOutputReply() {
   CHECK_EQ(response.raw_output_contents_size(), 2);
   CHECK_EQ(response.raw_output_contents(0), std::string());
   CHECK_EQ(response.raw_output_contents(1), std::string("\x01\0\0\0z", 5));
+  // Past the reply's limit, by a byte: refused before it is built, naming the size; in a
+  // stream the wrapper's two bytes count too.
+  const uint64_t size = bytes.size();
+  grpc::ByteBuffer none;
+  grpc::Status refused = batchgate::EncodeResponse(*model, "id", {}, result, arena, false,
+                                                   size - 1, &none, &problem);
+  CHECK(refused.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
+  CHECK_EQ(refused.error_message(),
+           "model 'pair': the reply would take " + std::to_string(size) +
+               " bytes, more than this server sends (--max-message-bytes " +
+               std::to_string(size - 1) + ")");
+  CHECK(none.Length() == 0);
+  CHECK(batchgate::EncodeResponse(*model, "id", {}, result, arena, false, size, &none, &problem)
+            .ok());
+  refused = batchgate::EncodeResponse(*model, "id", {}, result, arena, true, size + 1, &none,
+                                      &problem);
+  CHECK(refused.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
+  CHECK(refused.error_message().find(" " + std::to_string(size + 2) + " bytes") !=
+        std::string::npos);
 }
 
 // settings.shared_memory (server/settings.py): read from the handover, which must carry it;
