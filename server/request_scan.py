@@ -2,11 +2,11 @@
 they are parsed: ``scan_infer_request(data, limits)``.
 
 The scan walks the protobuf wire format (tags, varints, lengths) and allocates nothing per
-field: a length-delimited field it need not look into is skipped in O(1), a packed shape is
-counted a window at a time by deleting the bytes that end no varint, and every count stops the
-scan as soon as it passes its bound. It looks into the messages a count lives in (the inputs,
-their shapes, parameters and contents; the outputs and their parameters) and reads nothing it
-does not count.
+field: a length-delimited field it need not look into is skipped in O(1), a packed shape's
+dimensions are counted a window at a time (the bytes that end a varint, deleted in C and
+counted), and every count stops the scan as soon as it passes its bound. It looks into the
+messages a count lives in (the inputs, their shapes, parameters and contents; the outputs and
+their parameters) and reads nothing it does not count.
 
 Bytes that are not a protobuf message (a varint or a length cut short, a length past the end
 of its message, a field number 0, a wire type 6 or 7, a group that does not end, nesting past

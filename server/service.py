@@ -19,7 +19,12 @@ import grpc
 import structlog
 from google.protobuf.message import DecodeError
 
-from batchgate.batcher.errors import BatchgateError, ModelUnavailable, NotSupported, ResourceExhausted
+from batchgate.batcher.errors import (
+    BatchgateError,
+    ModelUnavailable,
+    NotSupported,
+    ResourceExhausted,
+)
 from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import inference_pb2_grpc
 from batchgate.server import __version__, server_extensions
@@ -250,10 +255,8 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                             answers.put_nowait(pb.ModelStreamInferResponse(
                                 error_message=status_of(exc)[1]))
                             continue
-                        except DecodeError:
-                            # As when grpcio's deserializer raised in the request iterator:
-                            # the stream ends, with the answers already queued.
-                            raise DecodeError(PARSE_ERROR) from None
+                        # A DecodeError ends the stream as grpcio's deserializer raising in
+                        # the request iterator did: with the answers already queued.
                         task = asyncio.create_task(answer(request))
                         pending.add(task)
                         task.add_done_callback(pending.discard)

@@ -185,7 +185,7 @@ FINE = [
     b"\x41" + bytes(8),                   # fixed64
     b"\x45" + bytes(4),                   # fixed32
     b"\x42\x02xy",                        # length-delimited
-    b"\x43\x0b\x08\x01\x0c\x44",          # group 8 { group 1 { } varint }
+    b"\x43\x0b\x08\x01\x0c\x44",          # group 8 { group 1 { 1: 1 } }
     b"\x40" + TEN_BYTE_VARINT,
     b"\x08\x01",                          # model_name as a varint: unknown
     b"\x2a\x04\x1b\x08\x01\x1c",          # inputs { group 3 { 1: 1 } }

@@ -677,7 +677,8 @@ void TestHandoverSharedMemory() {
     std::string problem;
     CHECK(batchgate::ParseHandover(head + R"(, "shared_memory": true}})", &limited, &problem));
     CHECK_EQ(limited.wire_limits.Most(batchgate::WireRule::kInputs), uint64_t{3});
-    CHECK_EQ(limited.wire_limits.Refusal(batchgate::WireRule::kInputs), std::string("no more than 3"));
+    CHECK_EQ(limited.wire_limits.Refusal(batchgate::WireRule::kInputs),
+             std::string("no more than 3"));
     CHECK_EQ(limited.wire_limits.Most(batchgate::WireRule::kBytesContents), uint64_t{0});
     CHECK_EQ(limited.wire_limits.Most(batchgate::WireRule::kUnknownFields), uint64_t{9});
     std::string without_rule = head + R"(, "shared_memory": true}})";
@@ -687,7 +688,8 @@ void TestHandoverSharedMemory() {
     std::string no_refusal = head + R"(, "shared_memory": true}})";
     no_refusal.replace(no_refusal.find(R"([6, "d"])"), 8, "[6]");
     CHECK(!batchgate::ParseHandover(no_refusal, &limited, &problem));
-    CHECK_EQ(problem, std::string("handover key 'wire_limits.dimensions' must be [bound, refusal]"));
+    CHECK_EQ(problem,
+             std::string("handover key 'wire_limits.dimensions' must be [bound, refusal]"));
     CHECK(!batchgate::ParseHandover(places + settings + R"(, "shared_memory": true}})", &limited,
                                     &problem));
     CHECK_EQ(problem, std::string("handover key 'wire_limits' is missing"));
@@ -899,11 +901,12 @@ void TestWireScanMalformed() {
       std::string("\x41") + std::string(8, '\0'),       // fixed64
       std::string("\x45") + std::string(4, '\0'),       // fixed32
       std::string("\x42\x02xy"),                        // length-delimited
-      std::string("\x43\x0b\x08\x01\x0c\x44", 6),       // group 8 { group 1 { } varint }
+      std::string("\x43\x0b\x08\x01\x0c\x44", 6),       // group 8 { group 1 { 1: 1 } }
       "\x40" + ten_byte_varint,
       std::string("\x08\x01", 2),                       // model_name as a varint: unknown
       std::string("\x2a\x04\x1b\x08\x01\x1c", 6),       // inputs { group 3 { 1: 1 } }
-      std::string("\x22\x07\x12\x05\x2d\x00\x00\x00\x00", 9),  // parameters { value { 5: fixed32 } }
+      std::string("\x22\x07\x12\x05\x2d\x00\x00\x00\x00", 9),  // map { value { 5: fixed32 } }
+      std::string("\xaa\x00\x00", 3),                   // inputs, its tag in two bytes
   };
   for (const std::string& bytes : fine) {
     CHECK_EQ(scan(bytes), std::string("within"));
