@@ -20,14 +20,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from batchgate.batcher.memory import DevicePools, PoolSettings
-from batchgate.protos import inference_pb2, inference_pb2_grpc, registry
-from batchgate.server import auth, tls
+from batchgate.protos import inference_pb2, registry
+from batchgate.server import auth, service, tls
 from batchgate.server.codec import RequestLimits
 from batchgate.server.control import ControlPlane
 from batchgate.server.drain import GOAWAY_PROPAGATION_S, LAST_ANSWERS_S, DrainGate
 from batchgate.server.logs import runtime_facts
 from batchgate.server.metrics import ServerMetrics
 from batchgate.server.repository import ModelRepository
+from batchgate.server.request_scan import WireLimits
 from batchgate.server.service import SHUTTING_DOWN_MESSAGE, InferenceService
 from batchgate.server.shared_memory import SharedMemoryRegistry
 from batchgate.server.settings import DEFAULT_REPOSITORY, Settings  # noqa: F401 (re-exported)
@@ -114,13 +115,15 @@ class Gateway:
                             on_connection_change=self._on_executor)
         self.repository = repository
         limits = RequestLimits(max_request_bytes=settings.request_bytes_limit,
-                               max_tensor_elements=settings.max_tensor_elements)
+                               max_tensor_elements=settings.max_tensor_elements,
+                               max_reply_bytes=settings.max_message_bytes)
         control = (ControlPlane(repository, max_load_files_bytes=settings.max_load_files_bytes)
                    if not self._remote else repository)
         # Registrations live where the models run: here, or in the executor process.
         self.shared_memory = (SharedMemoryRegistry(settings.shared_memory)
                               if not self._remote else None)
         self.service = InferenceService(self.repository, self.metrics, limits, control,
+                                        wire_limits=WireLimits.of(settings),
                                         shared_memory=settings.shared_memory,
                                         registry=self.shared_memory, extensions=extensions,
                                         drain=self.drain)
@@ -142,7 +145,7 @@ class Gateway:
             ("grpc.so_reuseport", 1 if self._reuse_port else 0),
         ]
         server = grpc.aio.server(options=options, interceptors=auth.interceptors(s))
-        inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self.service, server)
+        service.add_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if s.reflection:
             reflection.enable_server_reflection(

@@ -48,6 +48,8 @@ class RequestLimits:
     """Sum of the input tensors' bytes (``--max-request-bytes``)."""
     max_tensor_elements: int = 1 << 26
     """Elements of one input tensor, a zero dimension counted as one (``--max-tensor-elements``)."""
+    max_reply_bytes: int = 64 * 1024 * 1024
+    """The serialized reply, checked before it is built (``--max-message-bytes``)."""
 
 
 DEFAULT_LIMITS = RequestLimits()
@@ -224,12 +226,17 @@ def decode_request(
     output_placements = None
     if msg.outputs:
         requested = []
+        seen = set()
         for index, out in enumerate(msg.outputs):
             if spec.output(out.name) is None:
                 raise InvalidRequest(
                     f"model '{name}' has no output '{out.name}'; "
                     f"its outputs are {quoted_list(t.name for t in spec.outputs)}"
                 )
+            # Triton refuses it too; each repeat would cost the reply the output's bytes again.
+            if out.name in seen:
+                raise InvalidRequest(f"model '{name}': output '{out.name}' is requested twice")
+            seen.add(out.name)
             requested.append(out.name)
             if out.parameters and _is_placed(out):
                 if not shared_memory:
@@ -447,11 +454,18 @@ def encode_outputs(
     spec: ModelSpec,
     outputs: Mapping[str, np.ndarray | EncodedBytes | Placed],
     requested: tuple[str, ...] | None,
+    *,
+    max_reply_bytes: int | None = None,
+    stream: bool = False,
 ) -> pb.ModelInferResponse:
-    """Fill ``response`` with the requested outputs (all when none were named) as raw bytes."""
+    """Fill ``response`` with the requested outputs (all when none were named) as raw bytes.
+
+    ``max_reply_bytes``: ResourceExhausted, before any output's bytes are copied into the
+    reply, when the serialized reply (inside a ModelStreamInferResponse, with ``stream``)
+    would take more."""
     names = requested if requested is not None else [o.name for o in spec.outputs]
     tensors = response.outputs
-    raws = response.raw_output_contents
+    raws: list = []
     for name in names:
         array = outputs[name]
         datatype = spec.output(name).datatype
@@ -467,8 +481,26 @@ def encode_outputs(
         elif isinstance(array.base, bytes) and len(array.base) == array.nbytes:
             raws.append(array.base)  # already the reply's bytes (multi-process front end)
         else:
-            raws.append(array.tobytes())
+            raws.append(array)  # copied once it is known to fit
+    if max_reply_bytes is not None:
+        size = response.ByteSize()
+        for raw in raws:
+            size += _length_delimited(raw.nbytes if isinstance(raw, np.ndarray) else len(raw))
+        if stream:
+            size = _length_delimited(size)
+        if size > max_reply_bytes:
+            raise ResourceExhausted(
+                f"model '{spec.name}': the reply would take {size} bytes, more than this "
+                f"server sends (--max-message-bytes {max_reply_bytes})")
+    response.raw_output_contents.extend(
+        raw.tobytes() if isinstance(raw, np.ndarray) else raw for raw in raws)
     return response
+
+
+def _length_delimited(size: int) -> int:
+    """What a length-delimited field of ``size`` bytes takes, numbered under 16 (a one-byte
+    tag): the tag, the varint of its length, its bytes."""
+    return 1 + max(1, (size.bit_length() + 6) // 7) + size
 
 
 class EncodedBytes:

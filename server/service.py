@@ -17,8 +17,14 @@ from collections.abc import AsyncIterator
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError
 
-from batchgate.batcher.errors import BatchgateError, ModelUnavailable, NotSupported
+from batchgate.batcher.errors import (
+    BatchgateError,
+    ModelUnavailable,
+    NotSupported,
+    ResourceExhausted,
+)
 from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import inference_pb2_grpc
 from batchgate.server import __version__, server_extensions
@@ -34,6 +40,12 @@ from batchgate.server.control import ControlPlane
 from batchgate.server.drain import DrainGate
 from batchgate.server.errors import status_of
 from batchgate.server.metrics import ServerMetrics
+from batchgate.server.request_scan import (
+    DEFAULT_WIRE_LIMITS,
+    MalformedRequest,
+    WireLimits,
+    scan_infer_request,
+)
 from batchgate.server.shared_memory import OFF_MESSAGE
 
 log = structlog.get_logger(__name__)
@@ -43,11 +55,18 @@ MAX_LABELLED_COUNTERS = 4096
 
 _END_OF_STREAM = object()
 SHUTTING_DOWN_MESSAGE = "the server is shutting down; retry on another replica"
+SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+# Their requests reach the handlers as bytes, scanned against the wire limits before parsing.
+UNPARSED_REQUESTS = frozenset({"ModelInfer", "ModelStreamInfer"})
+# What grpcio answers a request its deserializer cannot parse.
+PARSE_ERROR = (f"Unexpected {DecodeError}: Error parsing message with type "
+               f"'{pb.ModelInferRequest.DESCRIPTOR.full_name}'")
 
 
 class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, repository, metrics: ServerMetrics,
                  limits: RequestLimits = DEFAULT_LIMITS, control=None, *,
+                 wire_limits: WireLimits = DEFAULT_WIRE_LIMITS,
                  shared_memory: bool = False, registry=None,
                  extensions: tuple[str, ...] | None = None,
                  drain: DrainGate | None = None) -> None:
@@ -56,6 +75,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         shared-memory tensors are served (``--shared-memory``); ``registry``: the
         ``SharedMemoryRegistry`` of a single-process server, which maps regions here (None: the
         ``control`` forwards the registration RPCs, and requests carry their placements).
+        ``wire_limits``: what a request's bytes may hold (``server/request_scan.py``).
         ``extensions``: what ServerMetadata lists (default: ``server_extensions`` of
         ``shared_memory``, CUDA's by the registry's own device). ``drain``: the gate the
         server's other services share (health's Watch streams end with the drain too)."""
@@ -70,6 +90,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         self._extensions = tuple(extensions)
         self._metrics = metrics
         self._limits = limits
+        self._wire_limits = wire_limits
         self._ready = False
         self.drain = drain if drain is not None else DrainGate()
         self._status_counters: dict[tuple[str, grpc.StatusCode], object] = {}
@@ -144,7 +165,14 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
     # -- inference ---------------------------------------------------------------------------
 
-    async def ModelInfer(self, request, context):
+    async def ModelInfer(self, request_bytes: bytes, context):
+        try:
+            request = self._parse(request_bytes)
+        except (ResourceExhausted, DecodeError) as exc:
+            # As the parser's refusals before a handler runs: not an inference answer (nothing
+            # names its model yet), so neither counted nor logged as one.
+            code, message = _refusal_of(exc)
+            await context.abort(code, message)
         started = time.monotonic()
         model_name = request.model_name
         try:
@@ -161,7 +189,17 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         self._count(model_name, grpc.StatusCode.OK, started)
         return response
 
-    async def _infer(self, request: pb.ModelInferRequest, deadline: float | None):
+    def _parse(self, data: bytes) -> pb.ModelInferRequest:
+        """The request in ``data``, once its bytes are within the wire limits: ResourceExhausted
+        naming the limit passed, or DecodeError when they do not parse."""
+        try:
+            scan_infer_request(data, self._wire_limits)
+        except MalformedRequest:
+            raise DecodeError(PARSE_ERROR) from None
+        return pb.ModelInferRequest.FromString(data)
+
+    async def _infer(self, request: pb.ModelInferRequest, deadline: float | None, *,
+                     stream: bool = False):
         if self.drain.draining:
             await self.drain.refuse()  # parked while the drain parks calls (server/drain.py)
             raise ModelUnavailable(SHUTTING_DOWN_MESSAGE)
@@ -177,7 +215,8 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         response = pb.ModelInferResponse(
             model_name=spec.name, model_version=spec.version, id=request.id
         )
-        return encode_outputs(response, spec, outputs, decoded.requested_outputs)
+        return encode_outputs(response, spec, outputs, decoded.requested_outputs,
+                              max_reply_bytes=self._limits.max_reply_bytes, stream=stream)
 
     async def ModelStreamInfer(self, request_iterator, context) -> AsyncIterator:
         """Answers in completion order; an error answers its own request and keeps the stream.
@@ -194,7 +233,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         async def answer(request: pb.ModelInferRequest) -> None:
             started = time.monotonic()
             try:
-                response = await self._infer(request, deadline)
+                response = await self._infer(request, deadline, stream=True)
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:
@@ -209,7 +248,15 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
             nonlocal reading
             try:
                 try:
-                    async for request in request_iterator:
+                    async for data in request_iterator:
+                        try:
+                            request = self._parse(data)
+                        except ResourceExhausted as exc:  # that request alone is refused
+                            answers.put_nowait(pb.ModelStreamInferResponse(
+                                error_message=status_of(exc)[1]))
+                            continue
+                        # A DecodeError ends the stream as grpcio's deserializer raising in
+                        # the request iterator did: with the answers already queued.
                         task = asyncio.create_task(answer(request))
                         pending.add(task)
                         task.add_done_callback(pending.discard)
@@ -323,6 +370,36 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
             if histogram is None:
                 histogram = self._latency[model] = self._metrics.request_seconds.labels(model)
             histogram.observe(time.monotonic() - started)
+
+
+def _refusal_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, DecodeError):
+        return grpc.StatusCode.UNKNOWN, PARSE_ERROR
+    return status_of(exc)
+
+
+def add_to_server(servicer: InferenceService, server) -> None:
+    """Serve ``servicer`` on ``server`` as the generated ``add_..._to_server`` does, except
+    that ModelInfer's and ModelStreamInfer's requests reach it unparsed (without a
+    deserializer gRPC hands a handler the bytes), to be scanned before they are parsed."""
+    make = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    handlers = {}
+    for method in SERVICE.methods:
+        request_type = getattr(pb, method.input_type.name)
+        response_type = getattr(pb, method.output_type.name)
+        handlers[method.name] = make[(method.client_streaming, method.server_streaming)](
+            getattr(servicer, method.name),
+            request_deserializer=(None if method.name in UNPARSED_REQUESTS
+                                  else request_type.FromString),
+            response_serializer=response_type.SerializeToString)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
+    server.add_registered_method_handlers(SERVICE.full_name, handlers)
 
 
 async def _fail(context: grpc.aio.ServicerContext, exc: BaseException):

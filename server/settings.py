@@ -141,6 +141,32 @@ class Settings:
         1 << 26, parse=int, roles=(FRONTEND,),
         help="most elements one input tensor may have, from its shape (a zero dimension "
              "counts as one), checked before anything is allocated")
+    # What one request's wire bytes may hold, counted before it is parsed
+    # (server/request_limits.py): a repeated field costs far more parsed than on the wire.
+    max_tensor_dimensions: int = setting(
+        32, parse=int, roles=(FRONTEND,),
+        help="most dimensions one tensor's shape may have in a request")
+    max_request_inputs: int = setting(
+        1024, parse=int, roles=(FRONTEND,),
+        help="most inputs (and raw_input_contents entries) one request may have")
+    max_request_outputs: int = setting(
+        1024, parse=int, roles=(FRONTEND,), help="most outputs one request may ask for")
+    max_request_parameters: int = setting(
+        64, parse=int, roles=(FRONTEND,),
+        help="most entries of any one parameters map of a request (its own, each tensor's)")
+    max_request_string_elements: int = setting(
+        65536, parse=int, roles=(FRONTEND,),
+        help="most contents.bytes_contents entries one request may have, each held apart in "
+             "memory (BYTES tensors in raw_input_contents are not limited by it); 0 refuses "
+             "them")
+    max_request_name_bytes: int = setting(
+        1024, parse=int, roles=(FRONTEND,),
+        help="longest model name, version, id, tensor name or datatype, parameter key or "
+             "string value in a request, in bytes")
+    max_request_unknown_fields: int = setting(
+        64, parse=int, roles=(FRONTEND,),
+        help="most fields of a request this server does not know (kept, not read, when "
+             "parsed); 0 refuses any")
     reflection: bool = setting(True, flag="--no-reflection", action="store_false",
                                roles=(FRONTEND,), help="disable server reflection")
 
@@ -248,6 +274,13 @@ class Settings:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if self.max_tensor_elements < 1:
             raise ValueError(f"max_tensor_elements must be >= 1, got {self.max_tensor_elements}")
+        for name in ("max_tensor_dimensions", "max_request_inputs", "max_request_outputs",
+                     "max_request_parameters", "max_request_name_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_request_string_elements", "max_request_unknown_fields"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: none), got {getattr(self, name)}")
         if self.max_load_files_bytes < 0:
             raise ValueError(
                 f"max_load_files_bytes must be >= 0 (0: no file: loads), "

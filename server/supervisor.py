@@ -51,7 +51,7 @@ import structlog
 
 from batchgate.batcher.arena import ArenaLayout, SharedArena
 from batchgate.batcher.metrics import SECONDS_BUCKETS
-from batchgate.server import __version__, native, server_extensions
+from batchgate.server import __version__, native, request_limits, server_extensions
 from batchgate.server.child_logs import ChildLogs
 from batchgate.server.drain import GOAWAY_PROPAGATION_S, LAST_ANSWERS_S
 from batchgate.server.multiproc_metrics import MultiProcessMetrics
@@ -516,6 +516,7 @@ class Supervisor:
             "extensions": list(server_extensions(self.settings.shared_memory,
                                                  cuda=self.cuda_shared_memory)),
             "seconds_buckets": list(SECONDS_BUCKETS),
+            "wire_limits": request_limits.wire_limits(self.settings),
             "settings": self._settings_for(FRONTEND),
         })
 

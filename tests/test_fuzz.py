@@ -236,10 +236,58 @@ def empty(draw, request):
     request.model_name = keep
 
 
+# Around the wire limits (server/request_limits.py, at their defaults): counts just under and
+# just over each bound.
+def many_outputs(draw, request):
+    name = draw(st.sampled_from(["OUTPUT__0", "LENGTH", "OUT_FP32", "x"]))
+    for _ in range(draw(st.sampled_from([2, 1023, 1024, 1025, 1100]))):
+        request.outputs.add(name=name)
+
+
+def many_parameters(draw, request):
+    parameters = request.parameters
+    i = _pick(draw, request)
+    if i is not None and draw(st.booleans()):
+        parameters = request.inputs[i].parameters
+    for n in range(draw(st.sampled_from([63, 64, 65, 200]))):
+        parameters[f"p{n}"].int64_param = n
+
+
+def many_dimensions(draw, request):
+    i = _pick(draw, request)
+    if i is not None:
+        request.inputs[i].shape[:] = [1] * draw(st.sampled_from([31, 32, 33, 1000]))
+
+
+def long_name(draw, request):
+    text = "é" * draw(st.sampled_from([511, 512, 513])) + draw(st.sampled_from(["", "x"]))
+    where = draw(st.sampled_from(["model_name", "model_version", "id", "input", "datatype",
+                                  "output", "key", "value"]))
+    i = _pick(draw, request)
+    if where in ("model_name", "model_version", "id"):
+        setattr(request, where, text)
+    elif where == "output":
+        request.outputs.add(name=text)
+    elif where == "value":
+        request.parameters["x"].string_param = text
+    elif where == "key":
+        request.parameters[text].bool_param = True
+    elif i is not None:
+        setattr(request.inputs[i], "name" if where == "input" else "datatype", text)
+
+
+def many_strings(draw, request):
+    i = _pick(draw, request)
+    if i is not None:
+        count = draw(st.sampled_from([65535, 65536, 65537]))
+        request.inputs[i].contents.bytes_contents.extend([b"s"] * count)
+
+
 MUTATIONS = {f.__name__: f for f in (
     drop_input, duplicate_input, rename_input, change_datatype, change_shape, resize_raw,
     drop_raw, mix_typed, typed_instead, add_parameters, shared_memory, request_output,
-    change_model, change_version, bad_bools, empty)}
+    change_model, change_version, bad_bools, empty, many_outputs, many_parameters,
+    many_dimensions, long_name, many_strings)}
 
 
 def check_answer(request: pb.ModelInferRequest, mutations: int, call) -> None:
@@ -281,6 +329,62 @@ def test_model_infer(fuzz_target, example):
     request, mutations = example
     check_answer(request, mutations,
                  lambda: fuzz_target.ModelInfer(request, timeout=CALL_TIMEOUT_S))
+
+
+PARSE_ERROR = ("Unexpected <class 'google.protobuf.message.DecodeError'>: Error parsing "
+               "message with type 'inference.ModelInferRequest'")
+WIRE_EXTRAS = [b"\x7a\x00", b"\x78\x81\x00", b"\x7b\x08\x01\x7c", b"\x7b" * 70 + b"\x7c" * 70,
+               b"\x44", b"\x0a\x80\x80\x80\x80\x80\x00", b"\xb2\x00\x00", b"\x32\x00" * 1025,
+               b"\x3a\x00" * 1025, b"\x7a\x00" * 65]
+
+
+@st.composite
+def request_bytes(draw) -> tuple[bytes, int]:
+    """A request from ``requests()``, serialized, then its bytes mutated: changed, dropped,
+    inserted, cut, or fields appended that no message of it has (unknown, groups, malformed,
+    past a wire limit)."""
+    request, mutations = draw(requests())
+    data = bytearray(request.SerializeToString())
+    changes = draw(st.integers(0, 3))
+    for _ in range(changes):
+        at = draw(st.integers(0, len(data)))
+        kind = draw(st.sampled_from(["change", "drop", "insert", "cut", "append"]))
+        if kind == "change" and data:
+            data[min(at, len(data) - 1)] = draw(st.integers(0, 255))
+        elif kind == "drop":
+            del data[at:at + 1]
+        elif kind == "insert":
+            data.insert(at, draw(st.integers(0, 255)))
+        elif kind == "cut":
+            del data[at:]
+        else:
+            data += draw(st.sampled_from(WIRE_EXTRAS))
+    return bytes(data), mutations + changes
+
+
+@pytest.fixture(scope="module")
+def raw_infer(server, fuzz_target):
+    with grpc.insecure_channel(server.address) as channel:
+        yield channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+
+
+@FUZZ
+@given(example=request_bytes())
+def test_model_infer_bytes(raw_infer, example):
+    """Any bytes get a status a client's mistake deserves, or the parser's own error; the
+    server keeps serving (the valid traffic of ``fuzz_target`` checks every answer)."""
+    data, mutations = example
+    try:
+        raw_infer(data, timeout=CALL_TIMEOUT_S)
+    except grpc.RpcError as err:
+        code = err.code()
+        assert mutations, (code, err.details())
+        if code is grpc.StatusCode.UNKNOWN:
+            assert err.details() == PARSE_ERROR, err.details()
+            return
+        assert code in ALLOWED | {grpc.StatusCode.DEADLINE_EXCEEDED}, (code, err.details())
+        if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+            assert "--max-" in err.details(), err.details()
 
 
 @FUZZ
@@ -374,9 +478,15 @@ def status(call) -> tuple[grpc.StatusCode, str]:
 @pytest.mark.parametrize("name", ["x" * 256, "é" * 300, "x" * 20_000])
 def test_model_names_longer_than_a_file_name(stub, name):
     """Were: OSError (ENAMETOOLONG) from the repository's file lookups: INTERNAL from
-    ModelInfer, UNKNOWN with the server's repository path from the other RPCs."""
-    assert status(lambda: stub.ModelInfer(pb.ModelInferRequest(model_name=name), timeout=30)
-                  )[0] is grpc.StatusCode.NOT_FOUND
+    ModelInfer, UNKNOWN with the server's repository path from the other RPCs. (ModelInfer
+    refuses a name over --max-request-name-bytes before it reads it.)"""
+    code, details = status(lambda: stub.ModelInfer(pb.ModelInferRequest(model_name=name),
+                                                   timeout=30))
+    if len(name.encode()) > 1024:
+        assert code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert details.endswith("(--max-request-name-bytes 1024)"), details
+    else:
+        assert code is grpc.StatusCode.NOT_FOUND
     assert stub.ModelReady(pb.ModelReadyRequest(name=name), timeout=30).ready is False
     for rpc, request in (("ModelMetadata", pb.ModelMetadataRequest(name=name)),
                          ("ModelConfig", pb.ModelConfigRequest(name=name)),
@@ -398,19 +508,21 @@ def long_strings() -> list[pb.ModelInferRequest]:
         request.raw_input_contents.append(bytes(2048))
         return request
 
+    # Within --max-request-name-bytes (1024), but quoted as \x01 each: 4 KB.
+    text = "\x01" * 1000
     with_output = mlp()
-    with_output.outputs.add(name="O" * 100_000)
+    with_output.outputs.add(name=text)
     with_version = mlp()
-    with_version.model_version = "v" * 100_000
-    return [mlp(name="I" * 100_000), mlp(datatype="F" * 100_000), mlp(shape=[1] * 30_000),
-            with_output, with_version]
+    with_version.model_version = text
+    return [mlp(name=text), mlp(datatype=text), mlp(shape=[1] * 30), with_output, with_version]
 
 
 @pytest.mark.parametrize("request_", long_strings(),
                          ids=["input", "datatype", "shape", "output", "version"])
 def test_messages_quoting_long_client_strings_still_reach_the_client(stub, request_):
     """Were: the status message quoted all of it; clients refuse a trailer over 16 KiB, so
-    the caller saw RESOURCE_EXHAUSTED 'Stream removed' instead of its error."""
+    the caller saw RESOURCE_EXHAUSTED 'Stream removed' instead of its error. (Strings past
+    --max-request-name-bytes are refused before they are read.)"""
     code, details = status(lambda: stub.ModelInfer(request_, timeout=30))
     assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), details
     assert "model 'mlp'" in details and len(details.encode()) <= 1024

@@ -21,7 +21,7 @@ from batchgate.batcher.errors import InvalidRequest, ResourceExhausted
 from batchgate.batcher.spec import BatchingConfig, ModelSpec, TensorSpec
 from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import inference_pb2_grpc
-from batchgate.server.codec import RequestLimits, decode_request
+from batchgate.server.codec import RequestLimits, decode_request, encode_outputs
 from batchgate.server.errors import MAX_MESSAGE_BYTES, status_of
 from tests.support.repository import model_config, tensor, write_model
 from tests.support.servers import SERVER_MODES, start_multiprocess_server, start_server
@@ -136,6 +136,40 @@ def test_negative_dimensions_and_batch_over_the_model_maximum():
         decode_request(pair_request([5, 1], [5, 1]), PAIR_SPEC, limits=LIMITS)
 
 
+def test_an_output_asked_for_twice_is_refused():
+    request = pair_request([1, 2])
+    for name in ("A2", "B2", "A2"):
+        request.outputs.add(name=name)
+    with pytest.raises(InvalidRequest, match="^model 'pair': output 'A2' is requested twice$"):
+        decode_request(request, PAIR_SPEC, limits=LIMITS)
+    del request.outputs[2]
+    assert decode_request(request, PAIR_SPEC, limits=LIMITS).requested_outputs == ("A2", "B2")
+
+
+def test_a_reply_is_sized_before_its_bytes_are_copied():
+    outputs = {"A2": np.ones((1, 1 << 18), np.float32), "B2": np.ones((1, 10), np.float32)}
+    whole = encode_outputs(pb.ModelInferResponse(model_name="pair", id="x"), PAIR_SPEC, outputs,
+                           None)
+    size = whole.ByteSize()
+    streamed = pb.ModelStreamInferResponse(infer_response=whole).ByteSize()
+    assert encode_outputs(pb.ModelInferResponse(model_name="pair", id="x"), PAIR_SPEC, outputs,
+                          None, max_reply_bytes=size) == whole
+    tracemalloc.start()
+    try:
+        with pytest.raises(ResourceExhausted) as refused:
+            encode_outputs(pb.ModelInferResponse(model_name="pair", id="x"), PAIR_SPEC,
+                           outputs, None, max_reply_bytes=size - 1)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert str(refused.value) == (f"model 'pair': the reply would take {size} bytes, more than "
+                                  f"this server sends (--max-message-bytes {size - 1})")
+    assert peak < 1 << 16, f"a refused reply of 1 MiB allocated {peak} bytes"
+    with pytest.raises(ResourceExhausted, match=f"would take {streamed} bytes"):
+        encode_outputs(pb.ModelInferResponse(model_name="pair", id="x"), PAIR_SPEC, outputs,
+                       None, max_reply_bytes=size, stream=True)
+
+
 def test_status_messages_are_cut_to_what_clients_accept():
     code, message = status_of(InvalidRequest("unknown model '" + "é" * 100_000 + "'"))
     assert code is grpc.StatusCode.INVALID_ARGUMENT
@@ -201,8 +235,10 @@ def test_requests_within_the_limits_are_answered(stub):
     (pair_request([1, 2**62], a=b""), "RESOURCE_EXHAUSTED", "--max-tensor-elements 1000"),
     (pair_request([1, -1], a=b""), "INVALID_ARGUMENT", "negative dimension"),
     (pair_request([5, 1], [5, 1]), "INVALID_ARGUMENT", "max_batch_size"),
-    (pair_request([1] * 30_000, a=b""), "INVALID_ARGUMENT", "(30000 dimensions)"),
-], ids=["elements", "request-bytes", "2**40x2**40", "2**62", "negative", "batch", "rank"])
+    (pair_request([1] * 30, a=b""), "INVALID_ARGUMENT", "must have shape [batch, -1]"),
+    (pair_request([1] * 30_000, a=b""), "RESOURCE_EXHAUSTED", "--max-tensor-dimensions 32"),
+], ids=["elements", "request-bytes", "2**40x2**40", "2**62", "negative", "batch", "rank",
+        "dimensions"])
 def test_each_limit_is_refused_by_name(stub, request_, code, names):
     error = refused(stub, request_)
     assert error.code().name == code

@@ -445,6 +445,114 @@ def test_bad_input_is_answered_alike(stubs, what, rpc, request_):
     assert answers[1:] == answers[:1] * (len(stubs) - 1), dict(zip(MODES, answers))
 
 
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, value = value & 0x7F, value >> 7
+        out.append(low | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def wire_cases() -> list[tuple[str, bytes]]:
+    """``(what, request bytes)`` that the wire scan refuses (each rule one past its default
+    bound, where it can be passed), passes right at a bound, or finds malformed."""
+    valid = mlp().SerializeToString()
+    name = _field(1, b"mlp")
+    tensor = _field(1, b"INPUT__0") + _field(2, b"FP32")
+    long = b"n" * 1025
+
+    def parameters(field_number: int, count: int) -> bytes:
+        return b"".join(_field(field_number, _field(1, b"k%d" % i)) for i in range(count))
+
+    cases = [
+        ("1025 outputs", valid + b"\x32\x00" * 1025),
+        ("1025 inputs", name + b"\x2a\x00" * 1025),
+        ("1025 raw_input_contents", name + b"\x3a\x00" * 1025),
+        ("65 request parameters", valid + parameters(4, 65)),
+        ("64 request parameters", valid + parameters(4, 64)),
+        ("65 parameters of an input", name + _field(5, tensor + parameters(4, 65))),
+        ("65 parameters of an output", valid + _field(6, _field(1, b"OUTPUT__0")
+                                                      + parameters(2, 65))),
+        ("33 dimensions packed", name + _field(5, tensor + _field(3, b"\x01" * 33))),
+        ("33 dimensions unpacked", name + _field(5, tensor + b"\x18\x01" * 33)),
+        ("32 dimensions, both ways", name + _field(5, tensor + _field(3, b"\x01" * 20)
+                                                   + b"\x18\x01" * 12)),
+        ("65537 bytes_contents", _field(1, b"strlen") + _field(5, _field(1, b"TEXT")
+                                                             + _field(5, b"\x42\x00" * 65537))),
+        ("model name of 1025 bytes", _field(1, long)),
+        ("model name of 1024 bytes", _field(1, long[:1024])),
+        ("model version of 1025 bytes", name + _field(2, long)),
+        ("id of 1025 bytes", valid + _field(3, long)),
+        ("input name of 1025 bytes", name + _field(5, _field(1, long))),
+        ("datatype of 1025 bytes", name + _field(5, _field(2, long))),
+        ("parameter key of 1025 bytes", valid + _field(4, _field(1, long))),
+        ("string parameter of 1025 bytes", valid + _field(4, _field(1, b"k") + _field(
+            2, _field(3, long)))),
+        ("output name of 1025 bytes", valid + _field(6, _field(1, long))),
+        ("65 unknown fields", valid + b"\x78\x01\x7a\x00\x7d" + bytes(4) + b"\x79"
+         + bytes(8) + b"\x7b\x7c" + b"\x7a\x00" * 60),
+        ("64 unknown fields", valid + b"\x7a\x00" * 64),
+        ("groups nested 70 deep", valid + b"\x7b" * 70 + b"\x7c" * 70),
+        ("an output twice, 1024 outputs", valid + _field(6, _field(1, b"OUTPUT__0")) * 1024),
+        ("dimensions before a long name", name + _field(5, _field(3, b"\x01" * 33)
+                                                        + _field(1, long))),
+        ("a long name before dimensions", name + _field(5, _field(1, long)
+                                                        + _field(3, b"\x01" * 33))),
+        ("cut short", valid[:-1]),
+        ("field number 0", valid + b"\x02\x00"),
+        ("wire type 7", valid + b"\x0f"),
+        ("a group's end, none began", valid + b"\x7c"),
+        ("a length in six bytes", valid + b"\x0a\x80\x80\x80\x80\x80\x00"),
+        ("a tag past 32 bits", valid + b"\x8a\x80\x80\x80\x10\x00"),
+        ("malformed inside an input", name + _field(5, b"\x1a\x05\x01")),
+        ("outputs past the bound, then malformed", valid + b"\x32\x00" * 1025 + b"\xff"),
+    ]
+    return cases
+
+
+WIRE_CASES = wire_cases()
+# Right at a bound, inclusive: answered as if there were none.
+AT_A_BOUND = {"64 request parameters", "64 unknown fields"}
+
+
+@pytest.fixture(scope="module")
+def raw_calls(servers):
+    channels = [grpc.insecure_channel(s.address) for s in servers]
+    yield [(c.unary_unary("/inference.GRPCInferenceService/ModelInfer"),
+            c.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer"))
+           for c in channels]
+    for channel in channels:
+        channel.close()
+
+
+def raw_answer(call, data: bytes) -> tuple[str, str]:
+    try:
+        call(data, timeout=60)
+    except grpc.RpcError as err:
+        return err.code().name, err.details() or ""
+    return "OK", ""
+
+
+@pytest.mark.parametrize("what, data", WIRE_CASES, ids=[c[0] for c in WIRE_CASES])
+def test_request_bytes_are_answered_alike(raw_calls, what, data):
+    """What the wire scans count and refuse, in each front end: the same status and message
+    (each the rule's refusal of server/request_limits.py), unary and in a stream."""
+    answers = [raw_answer(unary, data) for unary, _ in raw_calls]
+    assert (answers[0][0] == "OK") == (what in AT_A_BOUND), answers[0]
+    assert answers[1:] == answers[:1] * (len(raw_calls) - 1), dict(zip(MODES, answers))
+    streamed = []
+    for _, stream in raw_calls:
+        replies = [pb.ModelStreamInferResponse.FromString(m)
+                   for m in stream(iter([data]), timeout=60)]
+        streamed.append([r.error_message for r in replies])
+    assert streamed[1:] == streamed[:1] * (len(raw_calls) - 1), dict(zip(MODES, streamed))
+
+
 def health_answers(channel, request: bytes) -> tuple[tuple, tuple]:
     """What Check, and the first message of Watch, answer to a HealthCheckRequest's bytes."""
     def outcome(call):
@@ -608,6 +716,40 @@ def test_random_requests_are_answered_alike(stubs, seed):
         answers = [answer(stub, "ModelInfer", request) for stub in stubs]
         assert answers[1:] == answers[:1] * (len(stubs) - 1), (
             request, dict(zip(MODES, answers)))
+
+
+def random_request_bytes(count: int, seed: int) -> list[bytes]:
+    """The random requests above as bytes, then mutated: bytes changed, dropped, inserted,
+    cut, unknown fields and groups appended, varints made longer than they need."""
+    rng = random.Random(seed)
+    extras = [b"\x7a\x00", b"\x78\x81\x00", b"\x7b\x08\x01\x7c", b"\x7b\x7d", b"\x44",
+              b"\x0a\x80\x80\x80\x80\x00", b"\xb2\x00\x00", b"\x32\x00" * 1030]
+    out = []
+    for request in random_requests(count, seed):
+        data = bytearray(request.SerializeToString())
+        for _ in range(rng.choice([0, 1, 1, 2, 3])):
+            at = rng.randrange(len(data) + 1)
+            kind = rng.random()
+            if kind < 0.3 and data:
+                data[min(at, len(data) - 1)] = rng.randrange(256)
+            elif kind < 0.45:
+                del data[at:at + 1]
+            elif kind < 0.6:
+                data.insert(at, rng.randrange(256))
+            elif kind < 0.7:
+                del data[at:]
+            else:
+                data += rng.choice(extras)
+        out.append(bytes(data))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_request_bytes_are_answered_alike(raw_calls, seed):
+    for data in random_request_bytes(60, seed):
+        answers = [raw_answer(unary, data) for unary, _ in raw_calls]
+        assert answers[1:] == answers[:1] * (len(raw_calls) - 1), (
+            data.hex(), dict(zip(MODES, answers)))
 
 
 def test_sanitizers_report_nothing(servers, stubs):

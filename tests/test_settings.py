@@ -39,6 +39,10 @@ INFER_TOKEN = "infer-" + "b" * 26
 MAX_MESSAGE = 1 << 20
 MAX_REQUEST = 8192
 MAX_ELEMENTS = 4096
+# The wire limits, each away from its default: flag -> bound.
+WIRE = {"--max-tensor-dimensions": 5, "--max-request-inputs": 3, "--max-request-outputs": 2,
+        "--max-request-parameters": 4, "--max-request-string-elements": 6,
+        "--max-request-name-bytes": 100, "--max-request-unknown-fields": 1}
 MAX_LOAD_FILES = 2048
 POOL_BYTES = 4096
 ARENA_BYTES = 96 << 20
@@ -82,6 +86,13 @@ CHECKED = {
     "--max-message-bytes": "a larger message is RESOURCE_EXHAUSTED",
     "--max-request-bytes": "larger inputs are RESOURCE_EXHAUSTED, naming the flag",
     "--max-tensor-elements": "a larger tensor is RESOURCE_EXHAUSTED, naming the flag",
+    "--max-tensor-dimensions": "a shape of more is RESOURCE_EXHAUSTED, naming the flag",
+    "--max-request-inputs": "more inputs are RESOURCE_EXHAUSTED, naming the flag",
+    "--max-request-outputs": "more outputs are RESOURCE_EXHAUSTED, naming the flag",
+    "--max-request-parameters": "more parameters are RESOURCE_EXHAUSTED, naming the flag",
+    "--max-request-string-elements": "more bytes_contents are RESOURCE_EXHAUSTED, naming it",
+    "--max-request-name-bytes": "a longer name is RESOURCE_EXHAUSTED, naming the flag",
+    "--max-request-unknown-fields": "more unknown fields are RESOURCE_EXHAUSTED, naming it",
     "--no-reflection": "reflection is UNIMPLEMENTED",
     "--tls-cert": "the port speaks TLS",
     "--tls-key": "the port speaks TLS",
@@ -179,7 +190,9 @@ def running(request, tmp_path_factory, pki):
         "serve", *processes, "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
         "--metrics-port", str(metrics_port), "--model-repository", str(models),
         "--max-message-bytes", str(MAX_MESSAGE), "--max-request-bytes", str(MAX_REQUEST),
-        "--max-tensor-elements", str(MAX_ELEMENTS), "--max-load-files-bytes",
+        "--max-tensor-elements", str(MAX_ELEMENTS),
+        *(text for flag, most in WIRE.items() for text in (flag, str(most))),
+        "--max-load-files-bytes",
         str(MAX_LOAD_FILES), "--no-reflection",
         "--tls-cert", str(pki["server_cert"]), "--tls-key", str(pki["server_key"]),
         "--tls-client-ca", str(pki["ca"]), "--admin-token-file", str(root / "admin"),
@@ -241,6 +254,15 @@ def test_the_limits(running):
             client.infer("vec", {"X": np.zeros((2, MAX_ELEMENTS // 2 + 1), np.float32)})
         assert info.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
         assert f"--max-tensor-elements {MAX_ELEMENTS}" in str(info.value)
+    # The wire limits: one past each is refused before the request is parsed.
+    with running.channel() as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        for flag, data in wire_attempts():
+            with pytest.raises(grpc.RpcError) as refused:
+                call(data, timeout=30, metadata=(("authorization", f"Bearer {INFER_TOKEN}"),))
+            assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, flag
+            assert refused.value.details().endswith(f"({flag} {WIRE[flag]})"), (
+                flag, refused.value.details())
     with running.client(token=ADMIN_TOKEN) as admin:
         config = ('{"max_batch_size": 8, "input": [{"name": "X", "data_type": "TYPE_FP32", '
                   '"dims": [-1]}], "output": [{"name": "Y", "data_type": "TYPE_FP32", '
@@ -250,6 +272,51 @@ def test_the_limits(running):
                              files={"1/model.py": b"#" * (MAX_LOAD_FILES + 1)})
         assert info.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
         assert f"--max-load-files-bytes {MAX_LOAD_FILES}" in str(info.value)
+
+
+def wire_attempts() -> list[tuple[str, bytes]]:
+    """(flag, a vec request one past that flag's bound in WIRE)."""
+    def vec(**fields) -> pb.ModelInferRequest:
+        request = pb.ModelInferRequest(model_name="vec", **fields)
+        request.inputs.add(name="X", datatype="FP32", shape=[1, 1])
+        request.raw_input_contents.append(bytes(4))
+        return request
+
+    inputs = vec()
+    for _ in range(3):
+        inputs.inputs.add(name="X", datatype="FP32", shape=[1, 1])
+    outputs = vec()
+    for _ in range(3):
+        outputs.outputs.add(name="Y")
+    parameters = vec()
+    for key in "abcde":
+        parameters.parameters[key].bool_param = True
+    dimensions = vec()
+    dimensions.inputs[0].shape[:] = [1] * 6
+    strings = vec()
+    strings.inputs[0].contents.bytes_contents.extend([b"s"] * 7)
+    return [
+        ("--max-request-inputs", inputs.SerializeToString()),
+        ("--max-request-outputs", outputs.SerializeToString()),
+        ("--max-request-parameters", parameters.SerializeToString()),
+        ("--max-tensor-dimensions", dimensions.SerializeToString()),
+        ("--max-request-string-elements", strings.SerializeToString()),
+        ("--max-request-name-bytes", vec(id="i" * 101).SerializeToString()),
+        ("--max-request-unknown-fields", vec().SerializeToString() + b"\x78\x01\x7a\x00"),
+    ]
+
+
+def test_the_wire_limits_are_checked():
+    from batchgate.server.settings import Settings
+
+    for name in ("max_tensor_dimensions", "max_request_inputs", "max_request_outputs",
+                 "max_request_parameters", "max_request_name_bytes"):
+        with pytest.raises(ValueError, match=f"^{name} must be >= 1, got 0$"):
+            Settings(**{name: 0})
+    for name in ("max_request_string_elements", "max_request_unknown_fields"):
+        assert getattr(Settings(**{name: 0}), name) == 0  # 0: none allowed
+        with pytest.raises(ValueError, match=f"^{name} must be >= 0 \\(0: none\\), got -1$"):
+            Settings(**{name: -1})
 
 
 def test_the_security_flags(running):

@@ -17,6 +17,13 @@ grpc::Status BoundedStatus(const grpc::Status& status) {
   return grpc::Status(status.error_code(), Bounded(status.error_message()));
 }
 
+// What grpcio answers a request its deserializer cannot parse.
+grpc::Status ParseError(const std::string& input_type) {
+  return grpc::Status(grpc::StatusCode::UNKNOWN,
+                      "Unexpected <class 'google.protobuf.message.DecodeError'>: Error parsing "
+                      "message with type '" + input_type + "'");
+}
+
 double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
@@ -59,10 +66,28 @@ bool ParseRequest(grpc::ByteBuffer* bytes, google::protobuf::Message* message,
   if (grpc::SerializationTraits<google::protobuf::Message>::Deserialize(bytes, message).ok()) {
     return true;
   }
-  *error = grpc::Status(grpc::StatusCode::UNKNOWN,
-                        "Unexpected <class 'google.protobuf.message.DecodeError'>: Error parsing "
-                        "message with type '" + input_type + "'");
+  *error = ParseError(input_type);
   return false;
+}
+
+bool ParseInferRequest(grpc::ByteBuffer* bytes, inference::ModelInferRequest* message,
+                       const RpcInfo& rpc, const WireLimits& limits, grpc::Status* error) {
+  std::vector<grpc::Slice> slices;
+  std::vector<WireSpan> spans;
+  if (bytes->Dump(&slices).ok()) {
+    spans.reserve(slices.size());
+    for (const grpc::Slice& slice : slices) spans.push_back({slice.begin(), slice.size()});
+    const ScanResult scanned = ScanInferRequest(spans, limits);
+    if (scanned.outcome == ScanOutcome::kOverLimit) {
+      *error = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, limits.Refusal(scanned.rule));
+      return false;
+    }
+    if (scanned.outcome == ScanOutcome::kMalformed) {
+      *error = ParseError(rpc.input_type);  // the parser's answer, without parsing
+      return false;
+    }
+  }
+  return ParseRequest(bytes, message, rpc, error);
 }
 
 // -- UnaryCall ----------------------------------------------------------------------------------
@@ -320,11 +345,12 @@ void InferCall::Serve() {
   inference::ModelInferRequest request;
   if (status.ok()) {
     started_at_ = std::chrono::steady_clock::now();
-    ParseRequest(&request_, &request, rpc_, &status);
+    ParseInferRequest(&request_, &request, rpc_, frontend.handover().wire_limits, &status);
   }
   if (!status.ok()) {
-    // Refused before the handler ran (the token, or a request that does not parse): not an
-    // inference answer, so neither counted nor logged as one.
+    // Refused before the handler ran (the token, a request that does not parse or is past a
+    // wire limit, so that nothing names its model yet): not an inference answer, so neither
+    // counted nor logged as one.
     answered_ = true;
     Ref();
     responder_.FinishWithError(status, finished_.tag());
@@ -348,13 +374,13 @@ void InferCall::OnExecutorAnswer(ExecutorAnswer answer) {
     if (!answered_) {
       grpc::ByteBuffer reply;
       std::string problem;
-      if (EncodeResponse(*ticket_.model, id_, ticket_.outputs, *answer.result, frontend.arena(),
-                         false, &reply, &problem)) {
-        Answer(grpc::Status::OK, &reply);
-      } else {
+      const grpc::Status encoded = EncodeResponse(
+          *ticket_.model, id_, ticket_.outputs, *answer.result, frontend.arena(), false,
+          static_cast<uint64_t>(frontend.handover().max_message_bytes), &reply, &problem);
+      if (!problem.empty()) {
         Log(LogLevel::kError, "executor_protocol_error", {LogField("error", problem)});
-        Answer(grpc::Status(grpc::StatusCode::INTERNAL, kInternalMessage), nullptr);
       }
+      Answer(encoded, encoded.ok() ? &reply : nullptr);
     }
     // Copied out (or not wanted any more): the executor may reuse the output blocks.
     frontend.link().FreeOutputs(answer.generation, *answer.result);

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "frontend.h"
+#include "wire_scan.h"
 #include "worker.h"
 
 namespace batchgate {
@@ -29,6 +30,11 @@ bool ParseRequest(grpc::ByteBuffer* bytes, google::protobuf::Message* message,
 // The same, the message's type named by `input_type` ("grpc.health.v1.HealthCheckRequest").
 bool ParseRequest(grpc::ByteBuffer* bytes, google::protobuf::Message* message,
                   const std::string& input_type, grpc::Status* error);
+// A ModelInferRequest, once its bytes were scanned against `limits` (wire_scan.h): false with
+// RESOURCE_EXHAUSTED and the rule's refusal when they pass one, or with ParseRequest's error
+// when they do not parse.
+bool ParseInferRequest(grpc::ByteBuffer* bytes, inference::ModelInferRequest* message,
+                       const RpcInfo& rpc, const WireLimits& limits, grpc::Status* error);
 
 // Every unary RPC but ModelInfer.
 class UnaryCall final : public CallBase, public AnswerTarget {

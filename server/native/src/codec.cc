@@ -127,15 +127,18 @@ grpc::Status CheckShape(const std::string& model, const TensorInfo& spec, const 
   return grpc::Status::OK;
 }
 
-grpc::Status CheckRequestBytes(const std::string& model, uint64_t request_bytes,
-                               const RequestLimits& limits) {
-  if (request_bytes > limits.max_request_bytes) {
+// Adds an input's `bytes` to the request's; refused past --max-request-bytes, where a
+// client-given size (a shared-memory BYTES input's) may be anything up to 2**64 - 1.
+grpc::Status AddRequestBytes(const std::string& model, uint64_t bytes, uint64_t* request_bytes,
+                             const RequestLimits& limits) {
+  if (bytes > limits.max_request_bytes - *request_bytes) {
     return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                         ModelPrefix(model) +
                             "the request's inputs take more bytes than this server allows "
                             "(--max-request-bytes " +
                             std::to_string(limits.max_request_bytes) + ")");
   }
+  *request_bytes += bytes;
   return grpc::Status::OK;
 }
 
@@ -443,8 +446,9 @@ grpc::Status DecodeRequest(const ModelInferRequest& request, const ModelState& m
       }
       status = CheckPlacedBytes(name, spec, tensor.shape(), count, plan.placement.nbytes());
       if (!status.ok()) return status;
-      request_bytes += element_size == 0 ? plan.placement.nbytes() : count * element_size;
-      status = CheckRequestBytes(name, request_bytes, limits);
+      status = AddRequestBytes(
+          name, element_size == 0 ? plan.placement.nbytes() : count * element_size,
+          &request_bytes, limits);
       if (!status.ok()) return status;
       plan.placed = true;
       plan.nbytes = 0;
@@ -456,16 +460,17 @@ grpc::Status DecodeRequest(const ModelInferRequest& request, const ModelState& m
       }
       plan.raw = next_raw++;
       const std::string& buffer = request.raw_input_contents(plan.raw);
-      request_bytes += element_size == 0 ? buffer.size() : count * element_size;
-      status = CheckRequestBytes(name, request_bytes, limits);
+      status = AddRequestBytes(name, element_size == 0 ? buffer.size() : count * element_size,
+                               &request_bytes, limits);
       if (!status.ok()) return status;
       status = CheckRaw(name, spec, tensor.shape(), count, buffer);
       if (!status.ok()) return status;
       plan.nbytes = buffer.size();
     } else {
       // For BYTES, what the contents take on the wire: the decoded size is not known yet.
-      request_bytes += element_size == 0 ? tensor.contents().ByteSizeLong() : count * element_size;
-      status = CheckRequestBytes(name, request_bytes, limits);
+      status = AddRequestBytes(
+          name, element_size == 0 ? tensor.contents().ByteSizeLong() : count * element_size,
+          &request_bytes, limits);
       if (!status.ok()) return status;
       status = CheckContents(name, spec, tensor.shape(), count, tensor.contents(), &plan.nbytes);
       if (!status.ok()) return status;
@@ -479,12 +484,18 @@ grpc::Status DecodeRequest(const ModelInferRequest& request, const ModelState& m
     return Invalid(ModelPrefix(name) + "missing inputs " + QuotedList(missing));
   }
   bool any_placed = false;
+  std::vector<bool> requested(request.outputs_size() > 0 ? model.outputs.size() : 0);
   for (const auto& output : request.outputs()) {
     const auto found = model.output_index.find(output.name());
     if (found == model.output_index.end()) {
       return Invalid("model '" + name + "' has no output '" + output.name() +
                      "'; its outputs are " + QuotedList(model.output_names));
     }
+    // Triton refuses it too; each repeat would cost the reply the output's bytes again.
+    if (requested[found->second]) {
+      return Invalid(ModelPrefix(name) + "output '" + output.name() + "' is requested twice");
+    }
+    requested[found->second] = true;
     decoded->outputs.push_back(found->second);
     if (HasSharedMemoryParameters(output.parameters())) {
       if (!shared_memory) {
@@ -539,15 +550,16 @@ void WriteInput(const ModelInferRequest& request, const InputPlan& plan, const T
   }
 }
 
-bool EncodeResponse(const ModelState& model, const std::string& id,
-                    const std::vector<uint32_t>& requested, const wire::Result& result,
-                    const Arena& arena, bool for_stream, grpc::ByteBuffer* reply,
-                    std::string* problem) {
+grpc::Status EncodeResponse(const ModelState& model, const std::string& id,
+                            const std::vector<uint32_t>& requested, const wire::Result& result,
+                            const Arena& arena, bool for_stream, uint64_t max_reply_bytes,
+                            grpc::ByteBuffer* reply, std::string* problem) {
+  const grpc::Status internal(grpc::StatusCode::INTERNAL, kInternalMessage);
   const size_t expected = requested.empty() ? model.outputs.size() : requested.size();
   if (static_cast<size_t>(result.outputs_size()) != expected) {
     *problem = "the executor answered " + std::to_string(result.outputs_size()) +
                " outputs for " + std::to_string(expected) + " asked";
-    return false;
+    return internal;
   }
   inference::ModelInferResponse header;
   header.set_model_name(model.spec_name);
@@ -558,7 +570,7 @@ bool EncodeResponse(const ModelState& model, const std::string& id,
     const wire::Output& output = result.outputs(static_cast<int>(i));
     if (!output.placed() && !arena.Contains(output.offset(), output.nbytes())) {
       *problem = "output " + std::to_string(i) + " lies outside the arena";
-      return false;
+      return internal;
     }
     const TensorInfo& spec = model.outputs[requested.empty() ? i : requested[i]];
     auto* tensor = header.add_outputs();
@@ -573,6 +585,13 @@ bool EncodeResponse(const ModelState& model, const std::string& id,
   const uint64_t header_bytes = header.ByteSizeLong();
   const uint64_t inner = header_bytes + raw_bytes;
   const uint64_t total = for_stream ? 1 + CodedOutputStream::VarintSize64(inner) + inner : inner;
+  if (total > max_reply_bytes) {
+    // gRPC would refuse to send it, once built: that request fails, no buffer made.
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        ModelPrefix(model.spec_name) + "the reply would take " +
+                            std::to_string(total) + " bytes, more than this server sends (" +
+                            "--max-message-bytes " + std::to_string(max_reply_bytes) + ")");
+  }
   // One buffer for the whole reply: the outputs' bytes go from the arena straight into it, the
   // only copy they make in this process. raw_output_contents is the response's last field, so
   // appending it after the rest is the order protobuf itself would write.
@@ -591,7 +610,7 @@ bool EncodeResponse(const ModelState& model, const std::string& id,
     at += nbytes;
   }
   *reply = grpc::ByteBuffer(&slice, 1);
-  return true;
+  return grpc::Status::OK;
 }
 
 grpc::ByteBuffer Serialize(const google::protobuf::MessageLite& message) {

@@ -71,12 +71,14 @@ void WriteInput(const inference::ModelInferRequest& request, const InputPlan& pl
 // The serialized reply to a request answered with `result`: a ModelInferResponse (a
 // ModelStreamInferResponse holding it, with `for_stream`), each output's bytes copied once,
 // from the arena into the reply; an output the executor wrote into the client's region
-// (Output.placed) has its metadata in the reply and an empty raw_output_contents entry. False,
-// with `problem` for the log, when the result does not fit the request (an executor bug).
-bool EncodeResponse(const ModelState& model, const std::string& id,
-                    const std::vector<uint32_t>& requested, const wire::Result& result,
-                    const Arena& arena, bool for_stream, grpc::ByteBuffer* reply,
-                    std::string* problem);
+// (Output.placed) has its metadata in the reply and an empty raw_output_contents entry.
+// RESOURCE_EXHAUSTED, before anything is allocated, when the reply would pass
+// `max_reply_bytes` (--max-message-bytes); INTERNAL, with `problem` for the log, when the
+// result does not fit the request (an executor bug).
+grpc::Status EncodeResponse(const ModelState& model, const std::string& id,
+                            const std::vector<uint32_t>& requested, const wire::Result& result,
+                            const Arena& arena, bool for_stream, uint64_t max_reply_bytes,
+                            grpc::ByteBuffer* reply, std::string* problem);
 
 // A serialized ModelStreamInferResponse carrying `error_message`.
 grpc::ByteBuffer StreamError(const std::string& error_message);

@@ -113,6 +113,11 @@ class Fields {
     return v ? &v->struct_value() : nullptr;
   }
 
+  // The first problem `inner` (a nested object's reader) found, as this one's.
+  void Adopt(const Fields& inner) {
+    if (error_.empty()) error_ = inner.error();
+  }
+
   std::nullptr_t Fail(const std::string& key, const std::string& problem) {
     if (error_.empty()) error_ = "handover key '" + prefix_ + key + "' " + problem;
     return nullptr;
@@ -174,6 +179,22 @@ bool ParseHandover(const std::string& json, Handover* out, std::string* error) {
       previous = v.number_value();
       out->seconds_buckets.push_back(previous);
     }
+  }
+  if (const Struct* rules = top.Object("wire_limits")) {
+    Fields r(*rules, "wire_limits.");
+    for (int i = 0; i < kWireRules; ++i) {
+      const auto* rule = r.List(kWireRuleKeys[i]);
+      if (rule == nullptr) break;
+      if (rule->values_size() != 2 || rule->values(0).kind_case() != Value::kNumberValue ||
+          rule->values(1).kind_case() != Value::kStringValue) {
+        r.Fail(kWireRuleKeys[i], "must be [bound, refusal]");
+        break;
+      }
+      out->wire_limits.most[i] = static_cast<uint64_t>(
+          r.CheckInteger(kWireRuleKeys[i], rule->values(0).number_value(), 0, kMaxSize));
+      out->wire_limits.refusal[i] = rule->values(1).string_value();
+    }
+    top.Adopt(r);
   }
   const Struct* settings = top.Object("settings");
   if (!top.ok()) {

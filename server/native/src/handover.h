@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "log.h"
+#include "wire_scan.h"
 
 namespace batchgate {
 
@@ -22,6 +23,9 @@ struct Handover {
   std::string version;
   std::vector<std::string> extensions;
   std::vector<double> seconds_buckets;
+  // What a request's wire bytes may hold: each rule's bound and refusal, as
+  // server/request_limits.py declares them.
+  WireLimits wire_limits;
 
   // settings
   std::string host;

@@ -13,8 +13,6 @@ namespace {
 // (HTTP/2 flow control then holds it back).
 constexpr size_t kMaxBacklog = 256;
 
-const char* const kInternalMessage = "internal server error; the server log has the details";
-
 double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
@@ -83,7 +81,9 @@ void StreamInferCall::OnRead(bool ok) {
   }
   inference::ModelInferRequest request;
   grpc::Status error;
-  if (!ParseRequest(&incoming_, &request, rpc_, &error)) {
+  const bool parsed = ParseInferRequest(&incoming_, &request, rpc_,
+                                        worker_.frontend().handover().wire_limits, &error);
+  if (!parsed && error.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED) {
     // grpcio's request iterator raises, which ends service.py's stream at once: OK, with the
     // answers already queued, and the requests still in flight cancelled.
     no_more_requests_ = true;
@@ -93,7 +93,12 @@ void StreamInferCall::OnRead(bool ok) {
     Unref();
     return;
   }
-  HandleRequest(request);
+  if (parsed) {
+    HandleRequest(request);
+  } else {
+    // Past a wire limit: answered in the stream as any refusal, and the stream goes on.
+    Queue(StreamError(error.error_message()));
+  }
   StartRead();
   Unref();
 }
@@ -125,17 +130,16 @@ void StreamInferCall::OnAnswer(Request* key, ExecutorAnswer answer) {
     if (wanted) {
       grpc::ByteBuffer reply;
       std::string problem;
-      if (EncodeResponse(*request->ticket_.model, request->id_, request->ticket_.outputs,
-                         *answer.result, frontend.arena(), true, &reply, &problem)) {
-        frontend.metrics().Count(request->model_name_, grpc::StatusCode::OK,
-                                 SecondsSince(request->started_));
-        Queue(std::move(reply));
-      } else {
+      const grpc::Status encoded = EncodeResponse(
+          *request->ticket_.model, request->id_, request->ticket_.outputs, *answer.result,
+          frontend.arena(), true, static_cast<uint64_t>(frontend.handover().max_message_bytes),
+          &reply, &problem);
+      if (!problem.empty()) {
         Log(LogLevel::kError, "executor_protocol_error", {LogField("error", problem)});
-        frontend.metrics().Count(request->model_name_, grpc::StatusCode::INTERNAL,
-                                 SecondsSince(request->started_));
-        Queue(StreamError(kInternalMessage));
       }
+      frontend.metrics().Count(request->model_name_, encoded.error_code(),
+                               SecondsSince(request->started_));
+      Queue(encoded.ok() ? std::move(reply) : StreamError(encoded.error_message()));
     }
     frontend.link().FreeOutputs(answer.generation, *answer.result);
   } else if (wanted) {
