@@ -1,12 +1,20 @@
 from batchgate.protos import inference_pb2 as _inference_pb2
 from batchgate.protos import model_config_pb2 as _model_config_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class WireLimit(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WIRE_LIMIT_UNSPECIFIED: _ClassVar[WireLimit]
+    MAX_FRAME_BYTES: _ClassVar[WireLimit]
+WIRE_LIMIT_UNSPECIFIED: WireLimit
+MAX_FRAME_BYTES: WireLimit
 
 class ToExecutor(_message.Message):
     __slots__ = ("hello", "infer", "cancel", "free", "call", "groups")

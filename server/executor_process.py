@@ -69,6 +69,17 @@ _HELLO, _INFER, _CANCEL, _FREE, _CALL, _GROUPS = (
 assert _HELLO < _INFER < _CANCEL < _FREE < _CALL < _GROUPS
 
 _BAD_TENSORS_MESSAGE = "internal error: the front end described the request's tensors wrongly"
+# Bounds on the encoded size of the answers' entries (wire.Link.room): a number field is
+# wire.NUMBER_BYTES at most, a bool 2, an entry's own tag and length wire.ENTRY_BYTES.
+_N, _E = wire.NUMBER_BYTES, wire.ENTRY_BYTES
+_RESULT_BYTES = _E + _N + 2  # rid, released; its outputs come on top
+_FAILURE_BYTES = _E + _N + 2 + 6  # rid, released, code; its message on top
+_REPLY_BYTES = _E + _N + _E  # cid, the outcome's tag and length; the outcome on top
+_BATCH_BYTES = _E + 3 * _E + 2  # rids, first_rows and rows (packed), released
+_BATCH_MEMBER_BYTES = 3 * (_N - 1)  # a request's rid, first row and rows
+TOO_MANY_OUTPUTS_MESSAGE = (
+    "the answer describes {outputs} outputs, more than one frame from the executor process to "
+    "the front end holds ({limit} bytes); ask for fewer outputs")
 STALE_HANDLE_MESSAGE = (
     "the model was reloaded or unloaded while this request was on its way; retry the request"
 )
@@ -87,17 +98,23 @@ class _FrontEnd:
         self.blocks: collections.Counter[int] = collections.Counter()  # block -> references
         self.closed = False
 
-    def out(self) -> wire_pb2.ToFrontend | None:
-        """The frame being filled for this front end; None once it has gone."""
+    def out(self, nbytes: int = 0) -> wire_pb2.ToFrontend | None:
+        """The frame being filled for this front end, with room for an entry of ``nbytes``
+        (``wire.Link.room``: the frame so far goes first when it lacks it); None once the front
+        end has gone. FrameFull when ``nbytes`` would not fit even an empty frame."""
         if self.closed:
             return None
         try:
-            return self.link.out
+            return self.link.room(nbytes)
         except ConnectionError:
             return None
 
     def fail(self, rid: int, released: bool, code: int, text: str) -> None:
-        out = self.out()
+        nbytes = _FAILURE_BYTES + wire.string_bytes(text)
+        if nbytes > wire.capacity_bytes():  # cut to fit: a status message is for a person
+            text = text[:(wire.capacity_bytes() - _FAILURE_BYTES) // 4 - wire.ENTRY_BYTES]
+            nbytes = _FAILURE_BYTES + wire.string_bytes(text)
+        out = self.out(nbytes)
         if out is not None:
             out.failures.add(rid=rid, released=released, code=code, message=text)
 
@@ -108,7 +125,7 @@ class _FrontEnd:
 
     def release(self, rid: int) -> None:
         """The request's inputs are no longer read (it was answered before its batch ended)."""
-        out = self.out()
+        out = self.out(wire.NUMBER_BYTES)
         if out is not None:
             out.released.append(rid)
 
@@ -334,9 +351,9 @@ class ExecutorServer:
     def on_state_change(self, name: str, state: str) -> None:
         if self.repository is None:
             return
-        message = self.model_state(name)
+        message, nbytes = _state_entry(self.model_state(name))
         for front in list(self._fronts):
-            out = front.out()
+            out = front.out(nbytes)
             if out is not None:
                 out.models.append(message)
 
@@ -423,10 +440,11 @@ class ExecutorServer:
         front.slot = hello.slot
         start, size = self._layout.input_region(hello.slot)
         front.region = (start, start + size)
-        out = front.out()
-        out.welcome = True
+        front.out().welcome = True
         states = [self.model_state(entry.name, entry) for entry in self.repository.index()]
-        out.models.extend(states)
+        for state in states:  # those that do not fit the welcome's frame follow it
+            message, nbytes = _state_entry(state)
+            front.out(nbytes).models.append(message)
         log.info("frontend_connected", slot=front.slot, models=len(states))
 
     def _disconnect(self, front: _FrontEnd) -> None:
@@ -680,16 +698,26 @@ class ExecutorServer:
     def _describe_each(self, live: list[tuple[int, _Remote]], spec: ModelSpec,
                        outputs: list[np.ndarray], starts: list[int], split: bool,
                        layout: dict, held: dict) -> None:
-        """One Result per request: its rows of each output it asked for (or its placements)."""
-        frames: dict[_FrontEnd, wire_pb2.ToFrontend | None] = {}  # a batch has 1 or 2 fronts
+        """One Result per request: its rows of each output it asked for (or its placements).
+        A Result that would not fit a frame alone fails its request alone."""
+        per_output = [_output_bytes(array.ndim) for array in outputs]
+        sizes: dict[tuple[int, ...], int] = {}  # the outputs asked for -> their Result's bound
+        capacity = wire.capacity_bytes()
         for index, remote in live:
             front = remote.front
-            out = frames.get(front, frames)
-            if out is frames:
-                out = frames[front] = front.out()
-            if out is None:
+            if front.closed:
                 continue
             request = remote.request
+            nbytes = sizes.get(remote.outputs)
+            if nbytes is None:
+                nbytes = sizes[remote.outputs] = _RESULT_BYTES + sum(
+                    [per_output[k] for k in remote.outputs])
+            if nbytes > capacity:
+                remote.answered = True
+                front.fail(remote.rid, not request.holds_inputs, Code.RESOURCE_EXHAUSTED,
+                           TOO_MANY_OUTPUTS_MESSAGE.format(outputs=len(remote.outputs),
+                                                           limit=wire.MAX_FRAME_BYTES))
+                continue
             placed = None
             if remote.placements is not None:
                 try:
@@ -698,6 +726,9 @@ class ExecutorServer:
                     remote.answered = True
                     front.fail(remote.rid, not request.holds_inputs, *status_of(exc))
                     continue
+            out = front.out(nbytes)
+            if out is None:
+                continue
             add = out.results.add(rid=remote.rid, released=not request.holds_inputs).outputs.add
             rows, first = request.batch_size, starts[index]
             for k in remote.outputs:
@@ -722,7 +753,8 @@ class ExecutorServer:
                         outputs: list[np.ndarray], starts: list[int], layout: dict,
                         held: dict) -> None:
         """Every request takes every output, whose rows have a fixed size: one Batch per front
-        end (wire.proto) in place of a Result each."""
+        end (wire.proto) in place of a Result each, or several where one would not fit a
+        frame."""
         groups: dict[_FrontEnd, list[tuple[int, _Remote]]] = {}
         for entry in live:
             front = entry[1].front
@@ -732,9 +764,10 @@ class ExecutorServer:
             else:
                 group.append(entry)
         described = [layout[k] for k in sorted(layout)]
+        fixed = _BATCH_BYTES + sum([_batch_output_bytes(outputs[k].ndim) for k in layout])
+        most = max(1, (wire.capacity_bytes() - fixed) // _BATCH_MEMBER_BYTES)
         for front, members in groups.items():
-            out = front.out()
-            if out is None:
+            if front.closed:
                 continue
             released = not members[0][1].request.holds_inputs
             if any(remote.request.holds_inputs is released for _, remote in members):
@@ -742,15 +775,20 @@ class ExecutorServer:
                 # not, each says so in its own Result.
                 self._describe_each(members, spec, outputs, starts, True, layout, held)
                 continue
-            batch = out.batches.add(released=released)
-            batch.rids.extend([remote.rid for _, remote in members])
-            batch.first_rows.extend([starts[index] for index, _ in members])
-            batch.rows.extend([remote.request.batch_size for _, remote in members])
-            for block, _, row_bytes, tail in described:
-                batch.outputs.add(block=block, row_bytes=row_bytes, tail=tail)
-                held[(front, block)] = held.get((front, block), 0) + len(members)
-            for _, remote in members:
-                remote.answered = True
+            for at in range(0, len(members), most):
+                part = members[at:at + most]
+                out = front.out(fixed + len(part) * _BATCH_MEMBER_BYTES)
+                if out is None:
+                    break
+                batch = out.batches.add(released=released)
+                batch.rids.extend([remote.rid for _, remote in part])
+                batch.first_rows.extend([starts[index] for index, _ in part])
+                batch.rows.extend([remote.request.batch_size for _, remote in part])
+                for block, _, row_bytes, tail in described:
+                    batch.outputs.add(block=block, row_bytes=row_bytes, tail=tail)
+                    held[(front, block)] = held.get((front, block), 0) + len(part)
+                for _, remote in part:
+                    remote.answered = True
 
     def _place(self, remote: _Remote, index: int, spec: ModelSpec, outputs: list[np.ndarray],
                starts: list[int] | None) -> dict[int, tuple[int, tuple]]:
@@ -840,14 +878,24 @@ class ExecutorServer:
         try:
             response = await getattr(handler, method)(getattr(call, method))
         except Exception as exc:
-            code, text = status_of(exc)
-            out = front.out()
-            if out is not None:
-                out.replies.add(cid=call.cid, error=wire_pb2.Status(code=code, message=text))
+            self._reply_error(front, call.cid, *status_of(exc))
             return
-        out = front.out()
+        nbytes = _REPLY_BYTES + response.ByteSize()
+        if nbytes > wire.capacity_bytes():
+            self._reply_error(front, call.cid, Code.RESOURCE_EXHAUSTED, (
+                f"the reply is {nbytes} bytes, more than one frame from the executor process "
+                f"to the front end holds ({wire.MAX_FRAME_BYTES} bytes)"))
+            return
+        out = front.out(nbytes)
         if out is not None:
             getattr(out.replies.add(cid=call.cid), method).CopyFrom(response)
+
+    @staticmethod
+    def _reply_error(front: _FrontEnd, cid: int, code: int, text: str) -> None:
+        error = wire_pb2.Status(code=code, message=text)
+        out = front.out(_REPLY_BYTES + error.ByteSize())
+        if out is not None:
+            out.replies.add(cid=cid, error=error)
 
 
 class _OutputRegionFull(Exception):
@@ -863,6 +911,30 @@ class _OutputRegionFull(Exception):
 
 def _nothing() -> None:
     pass
+
+
+def _state_entry(state: wire_pb2.ModelState) -> tuple[wire_pb2.ModelState, int]:
+    """``state`` and its entry's size, or, for a model whose description alone would not fit a
+    frame (a config of that size), the model as UNAVAILABLE saying why."""
+    nbytes = wire.ENTRY_BYTES + state.ByteSize()
+    if nbytes <= wire.capacity_bytes():
+        return state, nbytes
+    state = wire_pb2.ModelState(
+        name=state.name, state="UNAVAILABLE",
+        reason=f"its description ({nbytes} bytes) is larger than a frame from the executor "
+               f"process to the front end ({wire.MAX_FRAME_BYTES} bytes)")
+    return state, wire.ENTRY_BYTES + state.ByteSize()
+
+
+def _output_bytes(ndim: int) -> int:
+    """A bound on one Output entry's size (a Result's) for an output of ``ndim`` dimensions:
+    block, offset, nbytes, placed, and the packed shape."""
+    return wire.ENTRY_BYTES + 3 * wire.NUMBER_BYTES + 2 + wire.ENTRY_BYTES + 10 * ndim
+
+
+def _batch_output_bytes(ndim: int) -> int:
+    """The same for a BatchOutput: block, row_bytes and the shape past the rows."""
+    return wire.ENTRY_BYTES + 2 * wire.NUMBER_BYTES + wire.ENTRY_BYTES + 10 * max(ndim - 1, 0)
 
 
 def _rows_of(row_offsets: np.ndarray, first: int, rows: int) -> tuple[int, int]:

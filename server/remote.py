@@ -272,20 +272,12 @@ class RemoteRepository:
             raise ModelUnavailable("the executor process is not connected; retry")
         # The executor drops a link whose frame passes MAX_FRAME_BYTES, and every request on it
         # with the link: a call that large is refused (as the native front end refuses it),
-        # and one that would make the frame being filled too large waits for the next frame.
-        size = request.ByteSize() + CALL_OVERHEAD_BYTES
-        if size > wire.MAX_FRAME_BYTES:
-            raise ResourceExhausted(
-                f"the request is larger than the {wire.MAX_FRAME_BYTES} bytes a front end "
-                "forwards to the executor process")
-        while link.pending_bytes + size > wire.MAX_FRAME_BYTES:
-            await asyncio.sleep(0)  # the frame being filled is written before this resumes
-            if link is not self._link:
-                raise ModelUnavailable("the executor process is not connected; retry")
+        # and one that would make the frame being filled too large goes in the next frame.
+        out = _room(link, request.ByteSize() + CALL_OVERHEAD_BYTES)
         cid = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[cid] = future
-        getattr(link.out.call.add(cid=cid), method).CopyFrom(request)
+        getattr(out.call.add(cid=cid), method).CopyFrom(request)
         return await future
 
     def _reply(self, reply: wire_pb2.Reply) -> None:
@@ -349,15 +341,20 @@ class RemoteRepository:
                                                offset=placement.offset,
                                                nbytes=placement.nbytes)
         rid = message.rid = next(self._ids)
+        try:
+            out = _room(link, wire.ENTRY_BYTES + message.ByteSize())
+        except ResourceExhausted:
+            self._free_inputs(blocks)
+            raise
         future = asyncio.get_running_loop().create_future()
         self._pending[rid] = _Pending(future, blocks, names,
                                       [spec.output(name).datatype for name in names])
-        link.out.infer.append(message)
+        out.infer.append(message)
         try:
             return await future
         except asyncio.CancelledError:
             if rid in self._pending and self._link is link and not link.closed:
-                link.out.cancel.append(rid)
+                link.room(wire.NUMBER_BYTES).cancel.append(rid)
             raise
 
     def _result(self, result: wire_pb2.Result) -> None:
@@ -378,7 +375,7 @@ class RemoteRepository:
                 arrays[name] = np.frombuffer(data, dtype=NUMPY_DTYPES[datatype]).reshape(shape)
         frees = [output.block for output in result.outputs if not output.placed]
         if frees and self._link is not None and not self._link.closed:
-            self._link.out.free.extend(frees)
+            self._link.room(len(frees) * wire.NUMBER_BYTES).free.extend(frees)
         if pending is not None and not pending.future.done():
             pending.future.set_result(arrays)
 
@@ -396,6 +393,17 @@ class RemoteRepository:
             self._inputs.free(offset)
         if blocks and self._in_use is not None:
             self._in_use.set(self._inputs.bytes_in_use)
+
+
+def _room(link: wire.ExecutorLink, nbytes: int) -> wire_pb2.ToExecutor:
+    """The frame being filled with room for an entry of ``nbytes``; RESOURCE_EXHAUSTED for an
+    entry no frame holds."""
+    try:
+        return link.room(nbytes)
+    except wire.FrameFull:
+        raise ResourceExhausted(
+            f"the request is larger than the {wire.MAX_FRAME_BYTES} bytes a front end "
+            "forwards to the executor process") from None
 
 
 def _spec_of(message: wire_pb2.ModelSpec) -> ModelSpec:
