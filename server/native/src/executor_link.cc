@@ -17,8 +17,14 @@
 namespace batchgate {
 namespace {
 
-// wire.proto: a frame larger than this is a protocol error (frames carry descriptors only).
-constexpr uint32_t kMaxFrameBytes = 64u << 20;
+// wire.proto's WireLimit: a frame larger than this is a protocol error (frames carry
+// descriptors only). The Python end reads the same definition.
+constexpr uint32_t kMaxFrameBytes = wire::MAX_FRAME_BYTES;
+// What a frame holds beyond its entries, at most: the tags and lengths of its packed lists.
+constexpr size_t kFrameSlackBytes = 64;
+// An entry's own tag and length (a length under 2**28), and a packed list's number.
+constexpr size_t kEntryBytes = 5;
+constexpr size_t kNumberBytes = 10;
 // What the writer aims a frame at when one would pass kMaxFrameBytes.
 constexpr size_t kSplitFrameBytes = 16u << 20;
 // The most requests an InferGroup holds (wire.proto): with ids of kMaxForwardedIdBytes, ~4 MiB.
@@ -86,35 +92,67 @@ bool SendFrame(int fd, const google::protobuf::MessageLite& message, std::string
 
 // `frame` as the bytes of one frame, or of several when it would pass kMaxFrameBytes (only a
 // flood of large calls gets there): Infers, groups and Calls first, cancels and frees last, so
-// that each cancel still finds its request already sent. Empties `frame`'s repeated fields
-// when it splits.
+// that each cancel still finds its request already sent. Each entry's size is checked before it
+// goes in: the part filled so far goes out first when the entry would take it past the limit
+// (no entry passes it alone: SubmitInfer and SubmitCall refuse those), or once the part has
+// reached kSplitFrameBytes. Empties `frame`'s repeated fields when it splits.
 void Encode(wire::ToExecutor& frame, std::string& buffer) {
   buffer.clear();
   if (frame.ByteSizeLong() <= kMaxFrameBytes) {
     AppendFrame(frame, buffer);
     return;
   }
+  // ByteSizeLong() above left every entry's size cached.
   wire::ToExecutor part;
+  size_t part_bytes = 0;  // a bound on part's size
   const auto flush = [&] {
-    if (part.ByteSizeLong() > 0) AppendFrame(part, buffer);
+    if (part_bytes > 0) AppendFrame(part, buffer);
     part.Clear();
+    part_bytes = 0;
+  };
+  const auto make_room = [&](size_t bytes) {
+    if (part_bytes + bytes > kMaxFrameBytes - kFrameSlackBytes || part_bytes >= kSplitFrameBytes) {
+      flush();
+    }
+    part_bytes += bytes;
+  };
+  const auto entry = [](const google::protobuf::MessageLite& message) {
+    return static_cast<size_t>(message.GetCachedSize()) + kEntryBytes;
   };
   for (auto& infer : *frame.mutable_infer()) {
+    make_room(entry(infer));
     part.add_infer()->Swap(&infer);
-    if (part.ByteSizeLong() > kSplitFrameBytes) flush();
   }
   for (auto& group : *frame.mutable_groups()) {
+    make_room(entry(group));
     part.add_groups()->Swap(&group);
-    if (part.ByteSizeLong() > kSplitFrameBytes) flush();
   }
   for (auto& call : *frame.mutable_call()) {
+    make_room(entry(call));
     part.add_call()->Swap(&call);
-    if (part.ByteSizeLong() > kSplitFrameBytes) flush();
   }
   flush();
-  part.mutable_cancel()->Swap(frame.mutable_cancel());
-  part.mutable_free()->Swap(frame.mutable_free());
+  for (const uint64_t rid : frame.cancel()) {
+    make_room(kNumberBytes);
+    part.add_cancel(rid);
+  }
+  for (const uint64_t block : frame.free()) {
+    make_room(kNumberBytes);
+    part.add_free(block);
+  }
   flush();
+  frame.clear_cancel();
+  frame.clear_free();
+}
+
+// Whether `entry` fits a frame alone (Encode splits frames between entries, never inside one);
+// RESOURCE_EXHAUSTED in `refusal` when not.
+bool FitsAFrame(const google::protobuf::MessageLite& entry, grpc::Status* refusal) {
+  if (entry.ByteSizeLong() + kEntryBytes <= kMaxFrameBytes - kFrameSlackBytes) return true;
+  *refusal = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          "the request is larger than the " + std::to_string(kMaxFrameBytes) +
+                              " bytes a front end forwards to the executor process");
+  return false;
 }
 
 // Writes what the socket takes now without blocking: the bytes written, or -1 when the
@@ -319,6 +357,7 @@ void ExecutorLink::Close() {
 bool ExecutorLink::SubmitInfer(std::unique_ptr<wire::Infer> infer, std::vector<uint64_t> blocks,
                                uint64_t model_generation, AnswerTarget* target,
                                uint64_t* rid, grpc::Status* refusal, bool groupable) {
+  if (!FitsAFrame(*infer, refusal)) return false;
   std::unique_lock<std::mutex> lock(mu_);
   if (!socket_ || !welcomed_) {
     *refusal = grpc::Status(grpc::StatusCode::UNAVAILABLE, kNotConnected);
@@ -362,12 +401,7 @@ void ExecutorLink::FreeOutputs(uint64_t generation, const wire::Result& result) 
 
 bool ExecutorLink::SubmitCall(std::unique_ptr<wire::Call> call, AnswerTarget* target,
                               grpc::Status* refusal) {
-  if (call->ByteSizeLong() > kMaxFrameBytes - 64) {
-    *refusal = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                            "the request is larger than the " + std::to_string(kMaxFrameBytes) +
-                                " bytes a front end forwards to the executor process");
-    return false;
-  }
+  if (!FitsAFrame(*call, refusal)) return false;
   std::unique_lock<std::mutex> lock(mu_);
   if (!socket_ || !welcomed_) {
     *refusal = grpc::Status(grpc::StatusCode::UNAVAILABLE, kNotConnected);

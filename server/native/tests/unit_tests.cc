@@ -7,6 +7,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -823,9 +824,12 @@ class FakeExecutor {
     unsigned char header[4];
     if (!ReadAll(reinterpret_cast<char*>(header), 4)) return false;
     const uint32_t size = header[0] | header[1] << 8 | header[2] << 16 | uint32_t{header[3]} << 24;
+    largest_frame = std::max<uint64_t>(largest_frame, size);
     std::string body(size, '\0');
     return ReadAll(body.data(), size) && frame->ParseFromString(body);
   }
+  // The largest frame body read so far.
+  uint64_t largest_frame = 0;
   // Whether bytes wait to be read, without reading them.
   bool Pending() {
     char byte;
@@ -1049,6 +1053,49 @@ void TestLinkGroupsRequestsOfOneFrame() {
   CHECK_EQ(target.unavailable.load(), 3);
 }
 
+void TestLinkFramesStayUnderTheLimit() {
+  // Deferred entries pile up into one frame past wire.proto's limit: 15 MiB of requests, then a
+  // call of 60 MiB. The writer splits the frame before the call goes in (its size is checked
+  // before appending), so no frame passes MAX_FRAME_BYTES; a call too large for any frame is
+  // refused up front.
+  ConnectedLink connected("batchgate-unit-limit-" + std::to_string(getpid()));
+  FakeExecutor& executor = connected.executor;
+  batchgate::ExecutorLink& link = connected.link;
+  const std::string id(1 << 20, 'i');
+  CountingTarget call_target;
+  constexpr int kInfers = 16;
+  {
+    const batchgate::ExecutorLink::DeferredWrites deferred;
+    for (int i = 0; i < kInfers; ++i) {
+      batchgate::wire::Infer infer;
+      infer.set_id(id);
+      connected.Submit(std::move(infer));
+    }
+    auto call = std::make_unique<batchgate::wire::Call>();
+    call->mutable_statistics()->set_name(std::string(60 << 20, 'n'));
+    grpc::Status refusal;
+    CHECK(link.SubmitCall(std::move(call), &call_target, &refusal));
+    auto too_large = std::make_unique<batchgate::wire::Call>();
+    too_large->mutable_statistics()->set_name(std::string(batchgate::wire::MAX_FRAME_BYTES, 'n'));
+    CHECK(!link.SubmitCall(std::move(too_large), &call_target, &refusal));
+    CHECK_EQ(static_cast<int>(refusal.error_code()),
+             static_cast<int>(grpc::StatusCode::RESOURCE_EXHAUSTED));
+    CHECK_EQ(refusal.error_message(),
+             std::string("the request is larger than the 67108864 bytes a front end forwards "
+                         "to the executor process"));
+  }
+  int infers = 0, calls = 0;
+  batchgate::wire::ToExecutor frame;
+  while ((infers < kInfers || calls < 1) && executor.Read(&frame)) {
+    infers += frame.infer_size();
+    calls += frame.call_size();
+  }
+  CHECK_EQ(infers, kInfers);
+  CHECK_EQ(calls, 1);
+  CHECK(executor.largest_frame <= static_cast<uint64_t>(batchgate::wire::MAX_FRAME_BYTES));
+  link.Close();
+}
+
 int main() {
   TestQuotingAndCutting();
   TestShapes();
@@ -1066,6 +1113,7 @@ int main() {
   TestLinkDefersWritesWhileRequestsAreInFlight();
   TestGroupInfers();
   TestLinkGroupsRequestsOfOneFrame();
+  TestLinkFramesStayUnderTheLimit();
   std::fprintf(stderr, "%d of %d checks failed\n", g_failures, g_checks);
   return g_failures ? 1 : 0;
 }
