@@ -301,7 +301,7 @@ class RemoteRepository:
         blocks: list[int] = []
         message = wire_pb2.Infer(
             model=model.handle, batch_size=request.batch_size, priority=request.priority,
-            deadline_ns=int(request.deadline * 1e9) if request.deadline is not None else 0,
+            deadline_ns=wire.deadline_ns(request.deadline),
             timeout_us=request.timeout_us, id=request.id)
         placements = getattr(request, "input_placements", None)
         try:

@@ -48,11 +48,21 @@ FRAME_SLACK_BYTES = 256
 ENTRY_BYTES = 5
 # A uint64 or int64 field, tag and varint, at most; a list's element (packed) takes one less.
 NUMBER_BYTES = 11
+LAST_DEADLINE_NS = 2**63 - 1  # the largest Infer.deadline_ns: a deadline that never passes
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 
 In = TypeVar("In", bound=Message)
 Out = TypeVar("Out", bound=Message)
+
+
+def deadline_ns(deadline: float | None) -> int:
+    """``Infer.deadline_ns`` of a monotonic ``deadline`` (None: 0, none): saturated at int64's
+    largest, as the native front end does (a grpc-timeout may say 99999999 hours), and 1 (at
+    once) for one already past."""
+    if deadline is None:
+        return 0
+    return min(max(1, int(deadline * 1e9)), LAST_DEADLINE_NS)
 
 
 def socket_address(name: str) -> str:

@@ -13,6 +13,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -23,6 +24,7 @@
 #include "auth.h"
 #include "codec.h"
 #include "executor_link.h"
+#include "frontend.h"
 #include "handover.h"
 #include "input_region.h"
 #include "metrics.h"
@@ -1096,6 +1098,20 @@ void TestLinkFramesStayUnderTheLimit() {
   link.Close();
 }
 
+void TestDeadlines() {
+  // A grpc-timeout of 99999999 hours (gRPC's largest) overflowed int64 nanoseconds: UBSan
+  // aborted, a release build carried a garbage deadline. It saturates.
+  constexpr int64_t kLast = std::numeric_limits<int64_t>::max();
+  const int64_t now = 5'000'000'000;
+  CHECK_EQ(batchgate::DeadlineAfter(now, 2, 500), now + 2'000'000'500);
+  CHECK_EQ(batchgate::DeadlineAfter(now, int64_t{99999999} * 3600, 0), kLast);
+  CHECK_EQ(batchgate::DeadlineAfter(now, kLast / 1'000'000'000, 999'999'999), kLast);
+  CHECK_EQ(batchgate::DeadlineAfter(kLast - 10, 0, 11), kLast);
+  // Already past: at once (1), never 0, which means no deadline.
+  CHECK_EQ(batchgate::DeadlineAfter(now, -6, 0), int64_t{1});
+  CHECK_EQ(batchgate::DeadlineAfter(now, std::numeric_limits<int64_t>::min() / 2, 0), int64_t{1});
+}
+
 int main() {
   TestQuotingAndCutting();
   TestShapes();
@@ -1113,6 +1129,7 @@ int main() {
   TestLinkDefersWritesWhileRequestsAreInFlight();
   TestGroupInfers();
   TestLinkGroupsRequestsOfOneFrame();
+  TestDeadlines();
   TestLinkFramesStayUnderTheLimit();
   std::fprintf(stderr, "%d of %d checks failed\n", g_failures, g_checks);
   return g_failures ? 1 : 0;
