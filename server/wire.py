@@ -85,6 +85,7 @@ class Link(Generic[In, Out]):
         self._outgoing = outgoing
         self._pending: Out | None = None
         self._left = 0  # bytes ``room`` may still hand out in the frame being filled
+        self.peer_pid: int | None = None  # the executor's end: the front-end process
         self._loop = asyncio.get_running_loop()
 
     @classmethod
@@ -265,8 +266,9 @@ class FrameReader(asyncio.Protocol):
             transport.close()  # before reading a byte of what it sent
             return
         _tune(transport)
-        self._handler = self._accept(
-            Link(None, transport, wire_pb2.ToExecutor, wire_pb2.ToFrontend))
+        link = Link(None, transport, wire_pb2.ToExecutor, wire_pb2.ToFrontend)
+        link.peer_pid = peer_pid(transport.get_extra_info("socket"))
+        self._handler = self._accept(link)
 
     def data_received(self, data: bytes) -> None:
         if self._handler is None or self._reason is not None:
@@ -318,6 +320,13 @@ def same_user(sock: socket.socket | None) -> bool:
     _pid, uid, _gid = _PEERCRED.unpack(
         sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
     return uid == os.getuid()
+
+
+def peer_pid(sock: socket.socket) -> int:
+    """The process at the other end of ``sock`` (the one that connected)."""
+    pid, _uid, _gid = _PEERCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return pid
 
 
 def _tune(writer: asyncio.StreamWriter | asyncio.BaseTransport) -> None:
