@@ -8,6 +8,8 @@ missing build fail), with a real gRPC client in front of it.
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import numpy as np
 import pytest
@@ -73,11 +75,11 @@ def serves(end, arena: SharedArena, stub, value: float = 1.0) -> None:
     assert np.frombuffer(reply.raw_output_contents[0], np.float32).tolist() == [value * 2] * 4
 
 
-def connect(executor: FakeExecutor, front_end: NativeFrontEnd):
-    """The front end's next connection, welcomed with model ``m``."""
+def connect(executor: FakeExecutor, front_end: NativeFrontEnd, **model):
+    """The front end's next connection, welcomed with model ``m`` (``model_state(**model)``)."""
     end = executor.accept()
     end.read_hello()
-    end.welcome(model_state())
+    end.welcome(model_state(**model))
     return end
 
 
@@ -111,5 +113,137 @@ def test_frames_up_to_the_wire_limit_are_read_and_a_larger_one_drops_only_the_li
             end = connect(executor, front_end)
             front_end.wait_for("executor_connected", 2)
             serves(end, arena, stub, 5.0)
+    finally:
+        front_end.stop()
+
+
+def read_infers(end, count: int) -> list[wire_pb2.Infer]:
+    """The next ``count`` requests the front end sends, those of an InferGroup as the Infers
+    they stand for (rid and input offset only)."""
+    infers: list[wire_pb2.Infer] = list()
+    while len(infers) < count:
+        frame = end.read()
+        infers += frame.infer
+        for group in frame.groups:
+            infers += [wire_pb2.Infer(rid=rid, inputs=[wire_pb2.Tensor(offset=offset)])
+                       for rid, offset in zip(group.rids, group.inputs[0].offsets)]
+    return infers
+
+
+def test_inputs_of_requests_left_in_flight_are_kept_until_the_executor_lets_go(
+        arena, executor):
+    """The executor drops the connection while a request is in flight, and lives on (a batch
+    still reading the request's input block): the front end keeps the block, the welcome of its
+    next connection says it is still read (held), and the next request goes elsewhere; the block
+    is reused only once released_inputs names it. Before, the loss freed it, and the next
+    client's bytes went where the batch was reading."""
+    front_end = NativeFrontEnd(arena, executor.name)
+    try:
+        end = connect(executor, front_end)
+        front_end.wait_for("frontend_ready")
+        with grpc.insecure_channel(front_end.address) as channel:
+            stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
+            lost = stub.ModelInfer.future(infer_request(np.full((1, 4), 1.0)), timeout=30)
+            (left,) = read_infers(end, 1)
+            held_at = left.inputs[0].offset
+            end.close()
+            with pytest.raises(grpc.RpcError) as failed:
+                lost.result()
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert failed.value.details() == "the executor process restarted; retry the request"
+            end = executor.accept()
+            end.read_hello()
+            end.welcome(model_state(), held=[wire_pb2.InputBlock(offset=held_at, nbytes=16)])
+            front_end.wait_for("executor_connected", 2)
+            pending = stub.ModelInfer.future(infer_request(np.full((1, 4), 2.0)), timeout=30)
+            (second,) = read_infers(end, 1)
+            assert second.inputs[0].offset != held_at
+            assert np.frombuffer(bytes(arena.read(held_at, 16)), np.float32).tolist() == [1.0] * 4
+            answer(end, arena, second, np.full((1, 4), 4.0), output_block(arena))
+            assert np.frombuffer(pending.result().raw_output_contents[0], np.float32).tolist() \
+                == [4.0] * 4
+            end.write(wire_pb2.ToFrontend(released_inputs=[held_at]))
+            # Let go of: the region is empty again, so the next request takes the lowest block.
+            third = stub.ModelInfer.future(infer_request(np.full((1, 4), 3.0)), timeout=30)
+            (infer,) = read_infers(end, 1)
+            assert infer.inputs[0].offset == held_at
+            answer(end, arena, infer, np.full((1, 4), 6.0), output_block(arena))
+            assert third.result().raw_output_contents
+    finally:
+        front_end.stop()
+
+
+def test_no_answer_of_a_lost_connection_is_read_after_the_front_end_says_hello_again(
+        arena, executor):
+    """An executor answers with 8 MiB outputs and drops the connection at once; once the front
+    end has said Hello again, the executor (as wire.proto allows) writes another client's bytes
+    into the same block. Every reply is either the first client's bytes, whole, or UNAVAILABLE:
+    the front end never copies a lost connection's answer after its Hello. Before, the worker
+    still copying (or yet to copy) the answer read the other client's bytes."""
+    values = 2 * 1024 * 1024  # floats: 8 MiB
+    front_end = NativeFrontEnd(arena, executor.name, max_message_bytes=64 << 20)
+    try:
+        end = connect(executor, front_end, dims=(-1,))
+        front_end.wait_for("frontend_ready")
+        block = output_block(arena, 0, 16 << 20)
+        with grpc.insecure_channel(front_end.address, options=[
+                ("grpc.max_receive_message_length", 64 << 20)]) as channel:
+            stub = inference_pb2_grpc.GRPCInferenceServiceStub(channel)
+            outcomes = []
+            for trial in range(6):
+                front_end.wait_for("executor_connected", trial + 1)  # the welcome is in
+                futures = [stub.ModelInfer.future(infer_request(np.full((1, 4), 1.0)),
+                                                  timeout=60) for _ in range(4)]
+                infers = read_infers(end, len(futures))
+                mine = np.full((1, values), 1.0 + trial, np.float32)
+                arena.write(block, mine)
+                end.write(wire_pb2.ToFrontend(results=[wire_pb2.Result(
+                    rid=infer.rid, released=True, outputs=[wire_pb2.Output(
+                        block=block, offset=block, nbytes=mine.nbytes, shape=mine.shape)])
+                    for infer in infers]))
+                end.close()
+                end = executor.accept()
+                end.read_hello()
+                arena.write(block, np.full((1, values), -7.0, np.float32))  # another client's
+                end.welcome(model_state(dims=(-1,)))
+                for future in futures:
+                    try:
+                        data = np.frombuffer(future.result().raw_output_contents[0], np.float32)
+                    except grpc.RpcError as err:
+                        assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+                        outcomes.append("unavailable")
+                        continue
+                    assert data.size == values and bool((data == 1.0 + trial).all()), \
+                        f"trial {trial}: {np.unique(data)[:4]} in the reply"
+                    outcomes.append("whole")
+            assert len(outcomes) == 24
+            front_end.wait_for("executor_connected", 7)
+            serves(end, arena, stub)
+            print(f"replies of a lost connection: {outcomes.count('whole')} whole, "
+                  f"{outcomes.count('unavailable')} UNAVAILABLE")
+    finally:
+        front_end.stop()
+
+
+def test_an_executor_that_drops_each_connection_is_tried_ever_more_slowly(arena, executor):
+    """An executor that accepts and drops at once: the front end waits 50, 100, 200, 400 and
+    800 ms between tries (at least), and says so once, not once per try. A connection that
+    lasts (a second or more) starts afresh: the next loss is tried again at once."""
+    front_end = NativeFrontEnd(arena, executor.name)
+    try:
+        times = executor.accept_times(6)
+        gaps = np.diff(times)
+        assert all(gap >= expected / 1000 for gap, expected in zip(gaps, [50, 100, 200, 400,
+                                                                          800])), gaps
+        lost = front_end.events("executor_lost")
+        assert len(lost) == 1 and lost[0]["losses"] == 1 and lost[0]["reconnect_in_ms"] == 50
+        end = connect(executor, front_end)
+        front_end.wait_for("frontend_ready")
+        time.sleep(1.2)  # what a lasting connection is: past the second that is not
+        end.close()
+        lasted = front_end.wait_for("executor_lost", 2)[1]
+        assert lasted["reconnect_in_ms"] == 0 and lasted["losses"] == 6
+        connect(executor, front_end)
+        front_end.wait_for("executor_connected", 2)
     finally:
         front_end.stop()
