@@ -396,3 +396,130 @@ async def test_the_executor_splits_answers_across_frames_and_fails_alone_one_no_
         link.close()
         listener.close()
         arena.close()
+
+
+# -- the Python front end across a lost connection -----------------------------------------------
+
+
+class _Scripted:
+    """serve_frontends' handler for a Python front end: every connection is kept (``links``),
+    its frames recorded, its Hello answered with ``welcome()``'s frame when that is set."""
+
+    def __init__(self) -> None:
+        self.links: list[wire.FrontendLink] = []
+        self.frames: list[wire_pb2.ToExecutor] = []
+        self.accepted: list[float] = []
+        self.welcome = None  # () -> ToFrontend fields, or None: the connection is dropped
+        self.changed = asyncio.Event()
+
+    def accept(self, link: wire.FrontendLink):
+        import time
+
+        self.links.append(link)
+        self.accepted.append(time.monotonic())
+        self.changed.set()
+        scripted = self
+
+        class Handler:
+            def frame(self, frame: wire_pb2.ToExecutor) -> None:
+                scripted.frames.append(frame)
+                scripted.changed.set()
+                if frame.HasField("hello"):
+                    if scripted.welcome is None:
+                        link.close()
+                        return
+                    link.out.MergeFrom(wire_pb2.ToFrontend(welcome=True, **scripted.welcome()))
+
+            def read(self) -> None:
+                pass
+
+            def lost(self, _reason) -> None:
+                pass
+
+        return Handler()
+
+    async def until(self, condition, timeout_s: float = 10.0) -> None:
+        async def wait() -> None:
+            while not condition():
+                self.changed.clear()
+                await self.changed.wait()
+
+        await asyncio.wait_for(wait(), timeout_s)
+
+
+@pytest.mark.asyncio
+async def test_the_python_front_end_keeps_inputs_the_executor_still_reads_across_a_reconnect():
+    """A request in flight when the executor drops the connection: its input block stays taken
+    while disconnected, stays taken after a welcome that lists it as held, and is freed by
+    released_inputs; a welcome that does not list a kept block frees it."""
+    from batchgate.batcher.arena import SharedArena
+    from batchgate.batcher.metrics import BatcherMetrics
+    from batchgate.batcher.request import InferenceRequest
+    from batchgate.server.remote import RemoteRepository
+    from tests.support.polling import apoll
+    from tests.support.wire_peers import model_state
+
+    name, scripted = _name(), _Scripted()
+    scripted.welcome = lambda: {"models": [model_state()]}
+    server = await wire.serve_frontends(name, scripted.accept)
+    arena = SharedArena.create(1 << 20)
+    repository = RemoteRepository(arena, (0, 1 << 19), 0, name)
+    repository.bind(metrics=BatcherMetrics(), on_state_change=lambda *_: None,
+                    on_connection_change=lambda _: None)
+    try:
+        await asyncio.wait_for(repository.load_all(), 10)
+        model = repository.get("m")
+
+        async def in_flight() -> tuple[asyncio.Future, int]:
+            count = len(scripted.frames)
+            call = asyncio.ensure_future(model.infer(InferenceRequest(
+                [np.ones((1, 4), np.float32)], batch_size=1)))
+            await scripted.until(lambda: any(f.infer for f in scripted.frames[count:]))
+            (infer,) = [i for f in scripted.frames[count:] for i in f.infer]
+            return call, infer.inputs[0].offset
+
+        call, offset = await in_flight()
+        in_use = repository._inputs.bytes_in_use
+        scripted.welcome = lambda: {"models": [model_state()],
+                                    "held": [wire_pb2.InputBlock(offset=offset, nbytes=16)]}
+        scripted.links[-1].close()
+        with pytest.raises(Exception, match="the executor process restarted"):
+            await asyncio.wait_for(call, 10)
+        assert repository._inputs.bytes_in_use == in_use  # kept while disconnected
+        await scripted.until(lambda: len(scripted.links) == 2)
+        await asyncio.wait_for(repository._connected.wait(), 10)
+        assert repository._inputs.bytes_in_use == in_use  # held: still taken
+        scripted.links[-1].room(16).released_inputs.append(offset)
+        await apoll(lambda: repository._inputs.bytes_in_use == 0, what="the block freed")
+        # Kept, then a welcome that does not list it: free at once.
+        call, offset = await in_flight()
+        scripted.welcome = lambda: {"models": [model_state()]}
+        scripted.links[-1].close()
+        with pytest.raises(Exception, match="the executor process restarted"):
+            await asyncio.wait_for(call, 10)
+        await scripted.until(lambda: len(scripted.links) == 3)
+        await asyncio.wait_for(repository._connected.wait(), 10)
+        assert repository._inputs.bytes_in_use == 0
+    finally:
+        await repository.close(0.1)
+        server.close()
+        arena.close()
+
+
+@pytest.mark.asyncio
+async def test_the_python_front_end_backs_off_from_an_executor_that_drops_each_connection():
+    """As the native front end: 50, 100, 200 ms at least between tries."""
+    from batchgate.server.remote import RemoteRepository
+
+    name, scripted = _name(), _Scripted()
+    server = await wire.serve_frontends(name, scripted.accept)
+    repository = RemoteRepository(None, (0, 4096), 0, name)
+    reader = asyncio.ensure_future(repository._run())
+    try:
+        await scripted.until(lambda: len(scripted.accepted) >= 4)
+        gaps = np.diff(scripted.accepted)
+        assert all(gap >= expected for gap, expected in zip(gaps, [0.05, 0.1, 0.2])), gaps
+    finally:
+        repository._closing = True
+        reader.cancel()
+        server.close()
