@@ -8,6 +8,7 @@ missing build fail), with a real gRPC client in front of it.
 
 from __future__ import annotations
 
+import os
 import time
 
 import grpc
@@ -19,6 +20,7 @@ from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import inference_pb2_grpc, wire_pb2
 from batchgate.server import wire
 from tests.support.servers import native_or_skip
+from tests.test_native_parity import SANITIZED, SANITIZER_ENV, SANITIZER_REPORTS
 from tests.support.wire_peers import FakeExecutor, NativeFrontEnd, model_state
 
 ARENA_BYTES = 64 << 20
@@ -30,6 +32,32 @@ def arena():
     shared = SharedArena.create(ARENA_BYTES)
     yield shared
     shared.close()
+
+
+@pytest.fixture(params=["native", "native-asan"])
+def start(request):
+    """Starts the front end: the release build, then the sanitizer build (AddressSanitizer and
+    UBSan, as test_native_parity runs it), whose log must hold no report once it has stopped."""
+    started: list[NativeFrontEnd] = []
+    options = {}
+    if request.param == "native-asan":
+        if not SANITIZED.is_file():
+            reason = f"the sanitizer build {SANITIZED} is missing (make native-asan)"
+            if os.environ.get("BATCHGATE_REQUIRE_NATIVE"):
+                pytest.fail(reason)
+            pytest.skip(reason)
+        options = {"binary": SANITIZED, "env": {**os.environ, **SANITIZER_ENV}}
+
+    def start_front_end(arena, executor, **settings) -> NativeFrontEnd:
+        started.append(NativeFrontEnd(arena, executor.name, **options, **settings))
+        return started[-1]
+
+    yield start_front_end
+    for front_end in started:
+        front_end.stop()
+        log = b"".join(front_end.raw)
+        found = [marker for marker in SANITIZER_REPORTS if marker in log]
+        assert not found, log[log.find(found[0]) - 200:][:4000].decode(errors="replace")
 
 
 @pytest.fixture
@@ -84,12 +112,12 @@ def connect(executor: FakeExecutor, front_end: NativeFrontEnd, **model):
 
 
 def test_frames_up_to_the_wire_limit_are_read_and_a_larger_one_drops_only_the_link(
-        arena, executor):
+        arena, executor, start):
     """wire.proto's MAX_FRAME_BYTES is the one limit of both ends: the native front end takes
     a frame of exactly that many bytes (Python's wire.MAX_FRAME_BYTES), and treats one byte
     more as a protocol error that ends the connection; it then connects again and serves."""
     assert wire.MAX_FRAME_BYTES == wire_pb2.MAX_FRAME_BYTES == 64 << 20
-    front_end = NativeFrontEnd(arena, executor.name)
+    front_end = start(arena, executor)
     try:
         end = connect(executor, front_end)
         front_end.wait_for("frontend_ready")
@@ -131,13 +159,13 @@ def read_infers(end, count: int) -> list[wire_pb2.Infer]:
 
 
 def test_inputs_of_requests_left_in_flight_are_kept_until_the_executor_lets_go(
-        arena, executor):
+        arena, executor, start):
     """The executor drops the connection while a request is in flight, and lives on (a batch
     still reading the request's input block): the front end keeps the block, the welcome of its
     next connection says it is still read (held), and the next request goes elsewhere; the block
     is reused only once released_inputs names it. Before, the loss freed it, and the next
     client's bytes went where the batch was reading."""
-    front_end = NativeFrontEnd(arena, executor.name)
+    front_end = start(arena, executor)
     try:
         end = connect(executor, front_end)
         front_end.wait_for("frontend_ready")
@@ -174,14 +202,14 @@ def test_inputs_of_requests_left_in_flight_are_kept_until_the_executor_lets_go(
 
 
 def test_no_answer_of_a_lost_connection_is_read_after_the_front_end_says_hello_again(
-        arena, executor):
+        arena, executor, start):
     """An executor answers with 8 MiB outputs and drops the connection at once; once the front
     end has said Hello again, the executor (as wire.proto allows) writes another client's bytes
     into the same block. Every reply is either the first client's bytes, whole, or UNAVAILABLE:
     the front end never copies a lost connection's answer after its Hello. Before, the worker
     still copying (or yet to copy) the answer read the other client's bytes."""
     values = 2 * 1024 * 1024  # floats: 8 MiB
-    front_end = NativeFrontEnd(arena, executor.name, max_message_bytes=64 << 20)
+    front_end = start(arena, executor, max_message_bytes=64 << 20)
     try:
         end = connect(executor, front_end, dims=(-1,))
         front_end.wait_for("frontend_ready")
@@ -225,11 +253,12 @@ def test_no_answer_of_a_lost_connection_is_read_after_the_front_end_says_hello_a
         front_end.stop()
 
 
-def test_an_executor_that_drops_each_connection_is_tried_ever_more_slowly(arena, executor):
+def test_an_executor_that_drops_each_connection_is_tried_ever_more_slowly(
+        arena, executor, start):
     """An executor that accepts and drops at once: the front end waits 50, 100, 200, 400 and
     800 ms between tries (at least), and says so once, not once per try. A connection that
     lasts (a second or more) starts afresh: the next loss is tried again at once."""
-    front_end = NativeFrontEnd(arena, executor.name)
+    front_end = start(arena, executor)
     try:
         times = executor.accept_times(6)
         gaps = np.diff(times)
