@@ -579,10 +579,11 @@ void ExecutorLink::ReadLoop() {
 std::chrono::milliseconds ExecutorLink::NoteLoss(std::chrono::steady_clock::duration session) {
   const auto now = std::chrono::steady_clock::now();
   const bool lasted = session >= kStableSession;
-  reconnect_delay_ = lasted ? std::chrono::milliseconds(0)
-                            : std::min<std::chrono::milliseconds>(
-                                  kMaxReconnectDelay, std::max<std::chrono::milliseconds>(
-                                                          kReconnectInterval, reconnect_delay_ * 2));
+  using Delay = std::chrono::milliseconds;
+  reconnect_delay_ =
+      lasted ? Delay(0)
+             : std::min<Delay>(kMaxReconnectDelay,
+                               std::max<Delay>(kReconnectInterval, reconnect_delay_ * 2));
   ++losses_unlogged_;
   if (lasted || last_lost_log_ == std::chrono::steady_clock::time_point{} ||
       now - last_lost_log_ >= kLostLogInterval) {
