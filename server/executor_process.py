@@ -541,6 +541,8 @@ class ExecutorServer:
             return
         front.closed = True
         self._fronts.discard(front)
+        if not front.welcomed and front in self._unwelcomed:
+            self._unwelcomed.remove(front)
         abandoned = len(front.requests)
         if self._intake:
             self._intake_cancelled = True
