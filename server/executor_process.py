@@ -522,9 +522,11 @@ class ExecutorServer:
                 self._welcome(front)
 
     def _welcome(self, front: _FrontEnd) -> None:
-        out = front.out()
-        out.welcome = True
         held = self._held_inputs.get(front.slot)
+        out = front.out(len(held or ()) * (wire.ENTRY_BYTES + 2 * wire.NUMBER_BYTES))
+        if out is None:  # gone meanwhile
+            return
+        out.welcome = True
         if held:
             out.held.extend([wire_pb2.InputBlock(offset=offset, nbytes=nbytes)
                              for offset, nbytes in held.items()])
@@ -532,7 +534,10 @@ class ExecutorServer:
         states = [self.model_state(entry.name, entry) for entry in self.repository.index()]
         for state in states:  # those that do not fit the welcome's frame follow it
             message, nbytes = _state_entry(state)
-            front.out(nbytes).models.append(message)
+            out = front.out(nbytes)
+            if out is None:
+                return
+            out.models.append(message)
         log.info("frontend_connected", slot=front.slot, models=len(states),
                  held_inputs=len(held or ()))
 
@@ -594,7 +599,9 @@ class ExecutorServer:
             del self._held_inputs[slot]
         for front in self._fronts:
             if front.slot == slot and front.welcomed:
-                front.out(len(blocks) * wire.NUMBER_BYTES).released_inputs.extend(blocks)
+                out = front.out(len(blocks) * wire.NUMBER_BYTES)
+                if out is not None:
+                    out.released_inputs.extend(blocks)
 
     def _end_quarantine(self, pid: int | None) -> None:
         blocks = self._quarantined.pop(pid, None)
