@@ -234,6 +234,7 @@ class _FrameSink:
         self.out = wire_pb2.ToFrontend()
 
     def room(self, nbytes: int) -> wire_pb2.ToFrontend:
+        """The frame being filled (wire.Link.room: here one frame takes everything)."""
         return self.out
 
 
