@@ -158,6 +158,12 @@ class SharedArena:
         return self._open_mapping()
 
     @property
+    def address(self) -> int:
+        """The mapping's virtual address in this process (an array's offset in the arena is
+        its data address less this)."""
+        return _address(self._open_mapping())
+
+    @property
     def pinned(self) -> bool:
         """Whether ``pin()`` registered this mapping with CUDA and ``unpin()`` has not undone it."""
         return self._pinned_ptr is not None
@@ -424,6 +430,34 @@ class ArenaAllocator:
             self._ends[offset + need] = offset
             self._in_use += need
             return offset
+
+    def reserve(self, offset: int, nbytes: int) -> bool:
+        """Take ``nbytes`` at exactly ``offset`` (as ``alloc`` would have given them): False,
+        having changed nothing, when they are not all free. For blocks another process still
+        reads that this one must not hand out (a front end that restarted while the executor's
+        batch read its predecessor's inputs)."""
+        need = self.aligned_size(nbytes)
+        if offset % self.alignment or offset < self.base or \
+                offset + need > self.base + self.size:
+            return False
+        with self._lock:
+            start = self._free_block_holding(offset)
+            if start is None:
+                return False
+            hole_size = self._free_size[start]
+            if offset + need > start + hole_size:
+                return False
+            self._serial += 1
+            self._remove_free(start)
+            if offset > start:
+                self._add_free(start, offset - start)
+            if offset + need < start + hole_size:
+                self._add_free(offset + need, start + hole_size - offset - need)
+            self._allocated[offset] = need
+            self._release_order[offset] = (0, self._serial)
+            self._ends[offset + need] = offset
+            self._in_use += need
+            return True
 
     def free(self, offset: int) -> None:
         """Return an allocation; ValueError when ``offset`` is not a live allocation's offset."""

@@ -46,6 +46,10 @@ class _Sink:
     def __init__(self) -> None:
         self.out = wire_pb2.ToFrontend()
 
+    def room(self, nbytes: int) -> wire_pb2.ToFrontend:
+        """The frame being filled (wire.Link.room: here one frame takes everything)."""
+        return self.out
+
 
 def _frame(form: str, size: int) -> bytes:
     """A serialized frame of ``size`` one-row requests with deadlines, in ``form``."""

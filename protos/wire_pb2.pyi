@@ -1,12 +1,20 @@
 from batchgate.protos import inference_pb2 as _inference_pb2
 from batchgate.protos import model_config_pb2 as _model_config_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class WireLimit(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WIRE_LIMIT_UNSPECIFIED: _ClassVar[WireLimit]
+    MAX_FRAME_BYTES: _ClassVar[WireLimit]
+WIRE_LIMIT_UNSPECIFIED: WireLimit
+MAX_FRAME_BYTES: WireLimit
 
 class ToExecutor(_message.Message):
     __slots__ = ("hello", "infer", "cancel", "free", "call", "groups")
@@ -131,7 +139,7 @@ class Call(_message.Message):
     def __init__(self, cid: _Optional[int] = ..., statistics: _Optional[_Union[_inference_pb2.ModelStatisticsRequest, _Mapping]] = ..., index: _Optional[_Union[_inference_pb2.RepositoryIndexRequest, _Mapping]] = ..., load: _Optional[_Union[_inference_pb2.RepositoryModelLoadRequest, _Mapping]] = ..., unload: _Optional[_Union[_inference_pb2.RepositoryModelUnloadRequest, _Mapping]] = ..., system_status: _Optional[_Union[_inference_pb2.SystemSharedMemoryStatusRequest, _Mapping]] = ..., system_register: _Optional[_Union[_inference_pb2.SystemSharedMemoryRegisterRequest, _Mapping]] = ..., system_unregister: _Optional[_Union[_inference_pb2.SystemSharedMemoryUnregisterRequest, _Mapping]] = ..., cuda_status: _Optional[_Union[_inference_pb2.CudaSharedMemoryStatusRequest, _Mapping]] = ..., cuda_register: _Optional[_Union[_inference_pb2.CudaSharedMemoryRegisterRequest, _Mapping]] = ..., cuda_unregister: _Optional[_Union[_inference_pb2.CudaSharedMemoryUnregisterRequest, _Mapping]] = ...) -> None: ...
 
 class ToFrontend(_message.Message):
-    __slots__ = ("welcome", "models", "results", "failures", "released", "replies", "batches")
+    __slots__ = ("welcome", "models", "results", "failures", "released", "replies", "batches", "held", "released_inputs")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +147,8 @@ class ToFrontend(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     REPLIES_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_INPUTS_FIELD_NUMBER: _ClassVar[int]
     welcome: bool
     models: _containers.RepeatedCompositeFieldContainer[ModelState]
     results: _containers.RepeatedCompositeFieldContainer[Result]
@@ -146,7 +156,17 @@ class ToFrontend(_message.Message):
     released: _containers.RepeatedScalarFieldContainer[int]
     replies: _containers.RepeatedCompositeFieldContainer[Reply]
     batches: _containers.RepeatedCompositeFieldContainer[Batch]
-    def __init__(self, welcome: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[ModelState, _Mapping]]] = ..., results: _Optional[_Iterable[_Union[Result, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., replies: _Optional[_Iterable[_Union[Reply, _Mapping]]] = ..., batches: _Optional[_Iterable[_Union[Batch, _Mapping]]] = ...) -> None: ...
+    held: _containers.RepeatedCompositeFieldContainer[InputBlock]
+    released_inputs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, welcome: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[ModelState, _Mapping]]] = ..., results: _Optional[_Iterable[_Union[Result, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., replies: _Optional[_Iterable[_Union[Reply, _Mapping]]] = ..., batches: _Optional[_Iterable[_Union[Batch, _Mapping]]] = ..., held: _Optional[_Iterable[_Union[InputBlock, _Mapping]]] = ..., released_inputs: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class InputBlock(_message.Message):
+    __slots__ = ("offset", "nbytes")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    nbytes: int
+    def __init__(self, offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class ModelState(_message.Message):
     __slots__ = ("name", "state", "reason", "handle", "spec", "config")

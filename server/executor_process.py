@@ -10,8 +10,28 @@ batch's outputs are written into the executor's region of the arena once, whole 
 and every request of the batch gets a descriptor of its rows: one frame per front end answers
 the whole batch, and the front end copies each request's bytes into its reply.
 
-A front end's connection closing (it crashed or stopped) takes its queued requests out of their
-queues and drops its references to output blocks: nothing else is disturbed.
+A front end's connection closing (it crashed or stopped, or dropped the connection) takes its
+queued requests out of their queues; nothing else is disturbed. What it was reading or what it
+wrote is not reused while it may still be in use, or one client could get another's bytes
+(wire.proto: "A lost connection does not end that ownership"):
+
+- Output blocks. An answer, once in a front end's hands, sits in a worker's mailbox and is then
+  copied into its reply; the executor cannot see those copies end. So a lost connection's
+  references to output blocks are kept, by front-end process, until that process says Hello
+  again (a front end says Hello only once it reads no answer of its lost connection: the native
+  one stops reading them and waits for the copies under way, the Python one copies while it
+  handles a frame) or exits (watched through a pidfd of the peer the socket's credentials
+  name). The process, not the slot: a front end that restarted is a new process, and the old
+  one's copies end with its exit.
+- Input blocks. A batch that runs keeps reading its requests' inputs after their connection is
+  gone. They are recorded per slot (offset and size, from the arrays' addresses in the arena)
+  when their requests are answered while still held; the slot's next welcome lists them
+  (``held``), so its front end keeps them, or takes them anew if it restarted, and
+  ``released_inputs`` names each once the batch lets go.
+- Restarts. A new executor process has no record of what its predecessor handed out, and its
+  output region is the same bytes: the supervisor hands it the pids of the front ends alive,
+  and it welcomes nobody until each has said Hello (done reading) or exited. Front ends only
+  send requests once welcomed, so no output is written before then.
 
     python -m batchgate.server.executor_process < handover.json
 
@@ -69,6 +89,17 @@ _HELLO, _INFER, _CANCEL, _FREE, _CALL, _GROUPS = (
 assert _HELLO < _INFER < _CANCEL < _FREE < _CALL < _GROUPS
 
 _BAD_TENSORS_MESSAGE = "internal error: the front end described the request's tensors wrongly"
+# Bounds on the encoded size of the answers' entries (wire.Link.room): a number field is
+# wire.NUMBER_BYTES at most, a bool 2, an entry's own tag and length wire.ENTRY_BYTES.
+_N, _E = wire.NUMBER_BYTES, wire.ENTRY_BYTES
+_RESULT_BYTES = _E + _N + 2  # rid, released; its outputs come on top
+_FAILURE_BYTES = _E + _N + 2 + 6  # rid, released, code; its message on top
+_REPLY_BYTES = _E + _N + _E  # cid, the outcome's tag and length; the outcome on top
+_BATCH_BYTES = _E + 3 * _E + 2  # rids, first_rows and rows (packed), released
+_BATCH_MEMBER_BYTES = 3 * (_N - 1)  # a request's rid, first row and rows
+TOO_MANY_OUTPUTS_MESSAGE = (
+    "the answer describes {outputs} outputs, more than one frame from the executor process to "
+    "the front end holds ({limit} bytes); ask for fewer outputs")
 STALE_HANDLE_MESSAGE = (
     "the model was reloaded or unloaded while this request was on its way; retry the request"
 )
@@ -77,27 +108,40 @@ STALE_HANDLE_MESSAGE = (
 class _FrontEnd:
     """One connected front end: its requests in flight and the output blocks it holds."""
 
-    __slots__ = ("link", "slot", "region", "requests", "blocks", "closed")
+    __slots__ = ("link", "server", "pid", "slot", "region", "requests", "blocks", "unreleased",
+                 "welcomed", "closed")
 
-    def __init__(self, link: wire.FrontendLink) -> None:
+    def __init__(self, link: wire.FrontendLink, server: ExecutorServer | None = None) -> None:
         self.link = link
+        self.server = server
+        self.pid: int | None = getattr(link, "peer_pid", None)  # the front-end process
         self.slot = -1
         self.region = (0, 0)  # its input region: [start, end) of the arena
         self.requests: dict[int, _Remote] = {}
         self.blocks: collections.Counter[int] = collections.Counter()  # block -> references
+        # Requests answered while a batch still reads their inputs: rid -> those input blocks
+        # (offset -> bytes), until the batch lets go of them.
+        self.unreleased: dict[int, dict[int, int]] = {}
+        self.welcomed = False
         self.closed = False
 
-    def out(self) -> wire_pb2.ToFrontend | None:
-        """The frame being filled for this front end; None once it has gone."""
+    def out(self, nbytes: int = 0) -> wire_pb2.ToFrontend | None:
+        """The frame being filled for this front end, with room for an entry of ``nbytes``
+        (``wire.Link.room``: the frame so far goes first when it lacks it); None once the front
+        end has gone. FrameFull when ``nbytes`` would not fit even an empty frame."""
         if self.closed:
             return None
         try:
-            return self.link.out
+            return self.link.room(nbytes)
         except ConnectionError:
             return None
 
     def fail(self, rid: int, released: bool, code: int, text: str) -> None:
-        out = self.out()
+        nbytes = _FAILURE_BYTES + wire.string_bytes(text)
+        if nbytes > wire.capacity_bytes():  # cut to fit: a status message is for a person
+            text = text[:(wire.capacity_bytes() - _FAILURE_BYTES) // 4 - wire.ENTRY_BYTES]
+            nbytes = _FAILURE_BYTES + wire.string_bytes(text)
+        out = self.out(nbytes)
         if out is not None:
             out.failures.add(rid=rid, released=released, code=code, message=text)
 
@@ -106,9 +150,21 @@ class _FrontEnd:
         if not self.closed:
             self.link.flush()
 
+    def hold(self, rid: int, request: InferenceRequest) -> None:
+        """``request`` was answered while its batch may still read its inputs: the front end
+        reuses them once told (``release``), on this connection or, lost, on its next one."""
+        self.unreleased[rid] = (self.server.input_blocks(self, request)
+                                if self.server is not None else {})
+        request.on_release = lambda: self.release(rid)
+
     def release(self, rid: int) -> None:
         """The request's inputs are no longer read (it was answered before its batch ended)."""
-        out = self.out()
+        blocks = self.unreleased.pop(rid, None)
+        if self.closed:
+            if blocks and self.server is not None:
+                self.server.released_after_loss(self.slot, blocks)
+            return
+        out = self.out(wire.NUMBER_BYTES)
         if out is not None:
             out.released.append(rid)
 
@@ -174,8 +230,7 @@ class _Remote:
             if not released:
                 # Expired or cancelled while its batch runs: the batch may still read the
                 # inputs; the front end reuses them once told.
-                front, rid = self.front, self.rid
-                request.on_release = lambda: front.release(rid)
+                self.front.hold(self.rid, request)
             self.front.fail(self.rid, released, code, text)
         self._finish()
 
@@ -220,6 +275,19 @@ class ExecutorServer:
         self._in_use_shown = -1  # what the gauge holds: it is written only when that changes
         self._fronts: set[_FrontEnd] = set()
         self._calls: set[asyncio.Task] = set()
+        # After a connection is lost (wire.proto: "A lost connection does not end that
+        # ownership"): per front-end process, the output blocks its lost connections held,
+        # reused once it says Hello again or exits; per slot, the input blocks written over a
+        # lost connection that a batch still reads (offset -> bytes).
+        self._quarantined: dict[int, collections.Counter[int]] = {}
+        self._held_inputs: dict[int, dict[int, int]] = {}
+        # A restart: the front ends of the executor before this one (pid -> slot), which may
+        # still read its output region; no front end is welcomed before each of them has said
+        # Hello or exited. The front ends that said Hello meanwhile wait here.
+        self._predecessors: dict[int, int] = {}
+        self._unwelcomed: list[_FrontEnd] = []
+        self._watched: dict[int, Callable[[], None]] = {}  # pid -> what to stop watching it
+        self._arena_address = arena.address
         # The requests of the read being handled, per model, with their futures: queued when
         # its frames are all in (``read``).
         self._intake: dict[ServedModel, tuple[list[InferenceRequest], list[_Remote]]] = {}
@@ -334,9 +402,11 @@ class ExecutorServer:
     def on_state_change(self, name: str, state: str) -> None:
         if self.repository is None:
             return
-        message = self.model_state(name)
+        message, nbytes = _state_entry(self.model_state(name))
         for front in list(self._fronts):
-            out = front.out()
+            if not front.welcomed:  # its welcome will list every model
+                continue
+            out = front.out(nbytes)
             if out is not None:
                 out.models.append(message)
 
@@ -344,9 +414,19 @@ class ExecutorServer:
 
     def accept(self, link: wire.FrontendLink) -> _Connection:
         """A front end connected: what handles its frames (``wire.serve_frontends``)."""
-        front = _FrontEnd(link)
+        front = _FrontEnd(link, self)
         self._fronts.add(front)
         return _Connection(self, front)
+
+    def await_predecessors(self, frontend_pids: dict[int, int]) -> None:
+        """This executor replaces one whose front ends (slot -> pid) live: none is welcomed
+        before each of them has said Hello again (it reads no output block of its last
+        connection any more) or exited (wire.proto's Restarts)."""
+        for slot, pid in frontend_pids.items():
+            self._predecessors[pid] = slot
+            self._watch(pid)
+        if self._predecessors:
+            log.info("awaiting_frontends", slots=sorted(self._predecessors.values()))
 
     def frame(self, front: _FrontEnd, frame: wire_pb2.ToExecutor) -> None:
         """One frame of ``front``'s, in wire.proto's order: hello, infer, groups, cancel, free,
@@ -413,7 +493,6 @@ class ExecutorServer:
         front.fail(remote.rid, True, *status_of(error))
 
     def lost(self, front: _FrontEnd) -> None:
-        self._fronts.discard(front)
         self._disconnect(front)
 
     def _hello(self, front: _FrontEnd, hello: wire_pb2.Hello) -> None:
@@ -423,25 +502,163 @@ class ExecutorServer:
         front.slot = hello.slot
         start, size = self._layout.input_region(hello.slot)
         front.region = (start, start + size)
-        out = front.out()
+        for other in list(self._fronts):
+            # The slot's earlier connection, whose end this loop has not seen yet: a front end
+            # says Hello on a new one only once done with the old.
+            if other is not front and other.slot == front.slot and other.pid == front.pid:
+                self._disconnect(other)
+        # Done with the output blocks of its lost connections (and of the executor before this
+        # one): they may be reused.
+        self._predecessors.pop(front.pid, None)
+        self._end_quarantine(front.pid)
+        self._unwelcomed.append(front)
+        if not self._predecessors:
+            self._welcome_waiting()
+
+    def _welcome_waiting(self) -> None:
+        waiting, self._unwelcomed = self._unwelcomed, []
+        for front in waiting:
+            if not front.closed:
+                self._welcome(front)
+
+    def _welcome(self, front: _FrontEnd) -> None:
+        held = self._held_inputs.get(front.slot)
+        out = front.out(len(held or ()) * (wire.ENTRY_BYTES + 2 * wire.NUMBER_BYTES))
+        if out is None:  # gone meanwhile
+            return
         out.welcome = True
+        if held:
+            out.held.extend([wire_pb2.InputBlock(offset=offset, nbytes=nbytes)
+                             for offset, nbytes in held.items()])
+        front.welcomed = True
         states = [self.model_state(entry.name, entry) for entry in self.repository.index()]
-        out.models.extend(states)
-        log.info("frontend_connected", slot=front.slot, models=len(states))
+        for state in states:  # those that do not fit the welcome's frame follow it
+            message, nbytes = _state_entry(state)
+            out = front.out(nbytes)
+            if out is None:
+                return
+            out.models.append(message)
+        log.info("frontend_connected", slot=front.slot, models=len(states),
+                 held_inputs=len(held or ()))
 
     def _disconnect(self, front: _FrontEnd) -> None:
+        if front.closed:
+            return
         front.closed = True
+        self._fronts.discard(front)
+        if not front.welcomed and front in self._unwelcomed:
+            self._unwelcomed.remove(front)
         abandoned = len(front.requests)
         if self._intake:
             self._intake_cancelled = True
         for remote in list(front.requests.values()):
-            remote.model.cancel(remote.request)
-        for block, count in front.blocks.items():
-            self._drop_references(block, count)
-        front.blocks.clear()
-        self._show_in_use()
+            remote.model.cancel(remote.request)  # those a batch still reads: held (hold())
+        if front.unreleased and front.slot >= 0:
+            held = self._held_inputs.setdefault(front.slot, {})
+            for blocks in front.unreleased.values():
+                held.update(blocks)
+        if front.blocks:
+            if front.pid is None:  # not a socket's peer (a test's link): nobody reads them
+                for block, count in front.blocks.items():
+                    self._drop_references(block, count)
+            else:
+                # Its answers may still be in its workers' hands: the blocks wait for its next
+                # Hello or its exit (wire.proto).
+                self._quarantined.setdefault(front.pid, collections.Counter()).update(
+                    front.blocks)
+                self._watch(front.pid)
+            front.blocks.clear()
+            self._show_in_use()
         front.link.close()
-        log.info("frontend_disconnected", slot=front.slot, abandoned=abandoned)
+        log.info("frontend_disconnected", slot=front.slot, abandoned=abandoned,
+                 held_inputs=len(front.unreleased))
+
+    def input_blocks(self, front: _FrontEnd, request: InferenceRequest) -> dict[int, int]:
+        """The blocks of ``front``'s input region that ``request``'s arrays are views of
+        (offset -> bytes): those a batch reads. BYTES inputs were decoded out of the arena,
+        a client's shared memory never was in it."""
+        start, end = front.region
+        base = self._arena_address
+        blocks = {}
+        for array in request.inputs:
+            if isinstance(array, np.ndarray) and not array.dtype.hasobject:
+                offset = array.__array_interface__["data"][0] - base
+                if start <= offset < end:
+                    blocks[offset] = array.nbytes
+        return blocks
+
+    def released_after_loss(self, slot: int, blocks: dict[int, int]) -> None:
+        """Input blocks of a lost connection of ``slot`` are no longer read: its front end's
+        current connection is told, or the next one's welcome leaves them out."""
+        held = self._held_inputs.get(slot)
+        if held is None:
+            return
+        for offset in blocks:
+            held.pop(offset, None)
+        if not held:
+            del self._held_inputs[slot]
+        for front in self._fronts:
+            if front.slot == slot and front.welcomed:
+                out = front.out(len(blocks) * wire.NUMBER_BYTES)
+                if out is not None:
+                    out.released_inputs.extend(blocks)
+
+    def _end_quarantine(self, pid: int | None) -> None:
+        blocks = self._quarantined.pop(pid, None)
+        if blocks:
+            for block, count in blocks.items():
+                self._drop_references(block, count)
+            self._show_in_use()
+            log.info("frontend_outputs_reused", pid=pid, blocks=len(blocks))
+        if pid not in self._predecessors:
+            self._unwatch(pid)
+
+    def _watch(self, pid: int | None) -> None:
+        """Call ``_exited(pid)`` when the process ``pid`` exits (a pidfd on the loop; a poll
+        once a second where pidfds are refused)."""
+        if pid is None or pid in self._watched:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._watched[pid] = _nothing
+            loop.call_soon(self._exited, pid)
+            return
+        except OSError as exc:
+            log.warning("pidfd_refused", pid=pid, error=str(exc), effect="polled every second")
+
+            def poll() -> None:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    self._exited(pid)
+                    return
+                except PermissionError:
+                    pass
+                self._watched[pid] = loop.call_later(1.0, poll).cancel
+
+            self._watched[pid] = loop.call_later(1.0, poll).cancel
+            return
+
+        def stop() -> None:
+            loop.remove_reader(fd)
+            os.close(fd)
+
+        loop.add_reader(fd, self._exited, pid)
+        self._watched[pid] = stop
+
+    def _unwatch(self, pid: int | None) -> None:
+        stop = self._watched.pop(pid, None)
+        if stop is not None:
+            stop()
+
+    def _exited(self, pid: int) -> None:
+        """The front-end process ``pid`` exited: nothing of it reads the arena any more."""
+        self._unwatch(pid)
+        self._end_quarantine(pid)
+        if self._predecessors.pop(pid, None) is not None and not self._predecessors:
+            self._welcome_waiting()
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -680,16 +897,26 @@ class ExecutorServer:
     def _describe_each(self, live: list[tuple[int, _Remote]], spec: ModelSpec,
                        outputs: list[np.ndarray], starts: list[int], split: bool,
                        layout: dict, held: dict) -> None:
-        """One Result per request: its rows of each output it asked for (or its placements)."""
-        frames: dict[_FrontEnd, wire_pb2.ToFrontend | None] = {}  # a batch has 1 or 2 fronts
+        """One Result per request: its rows of each output it asked for (or its placements).
+        A Result that would not fit a frame alone fails its request alone."""
+        per_output = [_output_bytes(array.ndim) for array in outputs]
+        sizes: dict[tuple[int, ...], int] = {}  # the outputs asked for -> their Result's bound
+        capacity = wire.capacity_bytes()
         for index, remote in live:
             front = remote.front
-            out = frames.get(front, frames)
-            if out is frames:
-                out = frames[front] = front.out()
-            if out is None:
+            if front.closed:
                 continue
             request = remote.request
+            nbytes = sizes.get(remote.outputs)
+            if nbytes is None:
+                nbytes = sizes[remote.outputs] = _RESULT_BYTES + sum(
+                    [per_output[k] for k in remote.outputs])
+            if nbytes > capacity:
+                remote.answered = True
+                front.fail(remote.rid, not request.holds_inputs, Code.RESOURCE_EXHAUSTED,
+                           TOO_MANY_OUTPUTS_MESSAGE.format(outputs=len(remote.outputs),
+                                                           limit=wire.MAX_FRAME_BYTES))
+                continue
             placed = None
             if remote.placements is not None:
                 try:
@@ -698,6 +925,9 @@ class ExecutorServer:
                     remote.answered = True
                     front.fail(remote.rid, not request.holds_inputs, *status_of(exc))
                     continue
+            out = front.out(nbytes)
+            if out is None:
+                continue
             add = out.results.add(rid=remote.rid, released=not request.holds_inputs).outputs.add
             rows, first = request.batch_size, starts[index]
             for k in remote.outputs:
@@ -722,7 +952,8 @@ class ExecutorServer:
                         outputs: list[np.ndarray], starts: list[int], layout: dict,
                         held: dict) -> None:
         """Every request takes every output, whose rows have a fixed size: one Batch per front
-        end (wire.proto) in place of a Result each."""
+        end (wire.proto) in place of a Result each, or several where one would not fit a
+        frame."""
         groups: dict[_FrontEnd, list[tuple[int, _Remote]]] = {}
         for entry in live:
             front = entry[1].front
@@ -732,9 +963,10 @@ class ExecutorServer:
             else:
                 group.append(entry)
         described = [layout[k] for k in sorted(layout)]
+        fixed = _BATCH_BYTES + sum([_batch_output_bytes(outputs[k].ndim) for k in layout])
+        most = max(1, (wire.capacity_bytes() - fixed) // _BATCH_MEMBER_BYTES)
         for front, members in groups.items():
-            out = front.out()
-            if out is None:
+            if front.closed:
                 continue
             released = not members[0][1].request.holds_inputs
             if any(remote.request.holds_inputs is released for _, remote in members):
@@ -742,15 +974,20 @@ class ExecutorServer:
                 # not, each says so in its own Result.
                 self._describe_each(members, spec, outputs, starts, True, layout, held)
                 continue
-            batch = out.batches.add(released=released)
-            batch.rids.extend([remote.rid for _, remote in members])
-            batch.first_rows.extend([starts[index] for index, _ in members])
-            batch.rows.extend([remote.request.batch_size for _, remote in members])
-            for block, _, row_bytes, tail in described:
-                batch.outputs.add(block=block, row_bytes=row_bytes, tail=tail)
-                held[(front, block)] = held.get((front, block), 0) + len(members)
-            for _, remote in members:
-                remote.answered = True
+            for at in range(0, len(members), most):
+                part = members[at:at + most]
+                out = front.out(fixed + len(part) * _BATCH_MEMBER_BYTES)
+                if out is None:
+                    break
+                batch = out.batches.add(released=released)
+                batch.rids.extend([remote.rid for _, remote in part])
+                batch.first_rows.extend([starts[index] for index, _ in part])
+                batch.rows.extend([remote.request.batch_size for _, remote in part])
+                for block, _, row_bytes, tail in described:
+                    batch.outputs.add(block=block, row_bytes=row_bytes, tail=tail)
+                    held[(front, block)] = held.get((front, block), 0) + len(part)
+                for _, remote in part:
+                    remote.answered = True
 
     def _place(self, remote: _Remote, index: int, spec: ModelSpec, outputs: list[np.ndarray],
                starts: list[int] | None) -> dict[int, tuple[int, tuple]]:
@@ -840,14 +1077,24 @@ class ExecutorServer:
         try:
             response = await getattr(handler, method)(getattr(call, method))
         except Exception as exc:
-            code, text = status_of(exc)
-            out = front.out()
-            if out is not None:
-                out.replies.add(cid=call.cid, error=wire_pb2.Status(code=code, message=text))
+            self._reply_error(front, call.cid, *status_of(exc))
             return
-        out = front.out()
+        nbytes = _REPLY_BYTES + response.ByteSize()
+        if nbytes > wire.capacity_bytes():
+            self._reply_error(front, call.cid, Code.RESOURCE_EXHAUSTED, (
+                f"the reply is {nbytes} bytes, more than one frame from the executor process "
+                f"to the front end holds ({wire.MAX_FRAME_BYTES} bytes)"))
+            return
+        out = front.out(nbytes)
         if out is not None:
             getattr(out.replies.add(cid=call.cid), method).CopyFrom(response)
+
+    @staticmethod
+    def _reply_error(front: _FrontEnd, cid: int, code: int, text: str) -> None:
+        error = wire_pb2.Status(code=code, message=text)
+        out = front.out(_REPLY_BYTES + error.ByteSize())
+        if out is not None:
+            out.replies.add(cid=cid, error=error)
 
 
 class _OutputRegionFull(Exception):
@@ -863,6 +1110,30 @@ class _OutputRegionFull(Exception):
 
 def _nothing() -> None:
     pass
+
+
+def _state_entry(state: wire_pb2.ModelState) -> tuple[wire_pb2.ModelState, int]:
+    """``state`` and its entry's size, or, for a model whose description alone would not fit a
+    frame (a config of that size), the model as UNAVAILABLE saying why."""
+    nbytes = wire.ENTRY_BYTES + state.ByteSize()
+    if nbytes <= wire.capacity_bytes():
+        return state, nbytes
+    state = wire_pb2.ModelState(
+        name=state.name, state="UNAVAILABLE",
+        reason=f"its description ({nbytes} bytes) is larger than a frame from the executor "
+               f"process to the front end ({wire.MAX_FRAME_BYTES} bytes)")
+    return state, wire.ENTRY_BYTES + state.ByteSize()
+
+
+def _output_bytes(ndim: int) -> int:
+    """A bound on one Output entry's size (a Result's) for an output of ``ndim`` dimensions:
+    block, offset, nbytes, placed, and the packed shape."""
+    return wire.ENTRY_BYTES + 3 * wire.NUMBER_BYTES + 2 + wire.ENTRY_BYTES + 10 * ndim
+
+
+def _batch_output_bytes(ndim: int) -> int:
+    """The same for a BatchOutput: block, row_bytes and the shape past the rows."""
+    return wire.ENTRY_BYTES + 2 * wire.NUMBER_BYTES + wire.ENTRY_BYTES + 10 * max(ndim - 1, 0)
 
 
 def _rows_of(row_offsets: np.ndarray, first: int, rows: int) -> tuple[int, int]:
@@ -930,6 +1201,8 @@ async def run(handover: dict) -> int:
     pin_arena(arena, metrics)
     gpu.on_device_lost = _exit_on_device_lost
     server = ExecutorServer(arena, layout, metrics, SharedMemoryRegistry(settings.shared_memory))
+    server.await_predecessors({int(slot): pid for slot, pid
+                               in handover.get("frontend_pids", {}).items()})
     pools = DevicePools(PoolSettings(settings.device_pool_bytes, settings.device_pool_fraction,
                                      settings.device_pool_strict), metrics)
     repository = ModelRepository(settings.model_repository, metrics=metrics,

@@ -9,13 +9,18 @@ the executor reads them in place. Outputs come back as descriptors into the exec
 and are copied once, into the bytes of the gRPC reply.
 
 When the executor goes away every request in flight gets UNAVAILABLE (retryable), health turns
-NOT_SERVING, and the front end reconnects as soon as a new executor listens.
+NOT_SERVING, and the front end reconnects as soon as a new executor listens. Outputs are copied
+while their frame is handled, so none is read once its connection is lost, before the next
+Hello (wire.proto's ownership after a loss); the input blocks of requests left in flight are
+kept until the next welcome says which the executor still reads. A connection lost soon after
+it was made is tried again after a delay that doubles, as the native front end does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -36,6 +41,12 @@ from batchgate.server.status import StatusError
 log = structlog.get_logger(__name__)
 
 RECONNECT_INTERVAL_S = 0.05
+# The native front end's (executor_link.cc): a connection lost sooner than STABLE_SESSION_S
+# after it was made is tried again after a delay doubling up to MAX_RECONNECT_DELAY_S, and
+# the warning is logged at most once per LOST_LOG_INTERVAL_S.
+STABLE_SESSION_S = 1.0
+MAX_RECONNECT_DELAY_S = 2.0
+LOST_LOG_INTERVAL_S = 10.0
 # A Call's bytes in a frame beyond its request's (its cid, the tags): the native front end's margin.
 CALL_OVERHEAD_BYTES = 64
 EXECUTOR_LOST_MESSAGE = "the executor process restarted; retry the request"
@@ -85,6 +96,12 @@ class RemoteRepository:
         self._configs: dict[str, model_config_pb2.ModelConfig] = {}
         self._pending: dict[int, _Pending] = {}
         self._awaiting_release: dict[int, list[int]] = {}
+        # Input blocks of requests a lost connection left in flight, until a welcome says which
+        # the executor still reads.
+        self._kept_inputs: set[int] = set()
+        self._reconnect_delay_s = 0.0
+        self._losses_unlogged = 0
+        self._last_lost_log: float | None = None
         self._calls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._connected = asyncio.Event()
@@ -117,6 +134,7 @@ class RemoteRepository:
             except OSError:
                 await asyncio.sleep(RECONNECT_INTERVAL_S)
                 continue
+            started = time.monotonic()
             self._link = link
             link.out.hello.slot = self._slot
             try:
@@ -126,8 +144,32 @@ class RemoteRepository:
                 pass
             finally:
                 self._lost(link)
+            if not self._closing:
+                await asyncio.sleep(self._note_loss(time.monotonic() - started))
+
+    def _note_loss(self, session_s: float) -> float:
+        """The delay before connecting again after a connection that lasted ``session_s``, and
+        the warning (rate-limited)."""
+        now = time.monotonic()
+        lasted = session_s >= STABLE_SESSION_S
+        self._reconnect_delay_s = 0.0 if lasted else min(
+            MAX_RECONNECT_DELAY_S, max(RECONNECT_INTERVAL_S, 2 * self._reconnect_delay_s))
+        self._losses_unlogged += 1
+        if lasted or self._last_lost_log is None or \
+                now - self._last_lost_log >= LOST_LOG_INTERVAL_S:
+            log.warning("executor_lost", slot=self._slot, losses=self._losses_unlogged,
+                        reconnect_in_ms=round(self._reconnect_delay_s * 1000))
+            self._losses_unlogged = 0
+            self._last_lost_log = now
+        return self._reconnect_delay_s
 
     def _handle(self, frame: wire_pb2.ToFrontend) -> None:
+        if frame.welcome:  # before any model is served: no request gets a held block
+            self._settle_kept_inputs(frame.held)
+        for offset in frame.released_inputs:
+            if offset in self._kept_inputs:
+                self._kept_inputs.discard(offset)
+                self._free_inputs((offset,))
         for state in frame.models:
             self._set_state(state)
         for result in frame.results:
@@ -155,14 +197,15 @@ class RemoteRepository:
             self._link = None
         self._connected.clear()
         error = ModelUnavailable(EXECUTOR_LOST_MESSAGE)
-        # Nothing reads this front end's input blocks any more: free them all.
+        # The executor may live on, a batch of it still reading them: kept until the next
+        # welcome says which it does.
         for pending in self._pending.values():
-            self._free_inputs(pending.inputs)
+            self._kept_inputs.update(pending.inputs)
             if not pending.future.done():
                 pending.future.set_exception(error)
         self._pending.clear()
         for blocks in self._awaiting_release.values():
-            self._free_inputs(blocks)
+            self._kept_inputs.update(blocks)
         self._awaiting_release.clear()
         for future in self._calls.values():
             if not future.done():
@@ -171,10 +214,21 @@ class RemoteRepository:
         for name in list(self._states):
             self._set_state(wire_pb2.ModelState(name=name, state="UNAVAILABLE",
                                                 reason="the executor is restarting"))
-        if not self._closing:
-            log.warning("executor_lost", slot=self._slot)
-            if self._on_connection_change is not None:
-                self._on_connection_change(False)
+        if not self._closing and self._on_connection_change is not None:
+            self._on_connection_change(False)  # _run logs it (_note_loss)
+
+    def _settle_kept_inputs(self, held) -> None:
+        """The welcome's held input blocks stay taken (taken now if this process does not hold
+        them: it restarted); every other kept block is free again."""
+        still = set()
+        for block in held:
+            if block.offset not in self._kept_inputs and \
+                    not self._inputs.reserve(block.offset, block.nbytes):
+                log.error("input_block_unknown", offset=block.offset)
+                continue
+            still.add(block.offset)
+        self._free_inputs([offset for offset in self._kept_inputs if offset not in still])
+        self._kept_inputs = still
 
     async def close(self, drain_timeout_s: float = 30.0) -> None:
         """Let requests in flight finish (bounded), then disconnect."""
@@ -272,20 +326,12 @@ class RemoteRepository:
             raise ModelUnavailable("the executor process is not connected; retry")
         # The executor drops a link whose frame passes MAX_FRAME_BYTES, and every request on it
         # with the link: a call that large is refused (as the native front end refuses it),
-        # and one that would make the frame being filled too large waits for the next frame.
-        size = request.ByteSize() + CALL_OVERHEAD_BYTES
-        if size > wire.MAX_FRAME_BYTES:
-            raise ResourceExhausted(
-                f"the request is larger than the {wire.MAX_FRAME_BYTES} bytes a front end "
-                "forwards to the executor process")
-        while link.pending_bytes + size > wire.MAX_FRAME_BYTES:
-            await asyncio.sleep(0)  # the frame being filled is written before this resumes
-            if link is not self._link:
-                raise ModelUnavailable("the executor process is not connected; retry")
+        # and one that would make the frame being filled too large goes in the next frame.
+        out = _room(link, request.ByteSize() + CALL_OVERHEAD_BYTES)
         cid = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[cid] = future
-        getattr(link.out.call.add(cid=cid), method).CopyFrom(request)
+        getattr(out.call.add(cid=cid), method).CopyFrom(request)
         return await future
 
     def _reply(self, reply: wire_pb2.Reply) -> None:
@@ -309,7 +355,7 @@ class RemoteRepository:
         blocks: list[int] = []
         message = wire_pb2.Infer(
             model=model.handle, batch_size=request.batch_size, priority=request.priority,
-            deadline_ns=int(request.deadline * 1e9) if request.deadline is not None else 0,
+            deadline_ns=wire.deadline_ns(request.deadline),
             timeout_us=request.timeout_us, id=request.id)
         placements = getattr(request, "input_placements", None)
         try:
@@ -349,15 +395,20 @@ class RemoteRepository:
                                                offset=placement.offset,
                                                nbytes=placement.nbytes)
         rid = message.rid = next(self._ids)
+        try:
+            out = _room(link, wire.ENTRY_BYTES + message.ByteSize())
+        except ResourceExhausted:
+            self._free_inputs(blocks)
+            raise
         future = asyncio.get_running_loop().create_future()
         self._pending[rid] = _Pending(future, blocks, names,
                                       [spec.output(name).datatype for name in names])
-        link.out.infer.append(message)
+        out.infer.append(message)
         try:
             return await future
         except asyncio.CancelledError:
             if rid in self._pending and self._link is link and not link.closed:
-                link.out.cancel.append(rid)
+                link.room(wire.NUMBER_BYTES).cancel.append(rid)
             raise
 
     def _result(self, result: wire_pb2.Result) -> None:
@@ -378,7 +429,7 @@ class RemoteRepository:
                 arrays[name] = np.frombuffer(data, dtype=NUMPY_DTYPES[datatype]).reshape(shape)
         frees = [output.block for output in result.outputs if not output.placed]
         if frees and self._link is not None and not self._link.closed:
-            self._link.out.free.extend(frees)
+            self._link.room(len(frees) * wire.NUMBER_BYTES).free.extend(frees)
         if pending is not None and not pending.future.done():
             pending.future.set_result(arrays)
 
@@ -396,6 +447,17 @@ class RemoteRepository:
             self._inputs.free(offset)
         if blocks and self._in_use is not None:
             self._in_use.set(self._inputs.bytes_in_use)
+
+
+def _room(link: wire.ExecutorLink, nbytes: int) -> wire_pb2.ToExecutor:
+    """The frame being filled with room for an entry of ``nbytes``; RESOURCE_EXHAUSTED for an
+    entry no frame holds."""
+    try:
+        return link.room(nbytes)
+    except wire.FrameFull:
+        raise ResourceExhausted(
+            f"the request is larger than the {wire.MAX_FRAME_BYTES} bytes a front end "
+            "forwards to the executor process") from None
 
 
 def _spec_of(message: wire_pb2.ModelSpec) -> ModelSpec:

@@ -11,7 +11,8 @@ each line to the supervisor's stderr as it comes, so the server's log stays one 
 (``server/child_logs.py``).
 
 Each child gets what it needs as one JSON object on its standard input (``handover``): its
-place (role, arena slot, sockets, the reserved port) and the settings it acts on, resolved
+place (role, arena slot, sockets, the reserved port; an executor, the pids of the front ends
+alive, whose reads of the arena it must let end) and the settings it acts on, resolved
 here once (``Settings.handover``). No child parses flags, and none is handed a setting it does
 not act on. Bearer tokens travel only to front ends, this way: never on a command line, which
 ``ps`` shows to every user, nor in an environment another process could inherit.
@@ -501,9 +502,14 @@ class Supervisor:
     # -- children ------------------------------------------------------------------------
 
     def _handover_of_executor(self) -> bytes:
+        # A restart: the front ends alive now may still read the output blocks of the executor
+        # before this one, which this one reuses; it welcomes none of them until each is done
+        # (wire.proto's Restarts).
+        frontend_pids = {str(c.slot): c.proc.pid for c in self._children[1:]
+                         if c.proc is not None and c.proc.poll() is None}
         return _json({
             "role": EXECUTOR, **self._arena_fields(), "socket": self.socket_name,
-            "settings": self._settings_for(EXECUTOR),
+            "frontend_pids": frontend_pids, "settings": self._settings_for(EXECUTOR),
         })
 
     def _handover_of_frontend(self, slot: int) -> bytes:

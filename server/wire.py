@@ -5,10 +5,14 @@ module is its Python reader and writer, as ``server/native/src/executor_link.cc`
 A frame is a 4-byte little-endian length and one serialized message: ``ToExecutor`` from a
 front end, ``ToFrontend`` from the executor.
 
-Writing is batched per event-loop iteration: ``Link.out`` is the frame being filled, and it is
-written once, after the callbacks that are running now (a finished batch answers all its
-requests into one frame, which costs one ``write`` system call), or as soon as its writer calls
-``Link.flush`` (the executor does once a batch's answers are in it). Reading hands over one whole
+Writing is batched per event-loop iteration: ``Link.room(nbytes)`` is the frame being filled,
+and it is written once, after the callbacks that are running now (a finished batch answers all
+its requests into one frame, which costs one ``write`` system call), or as soon as its writer
+calls ``Link.flush`` (the executor does once a batch's answers are in it). No frame passes
+``MAX_FRAME_BYTES``: every entry is added through ``room`` with its encoded size or a bound on
+it, and the frame filled so far is written first when the entry would not fit beside it (an
+entry larger than a whole frame raises ``FrameFull``, for its writer to answer with an error
+in its place). Reading hands over one whole
 frame, which the receiver handles in one pass. The executor's end reads in the transport's
 ``data_received``: every whole frame of a read goes to its handler there and then, with no
 reader task to wake per frame (a front end's end, which reads far fewer frames, awaits
@@ -36,12 +40,29 @@ from google.protobuf.message import DecodeError, Message
 from batchgate.protos import wire_pb2
 
 HEADER = struct.Struct("<I")
-MAX_FRAME_BYTES = 64 * 1024 * 1024
+MAX_FRAME_BYTES = wire_pb2.MAX_FRAME_BYTES  # wire.proto's WireLimit: the C++ end reads the same
+# What ``Link.room`` keeps aside in every frame for what is not an entry: a flag (``welcome``),
+# a Hello, and the tag and length of each packed list (``cancel``, ``free``, ``released``).
+FRAME_SLACK_BYTES = 256
+# An entry's own tag and length (field numbers under 16; a length under 2**28).
+ENTRY_BYTES = 5
+# A uint64 or int64 field, tag and varint, at most; a list's element (packed) takes one less.
+NUMBER_BYTES = 11
+LAST_DEADLINE_NS = 2**63 - 1  # the largest Infer.deadline_ns: a deadline that never passes
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 
 In = TypeVar("In", bound=Message)
 Out = TypeVar("Out", bound=Message)
+
+
+def deadline_ns(deadline: float | None) -> int:
+    """``Infer.deadline_ns`` of a monotonic ``deadline`` (None: 0, none): saturated at int64's
+    largest, as the native front end does (a grpc-timeout may say 99999999 hours), and 1 (at
+    once) for one already past."""
+    if deadline is None:
+        return 0
+    return min(max(1, int(deadline * 1e9)), LAST_DEADLINE_NS)
 
 
 def socket_address(name: str) -> str:
@@ -63,6 +84,8 @@ class Link(Generic[In, Out]):
         self._incoming = incoming
         self._outgoing = outgoing
         self._pending: Out | None = None
+        self._left = 0  # bytes ``room`` may still hand out in the frame being filled
+        self.peer_pid: int | None = None  # the executor's end: the front-end process
         self._loop = asyncio.get_running_loop()
 
     @classmethod
@@ -90,29 +113,44 @@ class Link(Generic[In, Out]):
 
     @property
     def out(self) -> Out:
-        """The frame being filled: written once the running callbacks have returned.
+        """The frame being filled, for a flag or a Hello (``FRAME_SLACK_BYTES`` holds them):
+        entries go in through ``room``. Raises ConnectionError when the connection is closed."""
+        return self.room(0)
 
-        Raises ConnectionError when the connection is closed."""
+    def room(self, nbytes: int) -> Out:
+        """The frame being filled, with room for ``nbytes`` more (an entry's encoded size, its
+        tag and length included, or a bound on it): the frame filled so far is written first
+        when it lacks the room. Written once the running callbacks have returned.
+
+        Raises FrameFull when ``nbytes`` would not fit even an empty frame, ConnectionError
+        when the connection is closed."""
+        if nbytes > self._left:
+            if nbytes > capacity_bytes():
+                raise FrameFull(nbytes)
+            self.flush()
         if self._pending is None:
             if self._writer.is_closing():
                 raise ConnectionError("the connection is closed")
             self._pending = self._outgoing()
+            self._left = capacity_bytes()
             deferred = _deferred.links
             if deferred is None:
                 self._loop.call_soon(self.flush)
             else:
                 deferred.append(self)
+        self._left -= nbytes
         return self._pending
 
     @property
     def pending_bytes(self) -> int:
-        """The size of the frame being filled (0: none), to keep a frame under MAX_FRAME_BYTES."""
+        """The encoded size of the frame being filled (0: none)."""
         return 0 if self._pending is None else self._pending.ByteSize()
 
     def flush(self) -> None:
         """Write the frame being filled (called at the end of the loop's turn, or earlier by
         its writer; a frame already written leaves nothing to do)."""
         frame, self._pending = self._pending, None
+        self._left = 0
         if frame is None or self._writer.is_closing():
             return
         body = frame.SerializeToString()
@@ -120,11 +158,32 @@ class Link(Generic[In, Out]):
 
     def close(self) -> None:
         self._pending = None
+        self._left = 0
         self._writer.close()
 
     @property
     def closed(self) -> bool:
         return self._writer.is_closing()
+
+
+class FrameFull(Exception):
+    """An entry larger than a whole frame (``Link.room``): its writer answers with an error in
+    its place."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(f"an entry of {nbytes} bytes does not fit a frame of "
+                         f"{MAX_FRAME_BYTES} bytes")
+        self.nbytes = nbytes
+
+
+def capacity_bytes() -> int:
+    """What ``Link.room`` hands out of one frame: MAX_FRAME_BYTES less FRAME_SLACK_BYTES."""
+    return MAX_FRAME_BYTES - FRAME_SLACK_BYTES
+
+
+def string_bytes(text: str) -> int:
+    """A bound on a string field's encoded size: tag, length and UTF-8 bytes."""
+    return ENTRY_BYTES + (len(text) if text.isascii() else len(text.encode()))
 
 
 class _Deferred(threading.local):
@@ -207,8 +266,9 @@ class FrameReader(asyncio.Protocol):
             transport.close()  # before reading a byte of what it sent
             return
         _tune(transport)
-        self._handler = self._accept(
-            Link(None, transport, wire_pb2.ToExecutor, wire_pb2.ToFrontend))
+        link = Link(None, transport, wire_pb2.ToExecutor, wire_pb2.ToFrontend)
+        link.peer_pid = peer_pid(transport.get_extra_info("socket"))
+        self._handler = self._accept(link)
 
     def data_received(self, data: bytes) -> None:
         if self._handler is None or self._reason is not None:
@@ -260,6 +320,13 @@ def same_user(sock: socket.socket | None) -> bool:
     _pid, uid, _gid = _PEERCRED.unpack(
         sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
     return uid == os.getuid()
+
+
+def peer_pid(sock: socket.socket) -> int:
+    """The process at the other end of ``sock`` (the one that connected)."""
+    pid, _uid, _gid = _PEERCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return pid
 
 
 def _tune(writer: asyncio.StreamWriter | asyncio.BaseTransport) -> None:

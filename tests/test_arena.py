@@ -240,6 +240,24 @@ def test_a_short_lived_block_goes_against_the_neighbour_freed_later():
     allocator.check_invariants()
 
 
+def test_reserve_takes_exactly_the_bytes_asked_for_and_only_free_ones():
+    """What a restarted front end does with its predecessor's blocks the executor still reads:
+    they are taken where they are, out of free space only, and freed as any other."""
+    allocator = ArenaAllocator(4096, 256 * 16)
+    assert allocator.reserve(4096 + 256 * 5, 300)  # two units
+    assert not allocator.reserve(4096 + 256 * 6, 1)  # its second unit
+    assert not allocator.reserve(4096 + 256 * 4, 512)  # runs into it
+    assert not allocator.reserve(4096 + 100, 1)  # not aligned
+    assert not allocator.reserve(4096 + 256 * 15, 512)  # past the end
+    assert not allocator.reserve(0, 1)  # before the region
+    assert allocator.bytes_in_use == 512
+    allocator.check_invariants()
+    assert allocator.alloc(256 * 11) is None  # the free space is cut in two: 5 and 9 units
+    assert allocator.alloc(256 * 9) is not None
+    allocator.free(4096 + 256 * 5)
+    allocator.check_invariants()
+
+
 def test_alloc_refuses_an_unknown_lifetime():
     allocator = ArenaAllocator(0, 1024)
     with pytest.raises(ValueError, match="lifetime must be one of .*got 'forever'"):

@@ -142,6 +142,10 @@ class _FrameSink:
     def __init__(self) -> None:
         self.out = wire_pb2.ToFrontend()
 
+    def room(self, nbytes: int) -> wire_pb2.ToFrontend:
+        """The frame being filled (wire.Link.room: here one frame takes everything)."""
+        return self.out
+
 
 def _read(server: ep.ExecutorServer, front: ep._FrontEnd, *frames: wire_pb2.ToExecutor) -> None:
     """What the executor does with one read of ``frames``."""

@@ -125,3 +125,31 @@ def test_killed_executor_answers_unavailable_then_serves_again(mlp_only, fronten
     finally:
         server.stop()
     assert dev_shm() == before_shm
+
+
+@pytest.mark.parametrize("frontend", ["python", "native"])
+def test_no_client_gets_another_clients_answer_across_an_executor_restart(mlp_only, frontend):
+    """Two loads whose inputs differ (so an answer says whose it is) while the executor is
+    killed and restarted under them: every answer that comes back is its own request's, before,
+    during and after; the new executor welcomed the front ends only once they had said Hello
+    again (wire.proto: they may still have been copying out of the output region it reuses)."""
+    server = start_multiprocess_server(mlp_only, frontends=2, frontend=frontend)
+    try:
+        old = pids(server, "executor")[None]
+        with Load(server.address, clients=4, seed=1) as one, \
+                Load(server.address, clients=4, seed=2) as two:
+            poll(lambda: one.answered() > 50 and two.answered() > 50, what="both loads running")
+            os.kill(old, signal.SIGKILL)
+            poll(lambda: pids(server, "executor").get(None) not in (None, old), 120,
+                 "executor restarted")
+            served = one.answered(), two.answered()
+            poll(lambda: one.answered() > served[0] + 50 and two.answered() > served[1] + 50,
+                 120, "both loads served after the restart")
+        print(f"executor kill, two loads: ok={one.ok}+{two.ok} "
+              f"failures={dict(one.failures + two.failures)}")
+        assert one.wrong == 0 and two.wrong == 0
+        assert set(one.failures) | set(two.failures) <= {grpc.StatusCode.UNAVAILABLE}
+        awaited = [e for e in server.supervisor.events if e.get("event") == "awaiting_frontends"]
+        assert awaited and awaited[-1]["slots"] == ([0] if frontend == "native" else [0, 1])
+    finally:
+        server.stop()

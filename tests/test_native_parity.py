@@ -35,6 +35,7 @@ from batchgate.server import native
 from batchgate.server.shared_memory import OFF_MESSAGE
 from tests.support.load import Load
 from tests.support.models import NUMERIC_TYPES
+from tests.support.raw_http2 import unary_call
 from tests.support.servers import native_or_skip, start_in_mode
 
 MODES = ("single", "python", "native", "native-asan")
@@ -750,6 +751,25 @@ def test_random_request_bytes_are_answered_alike(raw_calls, seed):
         answers = [raw_answer(unary, data) for unary, _ in raw_calls]
         assert answers[1:] == answers[:1] * (len(raw_calls) - 1), (
             data.hex(), dict(zip(MODES, answers)))
+
+
+def test_a_timeout_of_99999999_hours_is_answered_alike(servers):
+    """gRPC's largest grpc-timeout, 99999999 hours (3.6e20 ns, past int64's nanoseconds), sent
+    as raw HTTP/2 (grpcio will not send it): a deadline that never passes, in every mode. The
+    native front end overflowed on it (UBSan aborted the sanitized build; the release build
+    carried a garbage deadline), the Python front end could not write it on the wire."""
+    values = np.linspace(-1, 1, 512, dtype=np.float32)
+    request = mlp(raw=values.tobytes(), id="forever").SerializeToString()
+    replies = []
+    for server in servers:
+        messages = unary_call(server.address, "/inference.GRPCInferenceService/ModelInfer",
+                              request, {"grpc-timeout": "99999999H"})
+        assert len(messages) == 1, server.mode
+        replies.append(pb.ModelInferResponse.FromString(messages[0]))
+    assert [r.id for r in replies] == ["forever"] * len(servers)
+    assert [r.raw_output_contents for r in replies[1:]] == \
+        [replies[0].raw_output_contents] * (len(servers) - 1)
+    assert len(replies[0].raw_output_contents[0]) == 4 * 512
 
 
 def test_sanitizers_report_nothing(servers, stubs):

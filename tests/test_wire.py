@@ -233,6 +233,10 @@ class _FrameSink:
     def __init__(self) -> None:
         self.out = wire_pb2.ToFrontend()
 
+    def room(self, nbytes: int) -> wire_pb2.ToFrontend:
+        """The frame being filled (wire.Link.room: here one frame takes everything)."""
+        return self.out
+
 
 def _answer_batch(rows: list[int], released: bool, wants: dict[int, tuple[int, ...]]):
     """What a front end reads of one batch of requests of ``rows`` each (``wants``: rid -> the
@@ -302,3 +306,221 @@ def test_a_batch_with_a_request_naming_its_outputs_is_a_result_each() -> None:
     assert seen == _expected(rows, True, wants)
     assert batches == 0
     assert sorted(blocks.values()) == [2, 3]  # y: requests 1 and 3; z: all three
+
+
+# -- frames the executor writes stay under the limit ---------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_the_executor_splits_answers_across_frames_and_fails_alone_one_no_frame_holds(
+        monkeypatch) -> None:
+    """Answers that together pass MAX_FRAME_BYTES go in several frames (Results, and a Batch
+    cut into several), every one under the limit; a request whose answer alone would pass it
+    (its output descriptors: here the same output asked for 5,000 times) fails alone,
+    RESOURCE_EXHAUSTED, and its neighbours are answered. The limit is read where it is used:
+    lowered to 64 KiB here, the front end's reader refuses any frame past it, as the native
+    front end does at the real limit."""
+    from batchgate.batcher.arena import ArenaLayout, SharedArena
+    from batchgate.batcher.request import DONE, InferenceRequest
+    from batchgate.batcher.spec import BatchingConfig, ModelSpec, TensorSpec
+    from batchgate.server import executor_process as ep
+
+    monkeypatch.setattr(wire, "MAX_FRAME_BYTES", 64 * 1024)
+    name = _name()
+    arena = SharedArena.create(8 << 20)
+    server = ep.ExecutorServer(arena, ArenaLayout(8 << 20, 1))
+    fronts: list[ep._FrontEnd] = []
+
+    class Handler:
+        frame = read = staticmethod(lambda *_: None)
+
+        @staticmethod
+        def lost(_reason) -> None:
+            pass
+
+    def accept(link: wire.FrontendLink) -> Handler:
+        fronts.append(ep._FrontEnd(link))
+        server._fronts.add(fronts[-1])
+        return Handler()
+
+    listener = await wire.serve_frontends(name, accept)
+    link = await wire.connect_to_executor(name)
+    try:
+        while not fronts:
+            await asyncio.sleep(0.001)
+        front = fronts[0]
+        spec = ModelSpec(name="m", version="1", platform="test",
+                         inputs=(TensorSpec("x", "FP32", (2,)),),
+                         outputs=(TensorSpec("y", "FP32", (2,)),),
+                         batching=BatchingConfig(max_batch_size=8192), warmup=False)
+        model = type("Model", (), {"spec": spec})()
+
+        def batch(wants: list[tuple[int, ...]], first_rid: int) -> dict[int, bytes]:
+            requests, expected = [], {}
+            outputs = [np.arange(len(wants) * 2, dtype=np.float32).reshape(len(wants), 2)]
+            for i, outputs_asked in enumerate(wants):
+                rid = first_rid + i
+                request = InferenceRequest([np.zeros((1, 2), np.float32)], batch_size=1)
+                request.state = DONE
+                request.future = ep._Remote(front, rid, model, request, outputs_asked)
+                front.requests[rid] = request.future
+                requests.append(request)
+                expected[rid] = outputs[0][i].tobytes()
+            server._on_results(requests, outputs)
+            return expected
+
+        # Six Results of 300 outputs each (~6 KB each) and one of 5,000 (~100 KB): ~136 KB.
+        each = batch([(0,) * 300] * 3 + [(0,) * 5000] + [(0,) * 300] * 3, 1)
+        # 5,000 requests taking every output: one Batch of ~50 KB per frame would not do.
+        together = batch([(0,)] * 5000, 100)
+        results, failures, sizes = {}, {}, []
+        while len(results) + len(failures) < len(each) + len(together):
+            frame = await asyncio.wait_for(link.receive(), 10)
+            sizes.append(frame.ByteSize())
+            for result in [*frame.results, *(r for b in frame.batches
+                                             for r in wire.batch_results(b))]:
+                assert result.rid not in results
+                results[result.rid] = [bytes(arena.read(o.offset, o.nbytes))
+                                       for o in result.outputs]
+            failures.update({f.rid: (f.code, f.message) for f in frame.failures})
+        assert max(sizes) <= wire.MAX_FRAME_BYTES and len(sizes) >= 4
+        assert failures == {4: (8, "the answer describes 5000 outputs, more than one frame from "
+                                   "the executor process to the front end holds (65536 bytes); "
+                                   "ask for fewer outputs")}
+        assert {rid: outs for rid, outs in results.items() if rid < 100} == {
+            rid: [data] * 300 for rid, data in each.items() if rid != 4}
+        assert {rid: outs for rid, outs in results.items() if rid >= 100} == {
+            rid: [data] for rid, data in together.items()}
+        # A reference per output described, none for the failed request's.
+        assert sum(front.blocks.values()) == 6 * 300 + 5000
+    finally:
+        link.close()
+        listener.close()
+        arena.close()
+
+
+# -- the Python front end across a lost connection -----------------------------------------------
+
+
+class _Scripted:
+    """serve_frontends' handler for a Python front end: every connection is kept (``links``),
+    its frames recorded, its Hello answered with ``welcome()``'s frame when that is set."""
+
+    def __init__(self) -> None:
+        self.links: list[wire.FrontendLink] = []
+        self.frames: list[wire_pb2.ToExecutor] = []
+        self.accepted: list[float] = []
+        self.welcome = None  # () -> ToFrontend fields, or None: the connection is dropped
+        self.changed = asyncio.Event()
+
+    def accept(self, link: wire.FrontendLink):
+        import time
+
+        self.links.append(link)
+        self.accepted.append(time.monotonic())
+        self.changed.set()
+        scripted = self
+
+        class Handler:
+            def frame(self, frame: wire_pb2.ToExecutor) -> None:
+                scripted.frames.append(frame)
+                scripted.changed.set()
+                if frame.HasField("hello"):
+                    if scripted.welcome is None:
+                        link.close()
+                        return
+                    link.out.MergeFrom(wire_pb2.ToFrontend(welcome=True, **scripted.welcome()))
+
+            def read(self) -> None:
+                pass
+
+            def lost(self, _reason) -> None:
+                pass
+
+        return Handler()
+
+    async def until(self, condition, timeout_s: float = 10.0) -> None:
+        async def wait() -> None:
+            while not condition():
+                self.changed.clear()
+                await self.changed.wait()
+
+        await asyncio.wait_for(wait(), timeout_s)
+
+
+@pytest.mark.asyncio
+async def test_the_python_front_end_keeps_inputs_the_executor_still_reads_across_a_reconnect():
+    """A request in flight when the executor drops the connection: its input block stays taken
+    while disconnected, stays taken after a welcome that lists it as held, and is freed by
+    released_inputs; a welcome that does not list a kept block frees it."""
+    from batchgate.batcher.arena import SharedArena
+    from batchgate.batcher.metrics import BatcherMetrics
+    from batchgate.batcher.request import InferenceRequest
+    from batchgate.server.remote import RemoteRepository
+    from tests.support.polling import apoll
+    from tests.support.wire_peers import model_state
+
+    name, scripted = _name(), _Scripted()
+    scripted.welcome = lambda: {"models": [model_state()]}
+    server = await wire.serve_frontends(name, scripted.accept)
+    arena = SharedArena.create(1 << 20)
+    repository = RemoteRepository(arena, (0, 1 << 19), 0, name)
+    repository.bind(metrics=BatcherMetrics(), on_state_change=lambda *_: None,
+                    on_connection_change=lambda _: None)
+    try:
+        await asyncio.wait_for(repository.load_all(), 10)
+        model = repository.get("m")
+
+        async def in_flight() -> tuple[asyncio.Future, int]:
+            count = len(scripted.frames)
+            call = asyncio.ensure_future(model.infer(InferenceRequest(
+                [np.ones((1, 4), np.float32)], batch_size=1)))
+            await scripted.until(lambda: any(f.infer for f in scripted.frames[count:]))
+            (infer,) = [i for f in scripted.frames[count:] for i in f.infer]
+            return call, infer.inputs[0].offset
+
+        call, offset = await in_flight()
+        in_use = repository._inputs.bytes_in_use
+        scripted.welcome = lambda: {"models": [model_state()],
+                                    "held": [wire_pb2.InputBlock(offset=offset, nbytes=16)]}
+        scripted.links[-1].close()
+        with pytest.raises(Exception, match="the executor process restarted"):
+            await asyncio.wait_for(call, 10)
+        assert repository._inputs.bytes_in_use == in_use  # kept while disconnected
+        await scripted.until(lambda: len(scripted.links) == 2)
+        await asyncio.wait_for(repository._connected.wait(), 10)
+        assert repository._inputs.bytes_in_use == in_use  # held: still taken
+        scripted.links[-1].room(16).released_inputs.append(offset)
+        await apoll(lambda: repository._inputs.bytes_in_use == 0, what="the block freed")
+        # Kept, then a welcome that does not list it: free at once.
+        call, offset = await in_flight()
+        scripted.welcome = lambda: {"models": [model_state()]}
+        scripted.links[-1].close()
+        with pytest.raises(Exception, match="the executor process restarted"):
+            await asyncio.wait_for(call, 10)
+        await scripted.until(lambda: len(scripted.links) == 3)
+        await asyncio.wait_for(repository._connected.wait(), 10)
+        assert repository._inputs.bytes_in_use == 0
+    finally:
+        await repository.close(0.1)
+        server.close()
+        arena.close()
+
+
+@pytest.mark.asyncio
+async def test_the_python_front_end_backs_off_from_an_executor_that_drops_each_connection():
+    """As the native front end: 50, 100, 200 ms at least between tries."""
+    from batchgate.server.remote import RemoteRepository
+
+    name, scripted = _name(), _Scripted()
+    server = await wire.serve_frontends(name, scripted.accept)
+    repository = RemoteRepository(None, (0, 4096), 0, name)
+    reader = asyncio.ensure_future(repository._run())
+    try:
+        await scripted.until(lambda: len(scripted.accepted) >= 4)
+        gaps = np.diff(scripted.accepted)
+        assert all(gap >= expected for gap, expected in zip(gaps, [0.05, 0.1, 0.2])), gaps
+    finally:
+        repository._closing = True
+        reader.cancel()
+        server.close()

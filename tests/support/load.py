@@ -18,7 +18,10 @@ class Load:
     per target otherwise), so load balancers and SO_REUSEPORT spread them. Bounded in time:
     clients stop after ``max_s`` whatever happens."""
 
-    def __init__(self, address: str, clients: int = 8, retry=None, max_s: float = 120) -> None:
+    def __init__(self, address: str, clients: int = 8, retry=None, max_s: float = 120,
+                 seed: int = 0) -> None:
+        """``seed`` draws the input every client of this load sends (loads of different seeds
+        tell their answers apart)."""
         from batchgate.clients import RetryPolicy
 
         self.address = address
@@ -30,7 +33,7 @@ class Load:
         self.failure_details: list[str] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._x = np.random.default_rng(0).standard_normal((1, 512), dtype=np.float32)
+        self._x = np.random.default_rng(seed).standard_normal((1, 512), dtype=np.float32)
         self._expected = reference("mlp", self._x)
         self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(clients)]
 

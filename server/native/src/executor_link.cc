@@ -17,13 +17,26 @@
 namespace batchgate {
 namespace {
 
-// wire.proto: a frame larger than this is a protocol error (frames carry descriptors only).
-constexpr uint32_t kMaxFrameBytes = 64u << 20;
+// wire.proto's WireLimit: a frame larger than this is a protocol error (frames carry
+// descriptors only). The Python end reads the same definition.
+constexpr uint32_t kMaxFrameBytes = wire::MAX_FRAME_BYTES;
+// What a frame holds beyond its entries, at most: the tags and lengths of its packed lists.
+constexpr size_t kFrameSlackBytes = 64;
+// An entry's own tag and length (a length under 2**28), and a packed list's number.
+constexpr size_t kEntryBytes = 5;
+constexpr size_t kNumberBytes = 10;
 // What the writer aims a frame at when one would pass kMaxFrameBytes.
 constexpr size_t kSplitFrameBytes = 16u << 20;
 // The most requests an InferGroup holds (wire.proto): with ids of kMaxForwardedIdBytes, ~4 MiB.
 constexpr int kMaxGroupRequests = 4096;
 constexpr auto kReconnectInterval = std::chrono::milliseconds(50);
+// A connection lost sooner than this after it was made (an executor that accepts and drops,
+// or crashes at once) is tried again after a delay that doubles from kReconnectInterval up to
+// kMaxReconnectDelay; one that lasted is tried again at once.
+constexpr auto kStableSession = std::chrono::seconds(1);
+constexpr auto kMaxReconnectDelay = std::chrono::milliseconds(2000);
+// The executor_lost warning of connections lost soon after they were made, at most this often.
+constexpr auto kLostLogInterval = std::chrono::seconds(10);
 constexpr int kSocketBufferBytes = 4 << 20;
 // How long returned output blocks may wait for a request's frame to carry them. Under load the
 // next request comes long before; a client that sends one request at a time sends its next
@@ -86,35 +99,67 @@ bool SendFrame(int fd, const google::protobuf::MessageLite& message, std::string
 
 // `frame` as the bytes of one frame, or of several when it would pass kMaxFrameBytes (only a
 // flood of large calls gets there): Infers, groups and Calls first, cancels and frees last, so
-// that each cancel still finds its request already sent. Empties `frame`'s repeated fields
-// when it splits.
+// that each cancel still finds its request already sent. Each entry's size is checked before it
+// goes in: the part filled so far goes out first when the entry would take it past the limit
+// (no entry passes it alone: SubmitInfer and SubmitCall refuse those), or once the part has
+// reached kSplitFrameBytes. Empties `frame`'s repeated fields when it splits.
 void Encode(wire::ToExecutor& frame, std::string& buffer) {
   buffer.clear();
   if (frame.ByteSizeLong() <= kMaxFrameBytes) {
     AppendFrame(frame, buffer);
     return;
   }
+  // ByteSizeLong() above left every entry's size cached.
   wire::ToExecutor part;
+  size_t part_bytes = 0;  // a bound on part's size
   const auto flush = [&] {
-    if (part.ByteSizeLong() > 0) AppendFrame(part, buffer);
+    if (part_bytes > 0) AppendFrame(part, buffer);
     part.Clear();
+    part_bytes = 0;
+  };
+  const auto make_room = [&](size_t bytes) {
+    if (part_bytes + bytes > kMaxFrameBytes - kFrameSlackBytes || part_bytes >= kSplitFrameBytes) {
+      flush();
+    }
+    part_bytes += bytes;
+  };
+  const auto entry = [](const google::protobuf::MessageLite& message) {
+    return static_cast<size_t>(message.GetCachedSize()) + kEntryBytes;
   };
   for (auto& infer : *frame.mutable_infer()) {
+    make_room(entry(infer));
     part.add_infer()->Swap(&infer);
-    if (part.ByteSizeLong() > kSplitFrameBytes) flush();
   }
   for (auto& group : *frame.mutable_groups()) {
+    make_room(entry(group));
     part.add_groups()->Swap(&group);
-    if (part.ByteSizeLong() > kSplitFrameBytes) flush();
   }
   for (auto& call : *frame.mutable_call()) {
+    make_room(entry(call));
     part.add_call()->Swap(&call);
-    if (part.ByteSizeLong() > kSplitFrameBytes) flush();
   }
   flush();
-  part.mutable_cancel()->Swap(frame.mutable_cancel());
-  part.mutable_free()->Swap(frame.mutable_free());
+  for (const uint64_t rid : frame.cancel()) {
+    make_room(kNumberBytes);
+    part.add_cancel(rid);
+  }
+  for (const uint64_t block : frame.free()) {
+    make_room(kNumberBytes);
+    part.add_free(block);
+  }
   flush();
+  frame.clear_cancel();
+  frame.clear_free();
+}
+
+// Whether `entry` fits a frame alone (Encode splits frames between entries, never inside one);
+// RESOURCE_EXHAUSTED in `refusal` when not.
+bool FitsAFrame(const google::protobuf::MessageLite& entry, grpc::Status* refusal) {
+  if (entry.ByteSizeLong() + kEntryBytes <= kMaxFrameBytes - kFrameSlackBytes) return true;
+  *refusal = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          "the request is larger than the " + std::to_string(kMaxFrameBytes) +
+                              " bytes a front end forwards to the executor process");
+  return false;
 }
 
 // Writes what the socket takes now without blocking: the bytes written, or -1 when the
@@ -319,6 +364,7 @@ void ExecutorLink::Close() {
 bool ExecutorLink::SubmitInfer(std::unique_ptr<wire::Infer> infer, std::vector<uint64_t> blocks,
                                uint64_t model_generation, AnswerTarget* target,
                                uint64_t* rid, grpc::Status* refusal, bool groupable) {
+  if (!FitsAFrame(*infer, refusal)) return false;
   std::unique_lock<std::mutex> lock(mu_);
   if (!socket_ || !welcomed_) {
     *refusal = grpc::Status(grpc::StatusCode::UNAVAILABLE, kNotConnected);
@@ -362,12 +408,7 @@ void ExecutorLink::FreeOutputs(uint64_t generation, const wire::Result& result) 
 
 bool ExecutorLink::SubmitCall(std::unique_ptr<wire::Call> call, AnswerTarget* target,
                               grpc::Status* refusal) {
-  if (call->ByteSizeLong() > kMaxFrameBytes - 64) {
-    *refusal = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                            "the request is larger than the " + std::to_string(kMaxFrameBytes) +
-                                " bytes a front end forwards to the executor process");
-    return false;
-  }
+  if (!FitsAFrame(*call, refusal)) return false;
   std::unique_lock<std::mutex> lock(mu_);
   if (!socket_ || !welcomed_) {
     *refusal = grpc::Status(grpc::StatusCode::UNAVAILABLE, kNotConnected);
@@ -521,11 +562,38 @@ void ExecutorLink::ReadLoop() {
       std::lock_guard<std::mutex> lock(mu_);
       if (closing_) return;
     }
-    if (!Session()) {
+    const auto started = std::chrono::steady_clock::now();
+    std::chrono::milliseconds wait = kReconnectInterval;  // nobody listens yet
+    if (Session()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (closing_) return;
+      wait = NoteLoss(std::chrono::steady_clock::now() - started);
+    }
+    if (wait.count() > 0) {
       std::unique_lock<std::mutex> lock(mu_);
-      wake_reader_.wait_for(lock, kReconnectInterval, [&] { return closing_; });
+      wake_reader_.wait_for(lock, wait, [&] { return closing_; });
     }
   }
+}
+
+std::chrono::milliseconds ExecutorLink::NoteLoss(std::chrono::steady_clock::duration session) {
+  const auto now = std::chrono::steady_clock::now();
+  const bool lasted = session >= kStableSession;
+  using Delay = std::chrono::milliseconds;
+  reconnect_delay_ =
+      lasted ? Delay(0)
+             : std::min<Delay>(kMaxReconnectDelay,
+                               std::max<Delay>(kReconnectInterval, reconnect_delay_ * 2));
+  ++losses_unlogged_;
+  if (lasted || last_lost_log_ == std::chrono::steady_clock::time_point{} ||
+      now - last_lost_log_ >= kLostLogInterval) {
+    Log(LogLevel::kWarning, "executor_lost",
+        {LogField("slot", static_cast<int>(slot_)), LogField("losses", losses_unlogged_),
+         LogField("reconnect_in_ms", static_cast<int64_t>(reconnect_delay_.count()))});
+    losses_unlogged_ = 0;
+    last_lost_log_ = now;
+  }
+  return reconnect_delay_;
 }
 
 bool ExecutorLink::Session() {
@@ -569,6 +637,7 @@ bool ExecutorLink::Session() {
     socket_ = socket;
     welcomed_ = false;
     generation = ++generation_;
+    readable_generation_.store(generation);
     pending_.Clear();
     pending_groupable_.clear();
     pending_urgent_ = pending_frees_ = false;
@@ -604,6 +673,14 @@ bool ExecutorLink::Session() {
 }
 
 void ExecutorLink::HandleFrame(wire::ToFrontend& frame, uint64_t generation) {
+  // 0. what the welcome says of the lost connections' input blocks: before any model is
+  // served, so that no request can be given one of them.
+  if (frame.welcome()) SettleKeptInputs(frame);
+  for (const uint64_t offset : frame.released_inputs()) {
+    if (kept_inputs_.erase(offset) && !region_.Free(offset)) {
+      Log(LogLevel::kError, "input_block_unknown", {LogField("offset", offset)});
+    }
+  }
   // 1. models (and the welcome)
   if (frame.welcome() || frame.models_size() > 0) {
     bool connected;
@@ -705,7 +782,59 @@ void ExecutorLink::HandleFrame(wire::ToFrontend& frame, uint64_t generation) {
   for (auto& [target, answer] : answers) target->Deliver(std::move(answer));
 }
 
+void ExecutorLink::SettleKeptInputs(const wire::ToFrontend& welcome) {
+  std::unordered_map<uint64_t, uint64_t> still;
+  for (const wire::InputBlock& block : welcome.held()) {
+    if (!kept_inputs_.count(block.offset()) && !region_.Reserve(block.offset(), block.nbytes())) {
+      Log(LogLevel::kError, "input_block_unknown", {LogField("offset", block.offset())});
+      continue;
+    }
+    still.emplace(block.offset(), block.nbytes());
+  }
+  for (const auto& [offset, nbytes] : kept_inputs_) {
+    if (!still.count(offset) && !region_.Free(offset)) {
+      Log(LogLevel::kError, "input_block_unknown", {LogField("offset", offset)});
+    }
+  }
+  kept_inputs_.swap(still);
+}
+
+ExecutorLink::OutputRead::OutputRead(ExecutorLink& link, ExecutorAnswer& answer) : link_(link) {
+  if (!answer.result) return;
+  // Counted before the generation is read: Lose() clears the generation, then waits for the
+  // count, so a read it does not wait for is one that saw the generation gone.
+  link_.output_reads_.fetch_add(1);
+  if (link_.readable_generation_.load() == answer.generation) {
+    reading_ = true;
+    return;
+  }
+  link_.EndOutputRead();
+  answer.result.reset();
+  answer.status = grpc::Status(grpc::StatusCode::UNAVAILABLE, kRestarted);
+}
+
+ExecutorLink::OutputRead::~OutputRead() {
+  if (reading_) link_.EndOutputRead();
+}
+
+void ExecutorLink::EndOutputRead() {
+  // Only StopReadingOutputs() waits, and only once the generation is cleared.
+  if (output_reads_.fetch_sub(1) == 1 && readable_generation_.load() == 0) {
+    std::lock_guard<std::mutex> lock(reads_mu_);
+    reads_done_.notify_all();
+  }
+}
+
+void ExecutorLink::StopReadingOutputs() {
+  readable_generation_.store(0);
+  std::unique_lock<std::mutex> lock(reads_mu_);
+  reads_done_.wait(lock, [&] { return output_reads_.load() == 0; });
+}
+
 void ExecutorLink::Lose(bool closing) {
+  // Before anything else, and before the next Hello: the lost connection's output blocks are
+  // the executor's again once it has that Hello.
+  StopReadingOutputs();
   std::unordered_map<uint64_t, PendingInfer> infers;
   std::unordered_map<uint64_t, std::vector<uint64_t>> unreleased;
   std::unordered_map<uint64_t, AnswerTarget*> calls;
@@ -727,9 +856,14 @@ void ExecutorLink::Lose(bool closing) {
       writing_ = false;
     }
   }
-  // Nothing reads this front end's input blocks any more: all of them are free again.
-  for (const auto& [rid, pending] : infers) FreeBlocks(pending.blocks);
-  for (const auto& [rid, blocks] : unreleased) FreeBlocks(blocks);
+  // The executor may still read them (it lives on, and a batch of it runs): kept until the
+  // next welcome says which it does.
+  for (const auto& [rid, pending] : infers) {
+    for (const uint64_t offset : pending.blocks) kept_inputs_.emplace(offset, 0);
+  }
+  for (const auto& [rid, blocks] : unreleased) {
+    for (const uint64_t offset : blocks) kept_inputs_.emplace(offset, 0);
+  }
   const grpc::Status lost(grpc::StatusCode::UNAVAILABLE, kRestarted);
   for (const auto& [rid, pending] : infers) {
     ExecutorAnswer answer;
@@ -744,10 +878,7 @@ void ExecutorLink::Lose(bool closing) {
   for (const auto& change : models_.Disconnect(kRestarting)) {
     observer_.OnModelChange(change.name, change.serving);
   }
-  if (!closing) {
-    Log(LogLevel::kWarning, "executor_lost", {LogField("slot", static_cast<int>(slot_))});
-    observer_.OnConnectionChange(false, 0);
-  }
+  if (!closing) observer_.OnConnectionChange(false, 0);  // ReadLoop logs it (NoteLoss)
 }
 
 void ExecutorLink::FreeBlocks(const std::vector<uint64_t>& blocks) {

@@ -19,13 +19,27 @@
 // on the reader thread: building a reply copies the outputs out of the arena, and that work
 // spreads over the workers like the requests do.
 //
-// When the connection is lost every request and call in flight is answered UNAVAILABLE, their
-// input blocks are freed (nothing reads them any more), models turn UNAVAILABLE, and the reader
-// connects again; the next welcome restores everything.
+// When the connection is lost every request and call in flight is answered UNAVAILABLE, models
+// turn UNAVAILABLE, and the reader connects again; the next welcome restores everything. What
+// the lost connection's executor may still read or write is not reused (wire.proto: "A lost
+// connection does not end that ownership"):
+//   - output blocks: an answer is read (copied into its reply) only inside an OutputRead, which
+//     holds only while its connection is the current one. Lose() first makes every answer of
+//     the lost connection unreadable (an answer still in a worker's mailbox is then answered
+//     UNAVAILABLE), then waits for the copies under way; only then does the reader say Hello
+//     again, which is what lets the executor reuse those blocks;
+//   - input blocks of the requests left in flight or unreleased are kept, not freed: the next
+//     welcome lists those a batch of the executor still reads (held), which stay taken until
+//     released_inputs names them, and frees the others;
+//   - a connection the executor drops soon after it was made (kStableSession) is tried again
+//     after a delay that doubles up to kMaxReconnectDelay, and the warning is logged at most
+//     once per kLostLogInterval, with the number of losses since the last one; a connection
+//     that lasted starts afresh.
 #pragma once
 
 #include <grpcpp/support/status.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -109,6 +123,22 @@ class ExecutorLink {
   void Cancel(uint64_t rid);
   // The outputs of a result that came over connection `generation` were copied out.
   void FreeOutputs(uint64_t generation, const wire::Result& result);
+
+  // Where a worker reads an answer's output blocks: for its lifetime, while ok(), the blocks
+  // are not reused (Lose() waits for it). Not ok() when the answer's connection is gone: its
+  // result was dropped, and its status says UNAVAILABLE. Not moved, not copied; a worker's only.
+  class OutputRead {
+   public:
+    OutputRead(ExecutorLink& link, ExecutorAnswer& answer);
+    ~OutputRead();
+    OutputRead(const OutputRead&) = delete;
+    OutputRead& operator=(const OutputRead&) = delete;
+    bool ok() const { return reading_; }
+
+   private:
+    ExecutorLink& link_;
+    bool reading_ = false;
+  };
   // Queues a control-plane call (its cid set here) for `target`; false with `refusal` when not
   // connected.
   bool SubmitCall(std::unique_ptr<wire::Call> call, AnswerTarget* target, grpc::Status* refusal);
@@ -144,7 +174,16 @@ class ExecutorLink {
   // One connection, from connect to loss; false when it could not connect.
   bool Session();
   void HandleFrame(wire::ToFrontend& frame, uint64_t generation);
+  // The welcome's held input blocks: kept (taken in the region if this process does not hold
+  // them); every other kept block is free again.
+  void SettleKeptInputs(const wire::ToFrontend& welcome);
+  // Lose(): no answer of the lost connection is read from now on, and none is being read.
+  void StopReadingOutputs();
+  void EndOutputRead();
   void Lose(bool closing);
+  // After a connection that lasted `session`: how long to wait before connecting again, and the
+  // warning (rate-limited).
+  std::chrono::milliseconds NoteLoss(std::chrono::steady_clock::duration session);
   void FreeBlocks(const std::vector<uint64_t>& blocks);
   // After a new entry (`urgent`: anything but returned output blocks): an urgent one is written
   // now, on this thread, unless another thread holds the write token; returned blocks wait.
@@ -182,6 +221,21 @@ class ExecutorLink {
   std::unordered_map<uint64_t, PendingInfer> infers_;                 // rid -> request
   std::unordered_map<uint64_t, std::vector<uint64_t>> unreleased_;   // rid -> input blocks
   std::unordered_map<uint64_t, AnswerTarget*> calls_;                 // cid -> call
+  // Input blocks of lost connections' requests (offset -> bytes), until a welcome says which
+  // the executor still reads; the reader thread's, outside the lock.
+  std::unordered_map<uint64_t, uint64_t> kept_inputs_;
+
+  // OutputRead: the connection whose answers may be read (0: none), and the reads under way.
+  std::atomic<uint64_t> readable_generation_{0};
+  std::atomic<int> output_reads_{0};
+  std::mutex reads_mu_;
+  std::condition_variable reads_done_;
+
+  // The reconnect delay after a connection lost soon after it was made, and the warning's
+  // rate limit (the reader thread's).
+  std::chrono::milliseconds reconnect_delay_{0};
+  std::chrono::steady_clock::time_point last_lost_log_{};
+  int losses_unlogged_ = 0;
 
   std::thread reader_;
   std::thread writer_;

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "grpc_health/v1/health.pb.h"
@@ -131,11 +132,22 @@ int64_t DeadlineNs(const grpc::ServerContext& context) {
   // not the instant.
   const gpr_timespec left =
       gpr_time_sub(gpr_convert_clock_type(deadline, GPR_CLOCK_MONOTONIC), gpr_now(GPR_CLOCK_MONOTONIC));
-  const int64_t left_ns = left.tv_sec * 1000000000 + left.tv_nsec;
   const int64_t now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                              std::chrono::steady_clock::now().time_since_epoch())
                              .count();
-  return std::max<int64_t>(1, now_ns + left_ns);
+  return DeadlineAfter(now_ns, left.tv_sec, left.tv_nsec);
+}
+
+int64_t DeadlineAfter(int64_t now_ns, int64_t left_s, int64_t left_ns) {
+  constexpr int64_t kLast = std::numeric_limits<int64_t>::max();
+  int64_t left = 0;
+  int64_t deadline = 0;
+  if (__builtin_mul_overflow(left_s, int64_t{1000000000}, &left) ||
+      __builtin_add_overflow(left, left_ns, &left) ||
+      __builtin_add_overflow(now_ns, left, &deadline)) {
+    return left_s < 0 ? 1 : kLast;
+  }
+  return std::max<int64_t>(1, deadline);
 }
 
 // -- the front end ----------------------------------------------------------------------------

@@ -139,5 +139,9 @@ class Frontend final : public LinkObserver {
 
 // Nanoseconds on CLOCK_MONOTONIC of the call's gRPC deadline; 0 when it has none.
 int64_t DeadlineNs(const grpc::ServerContext& context);
+// The deadline `left_s` seconds and `left_ns` nanoseconds after `now_ns`, saturated: a
+// grpc-timeout may say 99999999 hours (3.6e20 ns, past int64), which becomes the largest
+// deadline the wire carries (it never passes); one already past is 1 (at once, not "none").
+int64_t DeadlineAfter(int64_t now_ns, int64_t left_s, int64_t left_ns);
 
 }  // namespace batchgate

@@ -60,6 +60,26 @@ std::optional<uint64_t> InputRegion::Allocate(uint64_t nbytes) {
   return offset;
 }
 
+bool InputRegion::Reserve(uint64_t offset, uint64_t nbytes) {
+  if (nbytes > size_ || offset % kAlignment != 0 || offset < base_) return false;
+  const uint64_t need = nbytes == 0 ? kAlignment : (nbytes + kAlignment - 1) / kAlignment * kAlignment;
+  if (offset - base_ > size_ - need) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto hole = free_by_address_.upper_bound(offset);
+  if (hole == free_by_address_.begin()) return false;
+  --hole;
+  const uint64_t start = hole->first;
+  const uint64_t hole_size = hole->second;
+  if (offset + need > start + hole_size) return false;
+  RemoveFree(start, hole_size);
+  if (offset > start) AddFree(start, offset - start);
+  if (offset + need < start + hole_size) AddFree(offset + need, start + hole_size - offset - need);
+  allocated_.emplace(offset, Block{need, ++serial_});
+  allocation_ends_.emplace(offset + need, offset);
+  in_use_.fetch_add(need, std::memory_order_relaxed);
+  return true;
+}
+
 bool InputRegion::Free(uint64_t offset) {
   std::lock_guard<std::mutex> lock(mu_);
   const auto it = allocated_.find(offset);

@@ -53,6 +53,11 @@ class InputRegion {
   // The arena offset of a block of at least `nbytes` (at least one unit, for empty tensors
   // too), or nullopt when no free block fits.
   std::optional<uint64_t> Allocate(uint64_t nbytes);
+  // Takes `nbytes` at exactly `offset`, as Allocate would have given them (Free returns them);
+  // false, and nothing changed, when they are not all free. For blocks the executor still
+  // reads that this process must not hand out (it restarted while a batch read its
+  // predecessor's inputs).
+  bool Reserve(uint64_t offset, uint64_t nbytes);
   // Returns a block Allocate gave; false (and nothing changed) for an offset that is not one.
   bool Free(uint64_t offset);
 

@@ -148,9 +148,14 @@ void Worker::OnDoorbell(bool /*ok*/) {
 
 void Worker::Deliver(Mail mail) {
   switch (mail.command) {
-    case Command::kAnswer:
+    case Command::kAnswer: {
+      // The answer's outputs are copied into its reply inside OnExecutorAnswer: only while
+      // its connection is the current one (an answer of a lost one becomes UNAVAILABLE), and
+      // the link waits for the copy before it lets the executor reuse them.
+      const ExecutorLink::OutputRead read(frontend_.link(), mail.answer);
       mail.target->OnExecutorAnswer(std::move(mail.answer));
       break;
+    }
     case Command::kListenDeeper:
       // Every arriving call takes a requested one and requests the next, so the depth stays.
       for (int i = 1; i < kDrainListenDepth; ++i) ListenForEveryRpc(*this);

@@ -7,6 +7,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -23,6 +24,7 @@
 #include "auth.h"
 #include "codec.h"
 #include "executor_link.h"
+#include "frontend.h"
 #include "handover.h"
 #include "input_region.h"
 #include "metrics.h"
@@ -183,6 +185,21 @@ void TestInputRegion() {
   CHECK_EQ(busy.bytes_in_use(), uint64_t{0});
   CHECK(busy.CheckInvariants(&problem));
   CHECK(busy.Allocate(1 << 20).has_value());  // everything coalesced back into one block
+
+  // Reserve: exactly where it is asked, only out of free space, given back by Free.
+  InputRegion exact(4096, 256 * 16);
+  CHECK(exact.Reserve(4096 + 256 * 5, 300));  // two units
+  CHECK(!exact.Reserve(4096 + 256 * 6, 1));   // its second unit
+  CHECK(!exact.Reserve(4096 + 256 * 4, 512)); // runs into it
+  CHECK(!exact.Reserve(4096 + 100, 1));       // not aligned
+  CHECK(!exact.Reserve(4096 + 256 * 15, 512));  // past the end
+  CHECK(!exact.Reserve(0, 1));                // before the region
+  CHECK_EQ(exact.bytes_in_use(), uint64_t{512});
+  CHECK(exact.CheckInvariants(&problem));
+  CHECK(!exact.Allocate(256 * 11).has_value());  // the free space is cut in two: 5 and 9 units
+  CHECK(exact.Allocate(256 * 9).has_value());
+  CHECK(exact.Free(4096 + 256 * 5));
+  CHECK(exact.CheckInvariants(&problem));
 }
 
 void TestBearerTokens() {
@@ -1124,8 +1141,16 @@ class FakeExecutor {
     unsigned char header[4];
     if (!ReadAll(reinterpret_cast<char*>(header), 4)) return false;
     const uint32_t size = header[0] | header[1] << 8 | header[2] << 16 | uint32_t{header[3]} << 24;
+    largest_frame = std::max<uint64_t>(largest_frame, size);
     std::string body(size, '\0');
     return ReadAll(body.data(), size) && frame->ParseFromString(body);
+  }
+  // The largest frame body read so far.
+  uint64_t largest_frame = 0;
+  // Drops the accepted connection (the link sees its executor go).
+  void CloseConnection() {
+    close(fd_);
+    fd_ = -1;
   }
   // Whether bytes wait to be read, without reading them.
   bool Pending() {
@@ -1350,6 +1375,225 @@ void TestLinkGroupsRequestsOfOneFrame() {
   CHECK_EQ(target.unavailable.load(), 3);
 }
 
+// Hands answers to the test's thread as a worker's mailbox would.
+class MailboxTarget final : public batchgate::AnswerTarget {
+ public:
+  void Deliver(batchgate::ExecutorAnswer answer) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    answers_.push_back(std::move(answer));
+    arrived_.notify_all();
+  }
+  void OnExecutorAnswer(batchgate::ExecutorAnswer /*answer*/) override {}
+  batchgate::ExecutorAnswer Take() {
+    std::unique_lock<std::mutex> lock(mu_);
+    CHECK(arrived_.wait_for(lock, std::chrono::seconds(10), [&] { return !answers_.empty(); }));
+    if (answers_.empty()) return {};
+    batchgate::ExecutorAnswer answer = std::move(answers_.front());
+    answers_.erase(answers_.begin());
+    return answer;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable arrived_;
+  std::vector<batchgate::ExecutorAnswer> answers_;
+};
+
+batchgate::wire::ToFrontend ResultFor(uint64_t rid, uint64_t block) {
+  batchgate::wire::ToFrontend frame;
+  auto* result = frame.add_results();
+  result->set_rid(rid);
+  result->set_released(true);
+  auto* output = result->add_outputs();
+  output->set_block(block);
+  output->set_offset(block);
+  output->set_nbytes(16);
+  return frame;
+}
+
+void TestLinkStopsReadingOutputsOfALostConnection() {
+  // Two answers arrive; the first is being copied (an OutputRead holds), the second still waits
+  // in its worker's mailbox when the executor drops the connection. The link says Hello again
+  // only once the copy is done (the executor then reuses the blocks), and the waiting answer is
+  // never read: it becomes UNAVAILABLE.
+  const std::string name = "batchgate-unit-reads-" + std::to_string(getpid());
+  FakeExecutor executor(name);
+  batchgate::InputRegion region(0, 1 << 20);
+  batchgate::ModelTable models;
+  LinkEvents events;
+  MailboxTarget copying, waiting;
+  batchgate::ExecutorLink link(name, 0, region, models, events);
+  link.Start();
+  Welcome(executor, events);
+  uint64_t first = 0, second = 0;
+  grpc::Status refusal;
+  CHECK(link.SubmitInfer(std::make_unique<batchgate::wire::Infer>(), {}, 1, &copying, &first,
+                         &refusal));
+  CHECK(link.SubmitInfer(std::make_unique<batchgate::wire::Infer>(), {}, 1, &waiting, &second,
+                         &refusal));
+  batchgate::wire::ToExecutor frame;
+  int infers = 0;
+  while (infers < 2 && executor.Read(&frame)) infers += frame.infer_size();
+  executor.Write(ResultFor(first, 1 << 20));
+  batchgate::ExecutorAnswer copied = copying.Take();
+  CHECK(copied.result != nullptr);
+  auto read = std::make_unique<batchgate::ExecutorLink::OutputRead>(link, copied);
+  CHECK(read->ok());
+  executor.Write(ResultFor(second, 2 << 20));
+  batchgate::ExecutorAnswer unread = waiting.Take();
+  std::atomic<int> order{0};
+  int copy_done = 0, hello_came = 0;
+  std::thread copier([&] {
+    // Long enough for a link that does not wait to have said Hello already.
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    copy_done = ++order;
+    read.reset();
+  });
+  executor.CloseConnection();
+  executor.Accept();
+  CHECK(executor.Read(&frame) && frame.has_hello());
+  hello_came = ++order;
+  copier.join();
+  CHECK(copy_done > 0 && copy_done < hello_came);
+  {
+    const batchgate::ExecutorLink::OutputRead late(link, unread);
+    CHECK(!late.ok());
+  }
+  CHECK(unread.result == nullptr);
+  CHECK_EQ(static_cast<int>(unread.status.error_code()),
+           static_cast<int>(grpc::StatusCode::UNAVAILABLE));
+  link.Close();
+}
+
+void TestLinkKeepsInputsTheExecutorStillReads() {
+  // Requests in flight when the connection is lost keep their input blocks; the next welcome
+  // says which the executor still reads (held): the others are free again at once, the held
+  // ones once released_inputs names them. A held block this process does not hold (its
+  // predecessor's) is taken in the region until then.
+  const std::string name = "batchgate-unit-kept-" + std::to_string(getpid());
+  FakeExecutor executor(name);
+  batchgate::InputRegion region(0, 1 << 20);
+  batchgate::ModelTable models;
+  LinkEvents events;
+  CountingTarget target;
+  batchgate::ExecutorLink link(name, 0, region, models, events);
+  link.Start();
+  Welcome(executor, events);
+  const uint64_t read_still = *region.Allocate(1000);
+  const uint64_t not_read = *region.Allocate(1000);
+  uint64_t rid = 0;
+  grpc::Status refusal;
+  CHECK(link.SubmitInfer(std::make_unique<batchgate::wire::Infer>(), {read_still}, 1, &target,
+                         &rid, &refusal));
+  CHECK(link.SubmitInfer(std::make_unique<batchgate::wire::Infer>(), {not_read}, 1, &target,
+                         &rid, &refusal));
+  batchgate::wire::ToExecutor frame;
+  int infers = 0;
+  while (infers < 2 && executor.Read(&frame)) infers += frame.infer_size();
+  executor.CloseConnection();
+  executor.Accept();
+  CHECK(executor.Read(&frame) && frame.has_hello());
+  CHECK_EQ(region.bytes_in_use(), uint64_t{2048});  // both kept while disconnected
+  const uint64_t predecessors = 512 << 10;
+  batchgate::wire::ToFrontend welcome;
+  welcome.set_welcome(true);
+  auto* held = welcome.add_held();
+  held->set_offset(read_still);
+  held->set_nbytes(1000);
+  held = welcome.add_held();
+  held->set_offset(predecessors);
+  held->set_nbytes(256);
+  executor.Write(welcome);
+  CHECK(events.WaitConnected());
+  // A frame after the welcome is handled after it: once its reply comes, so has the welcome.
+  MailboxTarget call_target;
+  auto call = std::make_unique<batchgate::wire::Call>();
+  call->mutable_index();
+  CHECK(link.SubmitCall(std::move(call), &call_target, &refusal));
+  while (executor.Read(&frame) && frame.call_size() == 0) {
+  }
+  batchgate::wire::ToFrontend reply;
+  reply.add_replies()->set_cid(frame.call(0).cid());
+  executor.Write(reply);
+  call_target.Take();
+  CHECK_EQ(region.bytes_in_use(), uint64_t{1024 + 256});  // not_read freed; the others taken
+  CHECK(!region.Reserve(read_still, 1) && !region.Reserve(predecessors, 1));
+  CHECK(region.Reserve(not_read, 1000) && region.Free(not_read));
+  batchgate::wire::ToFrontend released;
+  released.add_released_inputs(read_still);
+  released.add_released_inputs(predecessors);
+  released.add_replies()->set_cid(0);  // answers nothing: a marker only
+  executor.Write(released);
+  auto second = std::make_unique<batchgate::wire::Call>();
+  second->mutable_index();
+  CHECK(link.SubmitCall(std::move(second), &call_target, &refusal));
+  while (executor.Read(&frame) && frame.call_size() == 0) {
+  }
+  batchgate::wire::ToFrontend second_reply;
+  second_reply.add_replies()->set_cid(frame.call(0).cid());
+  executor.Write(second_reply);
+  call_target.Take();
+  CHECK_EQ(region.bytes_in_use(), uint64_t{0});
+  link.Close();
+}
+
+void TestDeadlines() {
+  // A grpc-timeout of 99999999 hours (gRPC's largest) overflowed int64 nanoseconds: UBSan
+  // aborted, a release build carried a garbage deadline. It saturates.
+  constexpr int64_t kLast = std::numeric_limits<int64_t>::max();
+  const int64_t now = 5'000'000'000;
+  CHECK_EQ(batchgate::DeadlineAfter(now, 2, 500), now + 2'000'000'500);
+  CHECK_EQ(batchgate::DeadlineAfter(now, int64_t{99999999} * 3600, 0), kLast);
+  CHECK_EQ(batchgate::DeadlineAfter(now, kLast / 1'000'000'000, 999'999'999), kLast);
+  CHECK_EQ(batchgate::DeadlineAfter(kLast - 10, 0, 11), kLast);
+  // Already past: at once (1), never 0, which means no deadline.
+  CHECK_EQ(batchgate::DeadlineAfter(now, -6, 0), int64_t{1});
+  CHECK_EQ(batchgate::DeadlineAfter(now, std::numeric_limits<int64_t>::min() / 2, 0), int64_t{1});
+}
+
+void TestLinkFramesStayUnderTheLimit() {
+  // Deferred entries pile up into one frame past wire.proto's limit: 15 MiB of requests, then a
+  // call of 60 MiB. The writer splits the frame before the call goes in (its size is checked
+  // before appending), so no frame passes MAX_FRAME_BYTES; a call too large for any frame is
+  // refused up front.
+  ConnectedLink connected("batchgate-unit-limit-" + std::to_string(getpid()));
+  FakeExecutor& executor = connected.executor;
+  batchgate::ExecutorLink& link = connected.link;
+  const std::string id(1 << 20, 'i');
+  CountingTarget call_target;
+  constexpr int kInfers = 16;
+  {
+    const batchgate::ExecutorLink::DeferredWrites deferred;
+    for (int i = 0; i < kInfers; ++i) {
+      batchgate::wire::Infer infer;
+      infer.set_id(id);
+      connected.Submit(std::move(infer));
+    }
+    auto call = std::make_unique<batchgate::wire::Call>();
+    call->mutable_statistics()->set_name(std::string(60 << 20, 'n'));
+    grpc::Status refusal;
+    CHECK(link.SubmitCall(std::move(call), &call_target, &refusal));
+    auto too_large = std::make_unique<batchgate::wire::Call>();
+    too_large->mutable_statistics()->set_name(std::string(batchgate::wire::MAX_FRAME_BYTES, 'n'));
+    CHECK(!link.SubmitCall(std::move(too_large), &call_target, &refusal));
+    CHECK_EQ(static_cast<int>(refusal.error_code()),
+             static_cast<int>(grpc::StatusCode::RESOURCE_EXHAUSTED));
+    CHECK_EQ(refusal.error_message(),
+             std::string("the request is larger than the 67108864 bytes a front end forwards "
+                         "to the executor process"));
+  }
+  int infers = 0, calls = 0;
+  batchgate::wire::ToExecutor frame;
+  while ((infers < kInfers || calls < 1) && executor.Read(&frame)) {
+    infers += frame.infer_size();
+    calls += frame.call_size();
+  }
+  CHECK_EQ(infers, kInfers);
+  CHECK_EQ(calls, 1);
+  CHECK(executor.largest_frame <= static_cast<uint64_t>(batchgate::wire::MAX_FRAME_BYTES));
+  link.Close();
+}
+
 int main() {
   TestQuotingAndCutting();
   TestShapes();
@@ -1369,6 +1613,10 @@ int main() {
   TestLinkDefersWritesWhileRequestsAreInFlight();
   TestGroupInfers();
   TestLinkGroupsRequestsOfOneFrame();
+  TestLinkFramesStayUnderTheLimit();
+  TestDeadlines();
+  TestLinkStopsReadingOutputsOfALostConnection();
+  TestLinkKeepsInputsTheExecutorStillReads();
   std::fprintf(stderr, "%d of %d checks failed\n", g_failures, g_checks);
   return g_failures ? 1 : 0;
 }
