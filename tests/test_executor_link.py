@@ -19,8 +19,8 @@ from batchgate.batcher.arena import ArenaLayout, SharedArena
 from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import inference_pb2_grpc, wire_pb2
 from batchgate.server import wire
+from tests.support.sanitizers import SANITIZED, SANITIZER_ENV, SANITIZER_REPORTS
 from tests.support.servers import native_or_skip
-from tests.test_native_parity import SANITIZED, SANITIZER_ENV, SANITIZER_REPORTS
 from tests.support.wire_peers import FakeExecutor, NativeFrontEnd, model_state
 
 ARENA_BYTES = 64 << 20

@@ -36,16 +36,10 @@ from batchgate.server.shared_memory import OFF_MESSAGE
 from tests.support.load import Load
 from tests.support.models import NUMERIC_TYPES
 from tests.support.raw_http2 import unary_call
+from tests.support.sanitizers import SANITIZED, SANITIZER_ENV, SANITIZER_REPORTS
 from tests.support.servers import native_or_skip, start_in_mode
 
 MODES = ("single", "python", "native", "native-asan")
-SANITIZED = native.ROOT / "build" / "native-asan" / "batchgate-frontend"
-# A report stops the process (the supervisor would restart it: the test sees the report in the
-# log either way); LeakSanitizer reports at the drained process's exit.
-SANITIZER_ENV = {"ASAN_OPTIONS": "halt_on_error=1:detect_leaks=1:abort_on_error=0",
-                 "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}
-SANITIZER_REPORTS = (b"ERROR: AddressSanitizer", b"ERROR: LeakSanitizer", b"runtime error:",
-                     b"SUMMARY: UndefinedBehavior")
 # Regions every server has registered (SharedRegions): inputs are read from the first, outputs
 # written into the second.
 REGION_BYTES = 4096

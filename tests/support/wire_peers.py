@@ -23,7 +23,7 @@ from pathlib import Path
 from batchgate.batcher.arena import ArenaLayout, SharedArena
 from batchgate.batcher.metrics import SECONDS_BUCKETS
 from batchgate.protos import model_config_pb2, wire_pb2
-from batchgate.server import __version__, native, server_extensions, wire
+from batchgate.server import __version__, native, request_limits, server_extensions, wire
 from batchgate.server.posix import hand_over, reserve_port
 from batchgate.server.settings import EXECUTOR, FRONTEND, Settings
 
@@ -227,7 +227,8 @@ class NativeFrontEnd(_Child):
             "slots": slots, "input_region": [offset, size], "executor_socket": executor_socket,
             "metrics_socket": socket_name("metrics"), "grpc_port": self.port,
             "version": __version__, "extensions": list(server_extensions(False, cuda=False)),
-            "seconds_buckets": list(SECONDS_BUCKETS), "settings": values,
+            "seconds_buckets": list(SECONDS_BUCKETS),
+            "wire_limits": request_limits.wire_limits(self.settings), "settings": values,
         }
         super().__init__([str(binary or native.binary())], handover, (arena.fd,), env)
 
