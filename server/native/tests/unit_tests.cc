@@ -660,7 +660,8 @@ void TestHandoverSharedMemory() {
   const std::string wire_limits =
       R"("wire_limits": {"inputs": [3, "no more than 3"], "raw_input_contents": [3, "r"],
          "outputs": [4, "o"], "parameters": [5, "p"], "dimensions": [6, "d"],
-         "bytes_contents": [0, "b"], "name_bytes": [8, "n"], "unknown_fields": [9, "u"]},)";
+         "bytes_contents": [0, "b"], "name_bytes": [8, "n"], "unknown_fields": [9, "u"],
+         "contents_bytes": [4096, "c"]},)";
   const std::string places =
       R"({"slot": 0, "arena_fd": 3, "arena_bytes": 1048576, "input_region": [0, 524288],
           "executor_socket": "s", "metrics_socket": "m", "grpc_port": 0, "version": "0.1.0",
@@ -823,7 +824,7 @@ void TestWireScanCounts() {
   } counts[] = {{WireRule::kInputs, 2}, {WireRule::kRawInputContents, 2}, {WireRule::kOutputs, 1},
                 {WireRule::kParameters, 2}, {WireRule::kDimensions, 2},
                 {WireRule::kBytesContents, 2}, {WireRule::kNameBytes, 23},
-                {WireRule::kUnknownFields, 0}};
+                {WireRule::kUnknownFields, 0}, {WireRule::kContentsBytes, 40}};
   for (const auto& count : counts) {
     auto limits = unlimited;
     limits.most[static_cast<int>(count.rule)] = count.has;
@@ -892,6 +893,51 @@ void TestWireScanCounts() {
   wide.mutable_inputs(0)->mutable_shape()->Resize(1 << 20, 3);
   const std::string wide_bytes = wide.SerializeAsString();
   CHECK_EQ(Outcome(ScanBytes(wide_bytes, dims, {7, 4096, 70000})), std::string("over dimensions"));
+  // Typed contents count as parsed (request_scan.py's cases): 1-byte int64 values 8 each.
+  const auto contents_limit = [&](uint64_t most) {
+    auto limits = unlimited;
+    limits.most[static_cast<int>(WireRule::kContentsBytes)] = most;
+    return limits;
+  };
+  const auto in_contents = [](const std::string& contents) {
+    const auto wrap = [](char tag, const std::string& payload) {
+      std::string out(1, tag);
+      uint64_t n = payload.size();
+      while (n >= 0x80) {
+        out += static_cast<char>(0x80 | (n & 0x7f));
+        n >>= 7;
+      }
+      out += static_cast<char>(n);
+      return out + payload;
+    };
+    return wrap('\x2a', wrap('\x2a', contents));
+  };
+  inference::InferTensorContents zeros;
+  for (int i = 0; i < 1000000; ++i) zeros.add_int64_contents(0);
+  const std::string million = in_contents(zeros.SerializeAsString());
+  CHECK_EQ(Outcome(ScanBytes(million, contents_limit(8000000), {4096, 70000})),
+           std::string("within"));
+  CHECK_EQ(Outcome(ScanBytes(million, contents_limit(7999999), {4096, 70000})),
+           std::string("over contents_bytes"));
+  const std::string unpacked = std::string("\x18\x01", 2) + std::string("\x18\x01", 2) +
+                               std::string("\x18\x01", 2) + std::string("\x18\x01", 2) +
+                               std::string("\x18\x01", 2) + std::string("\x18\xff\x01", 3) +
+                               std::string("\x18\xff\x01", 3);  // 7 int64 values
+  const std::string two_inputs = in_contents(unpacked) + in_contents(unpacked);
+  CHECK_EQ(Outcome(ScanBytes(two_inputs, contents_limit(112))), std::string("within"));
+  CHECK_EQ(Outcome(ScanBytes(two_inputs, contents_limit(111))), std::string("over contents_bytes"));
+  const std::string fixed = std::string("\x35" "abcd" "\x35" "abcd" "\x35" "abcd" "\x39" "xxxxxxxx", 24);
+  CHECK_EQ(Outcome(ScanBytes(in_contents(fixed.substr(0, 15)), contents_limit(12))),
+           std::string("within"));
+  CHECK_EQ(Outcome(ScanBytes(in_contents(fixed), contents_limit(96))), std::string("within"));
+  CHECK_EQ(Outcome(ScanBytes(in_contents(fixed), contents_limit(95))),
+           std::string("over contents_bytes"));
+  CHECK_EQ(Outcome(ScanBytes(in_contents(unpacked + "\x18"), contents_limit(55))),
+           std::string("over contents_bytes"));
+  CHECK_EQ(Outcome(ScanBytes(in_contents(unpacked + "\x18"), contents_limit(56))),
+           std::string("malformed"));
+  CHECK_EQ(Outcome(ScanBytes(in_contents(std::string("\x98\x00\x01", 3)), contents_limit(7))),
+           std::string("over contents_bytes"));
   // Many empty outputs: refused at the first past the bound, whatever follows.
   auto few = unlimited;
   few.most[static_cast<int>(WireRule::kOutputs)] = 1024;
