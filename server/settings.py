@@ -190,8 +190,8 @@ class Settings:
     grpc_memory_bytes: int | None = setting(
         None, parse=int, roles=(FRONTEND,), default_text="a quarter of the machine's memory",
         help="with the native front end: the memory gRPC may hold for connections and "
-             "messages in flight (its ResourceQuota); near it, reads slow and new calls are "
-             "refused")
+             "messages in flight (its ResourceQuota); near it, gRPC slows its reads "
+             "and reclaims buffers")
     grpc_max_threads: int | None = setting(
         None, parse=int, roles=(FRONTEND,), default_text=str(DEFAULT_GRPC_MAX_THREADS),
         help="with the native front end: most threads gRPC's synchronous services (server "

@@ -40,7 +40,8 @@ class Frame:
 
 class Http2Connection:
     def __init__(self, address: str, context: ssl.SSLContext | None = None,
-                 timeout_s: float = 30) -> None:
+                 timeout_s: float = 30, *, ack_pings: bool = True) -> None:
+        """``ack_pings``: answer the server's PINGs (False: a client that went silent)."""
         host, port = address.rsplit(":", 1)
         sock = socket.create_connection((host, int(port)), timeout=timeout_s)
         if context is not None:
@@ -50,6 +51,7 @@ class Http2Connection:
         self.frames: list[Frame] = []
         self._buffer = b""
         self.closed = False
+        self.ack_pings = ack_pings
         sock.sendall(PREFACE + self._frame(SETTINGS, 0, 0, b""))
 
     @staticmethod
@@ -88,7 +90,7 @@ class Http2Connection:
         try:
             if kind == SETTINGS and not flags & ACK:
                 self.sock.sendall(self._frame(SETTINGS, ACK, 0, b""))
-            elif kind == PING and not flags & ACK:
+            elif kind == PING and not flags & ACK and self.ack_pings:
                 self.sock.sendall(self._frame(PING, ACK, 0, frame.payload))
         except OSError:
             self.closed = True
@@ -107,6 +109,14 @@ class Http2Connection:
                                      f"(closed: {self.closed}); frames seen {seen}")
             if frame.type == kind and (flags is None or frame.flags == flags):
                 return frame
+
+    def wait_for_close(self, timeout_s: float = 30) -> None:
+        """Reads until the server closes the connection (a GOAWAY may come first);
+        AssertionError if it has not within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not self.closed:
+            if self.read_frame(deadline) is None and not self.closed:
+                raise AssertionError(f"the connection is still open after {timeout_s:g} s")
 
     def close(self) -> None:
         self.sock.close()

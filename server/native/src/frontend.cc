@@ -175,8 +175,11 @@ int Frontend::Run() {
     changed_.wait(lock, [&] { return welcomed_ || stop_requested_; });
     if (welcomed_ && !stop_requested_) {
       lock.unlock();
-      Announce("frontend_ready", {LogField("slot", handover_.slot), LogField("grpc_port", grpc_port_),
-                                  LogField("pid", static_cast<int>(getpid()))});
+      Announce("frontend_ready",
+               {LogField("slot", handover_.slot), LogField("grpc_port", grpc_port_),
+                LogField("pid", static_cast<int>(getpid())),
+                LogField("grpc_memory_bytes", handover_.grpc_memory_bytes),
+                LogField("grpc_max_threads", handover_.grpc_max_threads)});
       lock.lock();
     }
     changed_.wait(lock, [&] { return stop_requested_; });
