@@ -361,7 +361,9 @@ def true_counts(r: pb.ModelInferRequest) -> dict[str, int]:
             "dimensions": max((len(t.shape) for t in r.inputs), default=0),
             "bytes_contents": sum(len(t.contents.bytes_contents) for t in r.inputs),
             "name_bytes": max(len(n.encode()) for n in names), "unknown_fields": 0,
-            "contents_bytes": sum(8 * len(t.contents.int64_contents) for t in r.inputs)}
+            "contents_bytes": sum(8 * len(t.contents.int64_contents)
+                                  + len(t.contents.bool_contents)
+                                  + 4 * len(t.contents.fp32_contents) for t in r.inputs)}
 
 
 texts = st.text(max_size=6)
@@ -380,6 +382,8 @@ def requests(draw) -> pb.ModelInferRequest:
         t.contents.bytes_contents.extend(draw(st.lists(st.binary(max_size=3), max_size=4)))
         t.contents.int64_contents.extend(draw(st.lists(st.integers(-(2**63), 2**63 - 1),
                                                        max_size=3)))
+        t.contents.bool_contents.extend(draw(st.lists(st.booleans(), max_size=3)))
+        t.contents.fp32_contents.extend(draw(st.lists(st.floats(width=32), max_size=3)))
         if draw(st.booleans()):
             r.raw_input_contents.append(draw(st.binary(max_size=8)))
     for _ in range(draw(st.integers(0, 3))):
