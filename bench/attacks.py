@@ -294,7 +294,7 @@ def measure(mode: str, repository: Path, seconds: float, clients: int,
             chosen: list[Attack]) -> dict[str, Any]:
     say(f"{mode}: starting the server")
     server = start_process(repository, mode, models=["grow"], check_exit=False, extra_args=(
-        ["--frontends", "1"] if mode == "native" else ["--no-gc-freeze"]))
+        [] if mode == "native" else ["--no-gc-freeze"]))
     try:
         pids = serving_pids(server)
         with grpc.insecure_channel(server.address, options=UNLIMITED) as channel:
