@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test install tools native native-asan protos check-protos lint clean gpu-check gpu-check-wheels
+.PHONY: serve test install tools native native-asan native-fuzz protos check-protos lint clean gpu-check gpu-check-wheels
 
 $(STAMP): pyproject.toml setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -34,10 +34,14 @@ native: $(STAMP)
 native-asan: $(STAMP)
 	@bash scripts/build-native.sh --sanitize || echo "make: the sanitizer build of the native front end could not be built (the line above says why); its tests will skip"
 
+# The libFuzzer targets with clang, for tests/test_fuzz_native.py (scripts/fuzz-native.sh runs them).
+native-fuzz: $(STAMP)
+	@bash scripts/build-native.sh --fuzz || echo "make: the fuzz targets could not be built (the line above says why); their test will skip"
+
 serve: $(STAMP) native
 	$(BIN)/batchgate serve $(ARGS)
 
-test: $(STAMP) tools native native-asan
+test: $(STAMP) tools native native-asan native-fuzz
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The GPU check on a GPU machine, with its own torch and no .venv (scripts/gpu-check.sh):

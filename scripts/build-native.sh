@@ -6,17 +6,21 @@
 #   scripts/build-native.sh              # release build: build/native/
 #   scripts/build-native.sh --sanitize   # AddressSanitizer + UBSan: build/native-asan/
 #   BATCHGATE_SANITIZE=1 scripts/build-native.sh   # the same
+#   scripts/build-native.sh --fuzz       # libFuzzer targets with clang (+ ASan, UBSan):
+#                                        # build/native-fuzz/fuzz-* (scripts/fuzz-native.sh)
 #
 # On failure it ends with one line on stderr saying what could not be done.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 sanitize="${BATCHGATE_SANITIZE:-0}"
+fuzz=0
 for arg in "$@"; do
   case "$arg" in
     --sanitize) sanitize=1 ;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
-    *) echo "build-native.sh: unknown argument '$arg' (expected --sanitize)" >&2; exit 2 ;;
+    --fuzz) fuzz=1 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) echo "build-native.sh: unknown argument '$arg' (expected --sanitize or --fuzz)" >&2; exit 2 ;;
   esac
 done
 
@@ -24,6 +28,10 @@ fail() { echo "build-native.sh: $*" >&2; exit 1; }
 
 packages=(cmake make g++ pkg-config protobuf-compiler protobuf-compiler-grpc libprotobuf-dev
           libgrpc++-dev)
+if [ "$fuzz" = 1 ]; then
+  # clang, and the runtime libraries -fsanitize=fuzzer links (libclang-rt-14-dev on Debian 12).
+  packages+=(clang libclang-rt-dev)
+fi
 missing=()
 for package in "${packages[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed"; then
@@ -43,7 +51,12 @@ if [ "${#missing[@]}" -gt 0 ]; then
     || fail "could not install the build packages: ${missing[*]}"
 fi
 
-if [ "$sanitize" = 1 ]; then
+configure_env=()
+if [ "$fuzz" = 1 ]; then
+  build="$root/build/native-fuzz"
+  options=(-DBATCHGATE_FUZZ=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo)
+  configure_env=(CC=clang CXX=clang++)
+elif [ "$sanitize" = 1 ]; then
   build="$root/build/native-asan"
   # Warnings are errors here: CI builds this one, so our code stays -Wall -Wextra clean.
   options=(-DBATCHGATE_SANITIZE=ON -DBATCHGATE_WERROR=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo)
@@ -56,10 +69,15 @@ mkdir -p "$root/build"
 # Configure once; afterwards the generated build files re-run CMake themselves when a
 # CMakeLists.txt changes.
 if [ ! -f "$build/CMakeCache.txt" ]; then
-  cmake -S "$root/server/native" -B "$build" "${options[@]}" >"$build.configure.log" 2>&1 \
+  env "${configure_env[@]}" cmake -S "$root/server/native" -B "$build" "${options[@]}" \
+    >"$build.configure.log" 2>&1 \
     || { cat "$build.configure.log" >&2; fail "cmake could not configure server/native (log above)"; }
 fi
 jobs="$(nproc 2>/dev/null || echo 2)"
 cmake --build "$build" --parallel "$jobs" -- --no-print-directory \
   || fail "the build of server/native failed (compiler output above)"
-echo "built $build/batchgate-frontend"
+if [ "$fuzz" = 1 ]; then
+  echo "built $build/fuzz-request, fuzz-reply, fuzz-frame"
+else
+  echo "built $build/batchgate-frontend"
+fi

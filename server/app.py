@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from batchgate.batcher.memory import DevicePools, PoolSettings
 from batchgate.protos import inference_pb2, registry
-from batchgate.server import auth, service, tls
+from batchgate.server import auth, connections, service, tls
 from batchgate.server.codec import RequestLimits
 from batchgate.server.control import ControlPlane
 from batchgate.server.drain import GOAWAY_PROPAGATION_S, LAST_ANSWERS_S, DrainGate
@@ -126,7 +126,8 @@ class Gateway:
                                         wire_limits=WireLimits.of(settings),
                                         shared_memory=settings.shared_memory,
                                         registry=self.shared_memory, extensions=extensions,
-                                        drain=self.drain)
+                                        drain=self.drain,
+                                        max_stream_backlog_bytes=settings.max_stream_backlog_bytes)
         self.grpc_port = 0
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
@@ -143,6 +144,7 @@ class Gateway:
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
             ("grpc.so_reuseport", 1 if self._reuse_port else 0),
+            *connections.server_arguments(s),
         ]
         server = grpc.aio.server(options=options, interceptors=auth.interceptors(s))
         service.add_to_server(self.service, server)

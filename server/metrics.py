@@ -6,10 +6,15 @@ The batching path's metrics (``batcher/metrics.py``) live on the same registry, 
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from batchgate.batcher.metrics import SECONDS_BUCKETS, BatcherMetrics
 from batchgate.batcher.telemetry import GpuTelemetry
+
+
+# The model label of requests for a model the repository does not know: model names come from
+# clients, so only the repository's own become labels (the native front end is handed this one).
+UNKNOWN_MODEL_LABEL = "<unknown>"
 
 
 class ServerMetrics:
@@ -24,6 +29,17 @@ class ServerMetrics:
             "batchgate_request_seconds",
             "End-to-end time of an inference request inside the server, decode to encode.",
             ["model"], registry=self.registry, buckets=SECONDS_BUCKETS,
+        )
+        self.stream_backlog_bytes = Gauge(
+            "batchgate_stream_backlog_bytes",
+            "Reply bytes held for ModelStreamInfer clients, not yet written to them.",
+            registry=self.registry, multiprocess_mode="livesum",
+        )
+        self.stream_pauses = Counter(
+            "batchgate_stream_pauses",
+            "Times a ModelStreamInfer stream stopped reading requests until its replies "
+            "drained (--max-stream-backlog-bytes).",
+            registry=self.registry,
         )
 
     def serve_http(self, host: str, port: int):

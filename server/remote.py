@@ -261,6 +261,10 @@ class RemoteRepository:
         if self._on_state_change is not None and (old is None or old.state != state.state):
             self._on_state_change(name, state.state)
 
+    def knows(self, name: str) -> bool:
+        """Whether the executor told of a model ``name``, in any state."""
+        return name in self._states
+
     def get(self, name: str, version: str = "") -> RemoteModel:
         model = self._models.get(name)
         if model is None:

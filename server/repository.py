@@ -167,6 +167,11 @@ class ModelRepository:
         models = [self.get(name, version)] if name else self.loaded()
         return [(m.spec.name, m.spec.version, m.stats.snapshot()) for m in models]
 
+    def knows(self, name: str) -> bool:
+        """Whether ``name`` is a model of this repository in any state (loaded or tried once):
+        a name a metric may carry."""
+        return name in self._slots
+
     def get(self, name: str, version: str = "") -> ServedModel:
         """The READY model serving ``name`` (at ``version``, when given)."""
         return self._loaded(name, version).model

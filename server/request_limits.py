@@ -56,25 +56,49 @@ RULES = (
          "datatype, a parameter's key or string value) is longer than this server allows"),
     Rule("unknown_fields", "max_request_unknown_fields",
          "the request has more fields this server does not know than it allows"),
+    # Parsed, a typed contents value takes its type's width (bool 1 byte; int, uint, fp32 4;
+    # int64, uint64, fp64 8) however few bytes it took on the wire: a 1-byte int64 value costs
+    # 8 bytes. Values sent one field each that mix fields in one run count 4 bytes parsed for
+    # each byte sent (the most any value can cost: 8 for 2), as no valid tensor mixes them.
+    Rule("contents_bytes", "max_request_bytes",
+         "the request's typed contents take more bytes, parsed, than this server allows a "
+         "request's inputs"),
 )
 RULE_KEYS = tuple(rule.key for rule in RULES)
+
+
+def _value(values: Mapping[str, Any], setting: str) -> int:
+    value = values[setting]
+    if value is None and setting == "max_request_bytes":  # unset: --max-message-bytes
+        value = values["max_message_bytes"]
+    return value
+
+
+def _values(settings: Any) -> dict[str, Any]:
+    names = {rule.setting for rule in RULES} | {"max_message_bytes"}
+    return {name: getattr(settings, name) for name in names}
 
 
 def wire_limits(settings: Any) -> dict[str, list]:
     """Every rule's bound and refusal for ``settings`` (anything with the settings' fields),
     as the native front end's handover carries them: ``{key: [most, refusal]}``."""
-    return {rule.key: [getattr(settings, rule.setting),
-                       rule.refusal(getattr(settings, rule.setting))] for rule in RULES}
+    return {key: [most, rule.refusal(most)]
+            for rule, (key, most) in zip(RULES, bounds(_values(settings)).items())}
 
 
 def defaults() -> dict[str, int]:
     """The rules' settings at their declared defaults."""
     from batchgate.server.settings import Settings
 
-    wanted = {rule.setting for rule in RULES}
+    wanted = {rule.setting for rule in RULES} | {"max_message_bytes"}
     return {f.name: f.default for f in dataclasses.fields(Settings) if f.name in wanted}
 
 
-def bounds(values: Mapping[str, int]) -> dict[str, int]:
+def bounds(values: Mapping[str, Any]) -> dict[str, int]:
     """Each rule's bound from the settings' ``values`` (by setting name)."""
-    return {rule.key: values[rule.setting] for rule in RULES}
+    return {rule.key: _value(values, rule.setting) for rule in RULES}
+
+
+def bounds_of(settings: Any) -> dict[str, int]:
+    """Each rule's bound for ``settings`` (anything with the settings' fields)."""
+    return bounds(_values(settings))

@@ -39,7 +39,8 @@ from batchgate.server.codec import (
 from batchgate.server.control import ControlPlane
 from batchgate.server.drain import DrainGate
 from batchgate.server.errors import status_of
-from batchgate.server.metrics import ServerMetrics
+from batchgate.server.connections import STREAM_BACKLOG_MESSAGES
+from batchgate.server.metrics import UNKNOWN_MODEL_LABEL, ServerMetrics
 from batchgate.server.request_scan import (
     DEFAULT_WIRE_LIMITS,
     MalformedRequest,
@@ -50,7 +51,8 @@ from batchgate.server.shared_memory import OFF_MESSAGE
 
 log = structlog.get_logger(__name__)
 
-# (model, status) pairs with their own batchgate_requests_total series; the rest are "_unknown".
+# (model, status) pairs with their own batchgate_requests_total series; the rest count under
+# UNKNOWN_MODEL_LABEL, as requests for models the repository does not know do.
 MAX_LABELLED_COUNTERS = 4096
 
 _END_OF_STREAM = object()
@@ -69,7 +71,8 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                  wire_limits: WireLimits = DEFAULT_WIRE_LIMITS,
                  shared_memory: bool = False, registry=None,
                  extensions: tuple[str, ...] | None = None,
-                 drain: DrainGate | None = None) -> None:
+                 drain: DrainGate | None = None,
+                 max_stream_backlog_bytes: int = 64 * 1024 * 1024) -> None:
         """``control``: what answers the control RPCs (default: ``ControlPlane(repository)``;
         a front end's ``RemoteRepository`` forwards them). ``shared_memory``: whether
         shared-memory tensors are served (``--shared-memory``); ``registry``: the
@@ -78,7 +81,9 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         ``wire_limits``: what a request's bytes may hold (``server/request_scan.py``).
         ``extensions``: what ServerMetadata lists (default: ``server_extensions`` of
         ``shared_memory``, CUDA's by the registry's own device). ``drain``: the gate the
-        server's other services share (health's Watch streams end with the drain too)."""
+        server's other services share (health's Watch streams end with the drain too).
+        ``max_stream_backlog_bytes``: the reply bytes a stream holds for a slow reader before
+        it stops reading that stream's requests."""
         self._repository = repository
         self._control = control if control is not None else ControlPlane(repository)
         self._shared_memory = shared_memory
@@ -91,6 +96,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         self._metrics = metrics
         self._limits = limits
         self._wire_limits = wire_limits
+        self._max_backlog_bytes = max_stream_backlog_bytes
         self._ready = False
         self.drain = drain if drain is not None else DrainGate()
         self._status_counters: dict[tuple[str, grpc.StatusCode], object] = {}
@@ -178,11 +184,11 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             response = await self._infer(request, deadline_from(context.time_remaining()))
         except asyncio.CancelledError:
-            self._count(model_name, grpc.StatusCode.CANCELLED, started)
+            self._count(model_name, grpc.StatusCode.CANCELLED, started, known=None)
             raise
         except BaseException as exc:
             code, message = status_of(exc)
-            self._count(model_name, code, started)
+            self._count(model_name, code, started, known=None)
             log.debug("request_failed", model=model_name, request=request.id, code=code.name,
                       error=message)
             await context.abort(code, message)
@@ -220,7 +226,14 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelStreamInfer(self, request_iterator, context) -> AsyncIterator:
         """Answers in completion order; an error answers its own request and keeps the stream.
-        The drain ends the stream, once its answers are written, with UNAVAILABLE."""
+        The drain ends the stream, once its answers are written, with UNAVAILABLE.
+
+        A client that reads slowly holds its replies here: once they pass
+        ``max_stream_backlog_bytes`` (the requests still at the model counted as large as the
+        largest reply so far, before the first as large as any may be), or the requests and
+        replies pass STREAM_BACKLOG_MESSAGES, the stream stops reading until replies go out,
+        and HTTP/2's flow control holds the client back; nothing is dropped
+        (``server/native/src/stream_call.cc`` does the same)."""
         drain = self.drain
         if drain.streams_ended:
             await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN_MESSAGE)
@@ -229,6 +242,29 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         deadline = deadline_from(context.time_remaining())
         reading = True
         ended_by_drain = False
+        backlog = self._metrics.stream_backlog_bytes
+        held = largest = 0  # bytes of the answers queued or being written; the largest one
+        room = asyncio.Event()  # set whenever the backlog shrinks
+
+        def queue(answer: pb.ModelStreamInferResponse) -> None:
+            nonlocal held, largest
+            size = answer.ByteSize()
+            held += size
+            largest = max(largest, size)
+            backlog.inc(size)
+            answers.put_nowait((answer, size))
+
+        def over_backlog() -> bool:
+            if len(pending) + answers.qsize() >= STREAM_BACKLOG_MESSAGES:
+                return True
+            if not held and not pending:
+                return False  # one request is always taken
+            estimate = largest or self._limits.max_reply_bytes or self._max_backlog_bytes
+            return held + len(pending) * estimate >= self._max_backlog_bytes
+
+        def settled(task: asyncio.Task) -> None:
+            pending.discard(task)
+            room.set()
 
         async def answer(request: pb.ModelInferRequest) -> None:
             started = time.monotonic()
@@ -238,11 +274,11 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                 raise
             except BaseException as exc:
                 code, message = status_of(exc)
-                self._count(request.model_name, code, started)
-                answers.put_nowait(pb.ModelStreamInferResponse(error_message=message))
+                self._count(request.model_name, code, started, known=None)
+                queue(pb.ModelStreamInferResponse(error_message=message))
                 return
             self._count(request.model_name, grpc.StatusCode.OK, started)
-            answers.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
+            queue(pb.ModelStreamInferResponse(infer_response=response))
 
         async def read() -> None:
             nonlocal reading
@@ -252,14 +288,18 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                         try:
                             request = self._parse(data)
                         except ResourceExhausted as exc:  # that request alone is refused
-                            answers.put_nowait(pb.ModelStreamInferResponse(
-                                error_message=status_of(exc)[1]))
-                            continue
-                        # A DecodeError ends the stream as grpcio's deserializer raising in
-                        # the request iterator did: with the answers already queued.
-                        task = asyncio.create_task(answer(request))
-                        pending.add(task)
-                        task.add_done_callback(pending.discard)
+                            queue(pb.ModelStreamInferResponse(error_message=status_of(exc)[1]))
+                        else:
+                            # A DecodeError ends the stream as grpcio's deserializer raising
+                            # in the request iterator did: with the answers already queued.
+                            task = asyncio.create_task(answer(request))
+                            pending.add(task)
+                            task.add_done_callback(settled)
+                        if over_backlog():
+                            self._metrics.stream_pauses.inc()
+                            while over_backlog():
+                                room.clear()
+                                await room.wait()
                 except asyncio.CancelledError:
                     if not ended_by_drain:
                         raise
@@ -267,7 +307,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                 if pending:
                     await asyncio.gather(*pending, return_exceptions=True)
             finally:
-                answers.put_nowait(_END_OF_STREAM)
+                answers.put_nowait((_END_OF_STREAM, 0))
 
         def end_for_drain() -> None:
             nonlocal ended_by_drain
@@ -278,8 +318,14 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         reader = asyncio.create_task(read())
         drain.watch_stream(end_for_drain)
         try:
-            while (item := await answers.get()) is not _END_OF_STREAM:
+            while True:
+                item, size = await answers.get()
+                if item is _END_OF_STREAM:
+                    break
                 yield item
+                held -= size  # written
+                backlog.dec(size)
+                room.set()
             if ended_by_drain:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN_MESSAGE)
             # While the drain parks calls, a client waits for its stream's end instead of
@@ -291,6 +337,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
             reader.cancel()
             for task in list(pending):
                 task.cancel()
+            backlog.dec(held)  # what was never written leaves with the stream
 
     # -- repository --------------------------------------------------------------------------
 
@@ -353,13 +400,20 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _count(self, model: str, code: grpc.StatusCode, started: float) -> None:
+    def _count(self, model: str, code: grpc.StatusCode, started: float, *,
+               known: bool | None = True) -> None:
+        """``known``: whether ``model`` is one the repository knows (None: look it up)."""
+        if known is None:
+            known = self._repository.knows(model)
+        if not known:
+            # Model names come from clients: only the repository's own become labels, so no
+            # client can grow /metrics or this process's memory by the names it sends.
+            model = UNKNOWN_MODEL_LABEL
         counter = self._status_counters.get((model, code))
         if counter is None:
-            # Model names come from clients: past a bound, new ones share one label (and one
-            # dict entry), so a client sending random names cannot grow the server's memory.
+            # Past a bound (models loaded under ever new names), new pairs share that label too.
             if len(self._status_counters) >= MAX_LABELLED_COUNTERS:
-                model = "_unknown"
+                model = UNKNOWN_MODEL_LABEL
                 counter = self._status_counters.get((model, code))
             if counter is None:
                 counter = self._metrics.requests.labels(model, code.name)

@@ -26,6 +26,9 @@ from typing import Any
 DEFAULT_REPOSITORY = Path(__file__).resolve().parent.parent / "models"
 MIN_DEVICE_POOL_BYTES = 4096  # batchgate.batcher.memory.MIN_CAP_BYTES (no torch here)
 DEFAULT_ARENA_BYTES = 1 << 30
+DEFAULT_GRPC_MAX_THREADS = 16
+# gRPC's time arguments are milliseconds in a signed 32-bit integer (~24.8 days).
+MAX_GRPC_SECONDS = (2**31 - 1) / 1000
 MIN_TOKEN_CHARS = 16
 # Where the CLI reads each bearer token from (besides a file).
 TOKEN_ENV = {"admin": "BATCHGATE_ADMIN_TOKEN", "infer": "BATCHGATE_INFER_TOKEN"}
@@ -70,6 +73,12 @@ def setting(default: Any = dataclasses.MISSING, *, help: str, roles: Iterable[st
         default = dataclasses.MISSING
     return dataclasses.field(default=default, default_factory=factory, metadata=metadata,
                              repr=repr)
+
+
+def _optional_seconds(text: str) -> float | None:
+    """Seconds, or -1 (any negative value) for none."""
+    value = float(text)
+    return None if value < 0 else value
 
 
 def _optional_port(text: str) -> int | None:
@@ -169,6 +178,55 @@ class Settings:
              "parsed); 0 refuses any")
     reflection: bool = setting(True, flag="--no-reflection", action="store_false",
                                roles=(FRONTEND,), help="disable server reflection")
+
+    # -- connections ---------------------------------------------------------------------------
+    # What one front-end process allows all its clients together (gRPC's own server arguments,
+    # server/connections.py), so that no client holds streams, memory or idle connections
+    # without bound.
+    max_concurrent_streams: int = setting(
+        256, parse=int, roles=(FRONTEND,),
+        help="most calls one client connection may have open at once (HTTP/2 streams); a "
+             "client's further calls wait for one to end")
+    grpc_memory_bytes: int | None = setting(
+        None, parse=int, roles=(FRONTEND,), default_text="a quarter of the machine's memory",
+        help="with the native front end: the memory gRPC may hold for connections and "
+             "messages in flight (its ResourceQuota); near it, gRPC slows its reads "
+             "and reclaims buffers")
+    grpc_max_threads: int | None = setting(
+        None, parse=int, roles=(FRONTEND,), default_text=str(DEFAULT_GRPC_MAX_THREADS),
+        help="with the native front end: most threads gRPC's synchronous services (server "
+             "reflection) may run (its ResourceQuota)")
+    grpc_keepalive_time_s: float = setting(
+        60.0, parse=float, roles=(FRONTEND,),
+        help="seconds between the server's pings on a connection with calls open, to find "
+             "clients that vanished")
+    grpc_keepalive_timeout_s: float = setting(
+        20.0, parse=float, roles=(FRONTEND,),
+        help="seconds a ping waits for its answer before the connection is closed")
+    grpc_min_ping_interval_s: float = setting(
+        10.0, parse=float, roles=(FRONTEND,),
+        help="least seconds between a client's pings when no data flows; each faster ping "
+             "is a strike")
+    grpc_max_ping_strikes: int = setting(
+        2, parse=int, roles=(FRONTEND,),
+        help="pings too soon after another that a connection may send before it is closed "
+             "(GOAWAY too_many_pings); 0: any number")
+    grpc_max_connection_idle_s: float | None = setting(
+        3600.0, parse=_optional_seconds, roles=(FRONTEND,),
+        help="seconds a connection with no call open is kept before the server closes it "
+             "gracefully (GOAWAY); -1: kept")
+    grpc_max_connection_age_s: float | None = setting(
+        1800.0, parse=_optional_seconds, roles=(FRONTEND,),
+        help="seconds after which a connection is told to go (GOAWAY, so clients reconnect "
+             "and spread over replicas); its open calls go on; -1: never")
+    grpc_max_connection_age_grace_s: float | None = setting(
+        None, parse=_optional_seconds, roles=(FRONTEND,), default_text="-1",
+        help="seconds the calls of a connection told to go may still take before it is "
+             "closed; -1: until they end (long streams are not cut)")
+    max_stream_backlog_bytes: int = setting(
+        64 * 1024 * 1024, parse=int, roles=(FRONTEND,),
+        help="reply bytes a ModelStreamInfer stream may hold for a client that reads slowly; "
+             "past them the server stops reading that stream's requests until replies drain")
 
     # -- security ------------------------------------------------------------------------------
     tls_cert: Path | None = setting(
@@ -281,6 +339,7 @@ class Settings:
         for name in ("max_request_string_elements", "max_request_unknown_fields"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: none), got {getattr(self, name)}")
+        self._check_connections()
         if self.max_load_files_bytes < 0:
             raise ValueError(
                 f"max_load_files_bytes must be >= 0 (0: no file: loads), "
@@ -334,6 +393,33 @@ class Settings:
                 f"may run on ({cpus_text(usable)}), got --model-cpus "
                 f"{cpus_text(self.model_cpus)}")
 
+    def _check_connections(self) -> None:
+        if self.max_concurrent_streams < 1:
+            raise ValueError(
+                f"max_concurrent_streams must be >= 1, got {self.max_concurrent_streams}")
+        if self.grpc_memory_bytes is not None and self.grpc_memory_bytes < self.max_message_bytes:
+            raise ValueError(
+                f"grpc_memory_bytes must be >= max_message_bytes ({self.max_message_bytes}: gRPC "
+                f"could never hold one message), got {self.grpc_memory_bytes}")
+        if self.grpc_max_threads is not None and self.grpc_max_threads < 2:
+            raise ValueError(f"grpc_max_threads must be >= 2 (a poller and a handler), "
+                             f"got {self.grpc_max_threads}")
+        for name in ("grpc_keepalive_time_s", "grpc_keepalive_timeout_s"):
+            value = getattr(self, name)
+            if not 0 < value <= MAX_GRPC_SECONDS:
+                raise ValueError(f"{name} must lie in (0, {MAX_GRPC_SECONDS:g}], got {value}")
+        for name in ("grpc_min_ping_interval_s", "grpc_max_connection_idle_s",
+                     "grpc_max_connection_age_s", "grpc_max_connection_age_grace_s"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_GRPC_SECONDS:
+                raise ValueError(f"{name} must lie in [0, {MAX_GRPC_SECONDS:g}], got {value}")
+        if self.grpc_max_ping_strikes < 0:
+            raise ValueError(f"grpc_max_ping_strikes must be >= 0 (0: any number), "
+                             f"got {self.grpc_max_ping_strikes}")
+        if self.max_stream_backlog_bytes < 1:
+            raise ValueError(f"max_stream_backlog_bytes must be >= 1, "
+                             f"got {self.max_stream_backlog_bytes}")
+
     def _check_device_pool(self) -> None:
         if self.device_pool_bytes is not None and self.device_pool_bytes < MIN_DEVICE_POOL_BYTES:
             raise ValueError(f"device_pool_bytes must be >= {MIN_DEVICE_POOL_BYTES} (or unset: "
@@ -376,6 +462,19 @@ class Settings:
         return self.max_message_bytes if self.max_request_bytes is None else self.max_request_bytes
 
     @property
+    def grpc_memory_limit(self) -> int:
+        """``grpc_memory_bytes``, or a quarter of the machine's memory (at least four messages)."""
+        if self.grpc_memory_bytes is not None:
+            return self.grpc_memory_bytes
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return max(physical // 4, 4 * self.max_message_bytes)
+
+    @property
+    def grpc_threads_limit(self) -> int:
+        """``grpc_max_threads``, or its default."""
+        return DEFAULT_GRPC_MAX_THREADS if self.grpc_max_threads is None else self.grpc_max_threads
+
+    @property
     def arena_size(self) -> int:
         return DEFAULT_ARENA_BYTES if self.arena_bytes is None else self.arena_bytes
 
@@ -398,6 +497,12 @@ class Settings:
             raise ValueError(
                 "--frontend-threads sizes the native front end's thread pool, got "
                 f"--frontend-threads {self.frontend_threads} with the Python front end")
+        for name in ("grpc_memory_bytes", "grpc_max_threads"):
+            if frontend != "native" and getattr(self, name) is not None:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(
+                    f"{flag} sets the native front end's gRPC ResourceQuota, which grpcio (the "
+                    f"Python front end) does not offer, got {flag} {getattr(self, name)}")
         if single and self.arena_bytes is not None:
             raise ValueError(
                 "--arena-bytes sizes the shared memory between processes; one process "
@@ -418,6 +523,9 @@ class Settings:
             values[field.name] = value
         if "max_request_bytes" in values:
             values["max_request_bytes"] = self.request_bytes_limit
+        if "grpc_memory_bytes" in values:
+            values["grpc_memory_bytes"] = self.grpc_memory_limit
+            values["grpc_max_threads"] = self.grpc_threads_limit
         return values
 
     @classmethod

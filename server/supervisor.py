@@ -52,9 +52,16 @@ import structlog
 
 from batchgate.batcher.arena import ArenaLayout, SharedArena
 from batchgate.batcher.metrics import SECONDS_BUCKETS
-from batchgate.server import __version__, native, request_limits, server_extensions
+from batchgate.server import (
+    __version__,
+    connections,
+    native,
+    request_limits,
+    server_extensions,
+)
 from batchgate.server.child_logs import ChildLogs
 from batchgate.server.drain import GOAWAY_PROPAGATION_S, LAST_ANSWERS_S
+from batchgate.server.metrics import UNKNOWN_MODEL_LABEL
 from batchgate.server.multiproc_metrics import MultiProcessMetrics
 from batchgate.server.posix import describe_exit, die_with_parent, exit_fields, hand_over, reserve_port
 from batchgate.server.settings import EXECUTOR, FRONTEND, TOKEN_ENV
@@ -523,6 +530,9 @@ class Supervisor:
                                                  cuda=self.cuda_shared_memory)),
             "seconds_buckets": list(SECONDS_BUCKETS),
             "wire_limits": request_limits.wire_limits(self.settings),
+            "grpc_arguments": connections.server_arguments(self.settings),
+            "unknown_model_label": UNKNOWN_MODEL_LABEL,
+            "max_stream_backlog_messages": connections.STREAM_BACKLOG_MESSAGES,
             "settings": self._settings_for(FRONTEND),
         })
 

@@ -363,3 +363,18 @@ shutil.copy({str(csv)!r}, args[args.index("-f") + 1])
     assert run.stability_percentage == 40.0 and run.row.throughput_per_s == 210.379
     assert ended - run.wall_s <= first_started
     assert run.cpu_s >= first_cpu_s
+
+
+def test_the_attack_bench_runs_an_attack_beside_valid_load(tmp_path, capsys):
+    from batchgate.bench import attacks
+
+    written = tmp_path / "attacks.json"
+    assert attacks.main(["--modes", "single", "--seconds", "0.5", "--clients", "2",
+                         "--only", "asked for twice", "--json", str(written)]) == 0
+    [result] = json.loads(written.read_text())["results"]
+    [row] = result["rows"]
+    assert row["status"] == "INVALID_ARGUMENT" and row["wrong"] == 0
+    assert result["goodput_alone"] > 0 and row["goodput"] > 0
+    assert set(row["peak_growth_bytes"]) == {"server"}
+    assert result["metrics_bytes"] < attacks.METRICS_BOUND
+    assert "| an output asked for twice | INVALID_ARGUMENT |" in capsys.readouterr().out

@@ -34,6 +34,7 @@ from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import inference_pb2_grpc
 from batchgate.batcher.errors import quoted
 from batchgate.server.errors import INTERNAL_MESSAGE
+from batchgate.server.metrics import UNKNOWN_MODEL_LABEL
 from tests.support.load import Load
 from tests.support.models import NUMERIC_TYPES
 
@@ -319,6 +320,13 @@ def fuzz_target(server):
         load.progress(5, 60, "valid traffic after the fuzzing")
     assert load.wrong == 0 and not load.failures, (load.failures, load.failure_details[:3])
     assert load.ok > 0
+    # Of all the model names the examples made up, none became a metric label.
+    with grpc.insecure_channel(server.address) as channel:
+        index = inference_pb2_grpc.GRPCInferenceServiceStub(channel).RepositoryIndex(
+            pb.RepositoryIndexRequest(), timeout=CALL_TIMEOUT_S)
+    labels = {labels["model"] for (name, pairs) in server.samples()
+              for labels in [dict(pairs)] if name == "batchgate_requests_total"}
+    assert labels <= {m.name for m in index.models} | {UNKNOWN_MODEL_LABEL}, labels
     if server.multiprocess:  # no process died and was started again
         assert server.metric("batchgate_child_restarts_total") == restarts
 

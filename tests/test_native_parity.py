@@ -498,6 +498,10 @@ def wire_cases() -> list[tuple[str, bytes]]:
                                                         + _field(1, long))),
         ("a long name before dimensions", name + _field(5, _field(1, long)
                                                         + _field(3, b"\x01" * 33))),
+        ("8,388,609 int64 contents of a byte each", name + _field(5, tensor + _field(
+            5, _field(3, b"\x00" * (8 * 2**20 + 1))))),
+        ("a run of unpacked contents mixing fields", name + _field(5, tensor + _field(
+            5, b"\x18\x00\x10\x00" * (4 * 2**20 + 1)))),
         ("cut short", valid[:-1]),
         ("field number 0", valid + b"\x02\x00"),
         ("wire type 7", valid + b"\x0f"),

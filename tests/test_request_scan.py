@@ -110,7 +110,8 @@ def test_the_rules_are_the_settings_with_their_flags():
 
 @pytest.mark.parametrize("rule, has", [
     ("inputs", 2), ("raw_input_contents", 2), ("outputs", 1), ("parameters", 2),
-    ("dimensions", 2), ("bytes_contents", 2), ("name_bytes", 23), ("unknown_fields", 0)])
+    ("dimensions", 2), ("bytes_contents", 2), ("name_bytes", 23), ("unknown_fields", 0),
+    ("contents_bytes", 40)])
 def test_each_rule_counts_exactly(rule, has):
     data = every_kind().SerializeToString()
     assert outcome(data, limits(**{rule: has})) == "within"
@@ -175,6 +176,42 @@ def test_unpacked_values_are_skipped_in_runs_and_checked():
     for cut in (b"\x10\xff", b"\x35abc", b"\x39abcdefg", b"\x08" + b"\x80" * 10 + b"\x01"):
         data = field(5, field(5, values + cut))
         assert outcome(data) == "malformed" and not parses(data)
+
+
+def test_typed_contents_count_as_parsed_before_the_parse():
+    """A value takes its type's width parsed however few bytes it took sent: 1-byte int64
+    values cost 8 each. Packed or not, one field's values are counted exactly; a run of
+    unpacked values mixing fields counts 4 bytes per byte sent."""
+    million = pb.InferTensorContents(int64_contents=[0] * 1_000_000).SerializeToString()
+    data = field(5, field(5, million))
+    assert len(data) < 1_000_020  # ~1 byte a value on the wire
+    assert outcome(data, limits(contents_bytes=8_000_000)) == "within"
+    assert outcome(data, limits(contents_bytes=7_999_999)) == "over contents_bytes"
+    # Each field packed: bool 1, int 4, int64 8, uint 4, uint64 8, fp32 4, fp64 8 a value.
+    for name, width in (("bool_contents", 1), ("int_contents", 4), ("int64_contents", 8),
+                        ("uint_contents", 4), ("uint64_contents", 8), ("fp32_contents", 4),
+                        ("fp64_contents", 8)):
+        contents = pb.InferTensorContents(**{name: [1] * 3}).SerializeToString()
+        data = field(5, field(5, contents))
+        assert outcome(data, limits(contents_bytes=3 * width)) == "within", name
+        assert outcome(data, limits(contents_bytes=3 * width - 1)) == "over contents_bytes", name
+    # Unpacked, one field: exact; and across inputs the bytes add up.
+    unpacked = b"\x18\x01" * 5 + b"\x18\xff\x01" * 2  # 7 int64 values
+    two_inputs = field(5, field(5, unpacked)) * 2
+    assert outcome(two_inputs, limits(contents_bytes=112)) == "within"
+    assert outcome(two_inputs, limits(contents_bytes=111)) == "over contents_bytes"
+    fixed = b"\x35abcd" * 3 + b"\x39" + b"x" * 8  # 3 fp32 then 1 fp64: a mixed run of 24 bytes
+    assert outcome(field(5, field(5, b"\x35abcd" * 3)), limits(contents_bytes=12)) == "within"
+    assert outcome(field(5, field(5, fixed)), limits(contents_bytes=96)) == "within"
+    assert outcome(field(5, field(5, fixed)), limits(contents_bytes=95)) == "over contents_bytes"
+    # A run cut short is counted up to its last whole value first: the refusal stands.
+    assert outcome(field(5, field(5, unpacked + b"\x18")), limits(contents_bytes=55)) == (
+        "over contents_bytes")
+    assert outcome(field(5, field(5, unpacked + b"\x18")), limits(contents_bytes=56)) == (
+        "malformed")
+    # A value whose tag takes two bytes stands alone, counted at its width.
+    assert outcome(field(5, field(5, b"\x98\x00\x01")), limits(contents_bytes=7)) == (
+        "over contents_bytes")
 
 
 # -- malformed is what the parser refuses -------------------------------------------------------
@@ -323,7 +360,10 @@ def true_counts(r: pb.ModelInferRequest) -> dict[str, int]:
             "outputs": len(r.outputs), "parameters": max(len(m) for m in maps),
             "dimensions": max((len(t.shape) for t in r.inputs), default=0),
             "bytes_contents": sum(len(t.contents.bytes_contents) for t in r.inputs),
-            "name_bytes": max(len(n.encode()) for n in names), "unknown_fields": 0}
+            "name_bytes": max(len(n.encode()) for n in names), "unknown_fields": 0,
+            "contents_bytes": sum(8 * len(t.contents.int64_contents)
+                                  + len(t.contents.bool_contents)
+                                  + 4 * len(t.contents.fp32_contents) for t in r.inputs)}
 
 
 texts = st.text(max_size=6)
@@ -342,6 +382,8 @@ def requests(draw) -> pb.ModelInferRequest:
         t.contents.bytes_contents.extend(draw(st.lists(st.binary(max_size=3), max_size=4)))
         t.contents.int64_contents.extend(draw(st.lists(st.integers(-(2**63), 2**63 - 1),
                                                        max_size=3)))
+        t.contents.bool_contents.extend(draw(st.lists(st.booleans(), max_size=3)))
+        t.contents.fp32_contents.extend(draw(st.lists(st.floats(width=32), max_size=3)))
         if draw(st.booleans()):
             r.raw_input_contents.append(draw(st.binary(max_size=8)))
     for _ in range(draw(st.integers(0, 3))):

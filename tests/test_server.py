@@ -430,20 +430,22 @@ def test_bytes_input_reaches_a_model_that_declares_it(stub):
     expect(lambda: stub.ModelInfer(bad), grpc.StatusCode.INVALID_ARGUMENT, "must hold 2 elements")
 
 
-def test_unknown_model_names_share_one_metric_label_past_the_bound(server, stub, monkeypatch):
+def test_known_model_names_share_the_unknown_label_past_the_bound(server, stub, monkeypatch):
     if server.mode != "single":
         pytest.skip("the bound is patched in this process: only the single-process server runs here")
     import batchgate.server.service as service_module
+    from batchgate.server.metrics import UNKNOWN_MODEL_LABEL
 
     counters = server.gateway.service._status_counters
-    monkeypatch.setattr(service_module, "MAX_LABELLED_COUNTERS", len(counters) + 1)
-    for i in range(5):
-        with pytest.raises(grpc.RpcError) as info:
-            stub.ModelInfer(infer_request(f"no-such-model-{i}", {"INPUT__0": np.ones((1, 2))}),
-                            timeout=30)
-        assert info.value.code() == grpc.StatusCode.NOT_FOUND
-
-    # The first new name got its own series; the other four share "_unknown".
-    assert len(counters) == service_module.MAX_LABELLED_COUNTERS + 1
-    assert server.metric("batchgate_requests_total", model="_unknown", status="NOT_FOUND") >= 4
-    assert server.metric("batchgate_requests_total", model="no-such-model-4", status="NOT_FOUND") == 0
+    monkeypatch.setattr(service_module, "MAX_LABELLED_COUNTERS", len(counters))
+    assert ("mlp", grpc.StatusCode.NOT_FOUND) not in counters
+    # A version mlp does not serve: NOT_FOUND for a model the repository knows, a new pair.
+    request = infer_request("mlp", {"INPUT__0": np.ones((1, 2))})
+    request.model_version = "999"
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ModelInfer(request, timeout=30)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert ("mlp", grpc.StatusCode.NOT_FOUND) not in counters
+    assert server.metric("batchgate_requests_total", model=UNKNOWN_MODEL_LABEL,
+                         status="NOT_FOUND") >= 1
+    assert server.metric("batchgate_requests_total", model="mlp", status="NOT_FOUND") == 0

@@ -14,8 +14,11 @@ import argparse
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -28,7 +31,9 @@ from batchgate.clients import BatchgateError, Client, RetryPolicy
 from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import inference_pb2_grpc
 from batchgate.server import cli
+from tests.support import http2
 from tests.support.harness import ServeProcess
+from tests.support.http2 import Http2Connection
 from tests.support.metrics import metrics_url, read_metrics, scrape
 from tests.support.repository import model_config, tensor, with_parameters, write_model
 from tests.support.servers import SERVER_MODES, native_or_skip, threads
@@ -43,6 +48,21 @@ MAX_ELEMENTS = 4096
 WIRE = {"--max-tensor-dimensions": 5, "--max-request-inputs": 3, "--max-request-outputs": 2,
         "--max-request-parameters": 4, "--max-request-string-elements": 6,
         "--max-request-name-bytes": 100, "--max-request-unknown-fields": 1}
+# The connection policy (server/connections.py), each away from its default.
+STREAMS_PER_CONNECTION = 5
+KEEPALIVE_S, KEEPALIVE_TIMEOUT_S = 1, 2
+PING_INTERVAL_S, PING_STRIKES = 0.2, 1
+IDLE_S, AGE_S, AGE_GRACE_S = 3, 8, 2
+BACKLOG_BYTES = 4096
+GRPC_MEMORY_BYTES, GRPC_THREADS = 64 << 20, 5
+CONNECTIONS = {"--max-concurrent-streams": STREAMS_PER_CONNECTION,
+               "--grpc-keepalive-time-s": KEEPALIVE_S,
+               "--grpc-keepalive-timeout-s": KEEPALIVE_TIMEOUT_S,
+               "--grpc-min-ping-interval-s": PING_INTERVAL_S,
+               "--grpc-max-ping-strikes": PING_STRIKES, "--grpc-max-connection-idle-s": IDLE_S,
+               "--grpc-max-connection-age-s": AGE_S,
+               "--grpc-max-connection-age-grace-s": AGE_GRACE_S,
+               "--max-stream-backlog-bytes": BACKLOG_BYTES}
 MAX_LOAD_FILES = 2048
 POOL_BYTES = 4096
 ARENA_BYTES = 96 << 20
@@ -94,6 +114,17 @@ CHECKED = {
     "--max-request-name-bytes": "a longer name is RESOURCE_EXHAUSTED, naming the flag",
     "--max-request-unknown-fields": "more unknown fields are RESOURCE_EXHAUSTED, naming it",
     "--no-reflection": "reflection is UNIMPLEMENTED",
+    "--max-concurrent-streams": "the server's HTTP/2 SETTINGS say it",
+    "--grpc-memory-bytes": "the native front end's ready line; refused with Python",
+    "--grpc-max-threads": "the native front end's ready line; refused with Python",
+    "--grpc-keepalive-time-s": "a bare connection gets the server's ping",
+    "--grpc-keepalive-timeout-s": "a connection that does not answer pings is closed",
+    "--grpc-min-ping-interval-s": "pings that far apart are no strikes",
+    "--grpc-max-ping-strikes": "the second strike gets GOAWAY too_many_pings",
+    "--grpc-max-connection-idle-s": "a connection without calls gets an idle GOAWAY",
+    "--grpc-max-connection-age-s": "an open stream is cut after the age and grace",
+    "--grpc-max-connection-age-grace-s": "an open stream is cut after the age and grace",
+    "--max-stream-backlog-bytes": "a stream with requests in flight stops reading (counted)",
     "--tls-cert": "the port speaks TLS",
     "--tls-key": "the port speaks TLS",
     "--tls-client-ca": "a client without a certificate is refused",
@@ -182,7 +213,9 @@ def running(request, tmp_path_factory, pki):
                  "python": ["--frontend", "python", "--frontends", "1",
                             "--arena-bytes", str(ARENA_BYTES)],
                  "native": ["--frontend", "native", "--frontend-threads", str(THREADS),
-                            "--arena-bytes", str(ARENA_BYTES)]}[mode]
+                            "--arena-bytes", str(ARENA_BYTES),
+                            "--grpc-memory-bytes", str(GRPC_MEMORY_BYTES),
+                            "--grpc-max-threads", str(GRPC_THREADS)]}[mode]
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHGATE_")}
     if os.environ.get("BATCHGATE_NATIVE_FRONTEND"):
         env["BATCHGATE_NATIVE_FRONTEND"] = os.environ["BATCHGATE_NATIVE_FRONTEND"]
@@ -192,6 +225,7 @@ def running(request, tmp_path_factory, pki):
         "--max-message-bytes", str(MAX_MESSAGE), "--max-request-bytes", str(MAX_REQUEST),
         "--max-tensor-elements", str(MAX_ELEMENTS),
         *(text for flag, most in WIRE.items() for text in (flag, str(most))),
+        *(text for flag, value in CONNECTIONS.items() for text in (flag, str(value))),
         "--max-load-files-bytes",
         str(MAX_LOAD_FILES), "--no-reflection",
         "--tls-cert", str(pki["server_cert"]), "--tls-key", str(pki["server_key"]),
@@ -304,6 +338,89 @@ def wire_attempts() -> list[tuple[str, bytes]]:
         ("--max-request-name-bytes", vec(id="i" * 101).SerializeToString()),
         ("--max-request-unknown-fields", vec().SerializeToString() + b"\x78\x01\x7a\x00"),
     ]
+
+
+def test_the_connection_flags(running):
+    tls = ssl.create_default_context(cafile=running.pki["ca"])
+    tls.load_cert_chain(running.pki["client_cert"], running.pki["client_key"])
+    # --max-concurrent-streams; --grpc-keepalive-time-s: the server pings a bare connection.
+    with Http2Connection(running.address, tls) as connection:
+        settings = connection.wait_for(http2.SETTINGS, flags=0).settings()
+        assert settings[http2.SETTINGS_MAX_CONCURRENT_STREAMS] == STREAMS_PER_CONNECTION
+        connection.wait_for(http2.PING, flags=0, timeout_s=30 * KEEPALIVE_S)
+        # --grpc-max-connection-idle-s: with no call open, it is told to go (gRPC's idle
+        # GOAWAY; the default is an hour).
+        last, _, debug = connection.wait_for(http2.GOAWAY, timeout_s=30 * IDLE_S).goaway()
+        assert last == 0 and b"idle" in debug, debug
+    # --grpc-keepalive-timeout-s: a connection that answers no ping is closed.
+    with Http2Connection(running.address, tls, ack_pings=False) as connection:
+        connection.wait_for_close(30 * (KEEPALIVE_S + KEEPALIVE_TIMEOUT_S))
+    # --grpc-min-ping-interval-s: pings further apart than it are no strikes (at the default
+    # 10 s, these three would be two strikes); --grpc-max-ping-strikes 1: three at once are.
+    with Http2Connection(running.address, tls) as spaced:
+        spaced.wait_for(http2.SETTINGS, flags=0)
+        for _ in range(3):
+            spaced.send_ping()
+            spaced.wait_for(http2.PING, flags=http2.ACK)
+            time.sleep(2 * PING_INTERVAL_S)  # the spacing is what is tried
+        spaced.send_ping()
+        spaced.wait_for(http2.PING, flags=http2.ACK)
+        assert not [f for f in spaced.frames if f.type == http2.GOAWAY]
+    with Http2Connection(running.address, tls) as hasty:
+        hasty.wait_for(http2.SETTINGS, flags=0)
+        for _ in range(3):
+            hasty.send_ping()
+        _, code, debug = hasty.wait_for(http2.GOAWAY).goaway()
+        assert (code, debug) == (http2.ENHANCE_YOUR_CALM, b"too_many_pings")
+    token = (("authorization", f"Bearer {INFER_TOKEN}"),)
+    request = pb.ModelInferRequest(model_name="vec")
+    request.inputs.add(name="X", datatype="FP32", shape=[1, 1])
+    request.raw_input_contents.append(bytes(4))
+    with running.channel() as channel:
+        stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
+                                       request_serializer=pb.ModelInferRequest.SerializeToString,
+                                       response_deserializer=pb.ModelStreamInferResponse.FromString)
+        # --max-stream-backlog-bytes: three requests sent at once; a reply not yet known counts
+        # as large as a message may be (1 MiB here), past the bound: the stream pauses.
+        before = _scrape(running).get(("batchgate_stream_pauses_total", ()), 0)
+        answers = list(stream(iter([request] * 3), timeout=60, metadata=token))
+        assert len(answers) == 3 and not any(a.error_message for a in answers)
+        assert _scrape(running)[("batchgate_stream_pauses_total", ())] > before
+        # --grpc-max-connection-age-s and its grace: a stream held open is cut after both.
+        gate = threading.Event()
+
+        def one_then_hold():
+            yield request
+            gate.wait(60)
+
+        held = stream(one_then_hold(), timeout=60, metadata=token)
+        assert not next(held).error_message
+        with pytest.raises(grpc.RpcError) as cut:
+            next(held)
+        gate.set()
+        assert cut.value.code() is not grpc.StatusCode.DEADLINE_EXCEEDED, cut.value
+    # --grpc-memory-bytes, --grpc-max-threads: the native front end's ResourceQuota.
+    if running.mode == "native":
+        [ready] = [e for e in running.ready_lines() if e.get("event") == "frontend_ready"]
+        assert (ready["grpc_memory_bytes"], ready["grpc_max_threads"]) == (
+            GRPC_MEMORY_BYTES, GRPC_THREADS)
+
+
+def test_the_connection_settings_are_checked():
+    from batchgate.server.settings import Settings
+
+    assert Settings().grpc_memory_limit >= 4 * Settings().max_message_bytes
+    for name, value, message in (
+            ("max_concurrent_streams", 0, "max_concurrent_streams must be >= 1, got 0"),
+            ("grpc_memory_bytes", 1000, "grpc_memory_bytes must be >= max_message_bytes"),
+            ("grpc_max_threads", 1, "grpc_max_threads must be >= 2"),
+            ("grpc_keepalive_time_s", 0, "grpc_keepalive_time_s must lie in \\(0, "),
+            ("grpc_min_ping_interval_s", -1, "grpc_min_ping_interval_s must lie in \\[0, "),
+            ("grpc_max_connection_age_s", 3e6, "grpc_max_connection_age_s must lie in"),
+            ("grpc_max_ping_strikes", -1, "grpc_max_ping_strikes must be >= 0"),
+            ("max_stream_backlog_bytes", 0, "max_stream_backlog_bytes must be >= 1, got 0")):
+        with pytest.raises(ValueError, match=message):
+            Settings(**{name: value})
 
 
 def test_the_wire_limits_are_checked():
@@ -468,6 +585,8 @@ def test_the_log_flags_and_the_drain(running):
     (["--frontend", "native", "--frontends", "2"], "--frontends counts Python front-end"),
     (["--frontends", "0", "--arena-bytes", str(64 << 20)], "one process (--frontends 0) has none"),
     (["--frontends", "0", "--device-pool-fraction", "0.5"], "--device-pool-fraction caps"),
+    (["--frontends", "0", "--grpc-memory-bytes", str(1 << 30)], "which grpcio (the Python"),
+    (["--frontend", "python", "--grpc-max-threads", "4"], "--grpc-max-threads sets the native"),
 ])
 def test_flags_the_mode_does_not_act_on_are_refused(args, message):
     if "--device-pool-fraction" in args:

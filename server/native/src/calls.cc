@@ -393,7 +393,8 @@ void InferCall::OnExecutorAnswer(ExecutorAnswer answer) {
 void InferCall::Answer(const grpc::Status& status, grpc::ByteBuffer* reply) {
   answered_ = true;
   Frontend& frontend = worker_.frontend();
-  frontend.metrics().Count(model_name_, status.error_code(), SecondsSince(started_at_));
+  frontend.metrics().Count(model_name_, ticket_.model || frontend.KnowsModel(model_name_),
+                           status.error_code(), SecondsSince(started_at_));
   Ref();
   if (status.ok()) {
     responder_.Finish(*reply, status, finished_.tag());
@@ -416,8 +417,9 @@ void InferCall::OnDone(bool /*ok*/) {
     // The client went away (or its deadline passed) before the answer: counted as Python
     // counts a cancelled handler, and the request leaves the executor's queue.
     answered_ = true;
-    worker_.frontend().metrics().Count(model_name_, grpc::StatusCode::CANCELLED,
-                                       SecondsSince(started_at_));
+    worker_.frontend().metrics().Count(
+        model_name_, ticket_.model || worker_.frontend().KnowsModel(model_name_),
+        grpc::StatusCode::CANCELLED, SecondsSince(started_at_));
     if (at_executor_) worker_.frontend().link().Cancel(ticket_.rid);
   }
   Unref();

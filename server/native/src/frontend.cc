@@ -5,6 +5,7 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/impl/server_builder_option.h>
 #include <grpcpp/impl/server_builder_plugin.h>
+#include <grpcpp/resource_quota.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 #include <dirent.h>
@@ -186,8 +187,11 @@ int Frontend::Run() {
     changed_.wait(lock, [&] { return welcomed_ || stop_requested_; });
     if (welcomed_ && !stop_requested_) {
       lock.unlock();
-      Announce("frontend_ready", {LogField("slot", handover_.slot), LogField("grpc_port", grpc_port_),
-                                  LogField("pid", static_cast<int>(getpid()))});
+      Announce("frontend_ready",
+               {LogField("slot", handover_.slot), LogField("grpc_port", grpc_port_),
+                LogField("pid", static_cast<int>(getpid())),
+                LogField("grpc_memory_bytes", handover_.grpc_memory_bytes),
+                LogField("grpc_max_threads", handover_.grpc_max_threads)});
       lock.lock();
     }
     changed_.wait(lock, [&] { return stop_requested_; });
@@ -262,7 +266,8 @@ bool Frontend::Start(std::string* error) {
   region_ = std::make_unique<InputRegion>(h.input_region_offset, h.input_region_bytes);
   const InputRegion* region = region_.get();
   metrics_ = std::make_unique<RequestMetrics>(h.seconds_buckets, "input-" + std::to_string(h.slot),
-                                              [region] { return region->bytes_in_use(); });
+                                              [region] { return region->bytes_in_use(); },
+                                              h.unknown_model_label);
   metrics_endpoint_ = std::make_unique<MetricsEndpoint>(*metrics_);
   if (!metrics_endpoint_->Start(h.metrics_socket, error)) return false;
 
@@ -307,6 +312,13 @@ bool Frontend::Start(std::string* error) {
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 1);
   builder.SetMaxReceiveMessageSize(static_cast<int>(h.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(h.max_message_bytes));
+  // Streams per connection, keepalive and connection age (server/connections.py); memory and
+  // threads for all connections together.
+  for (const auto& [name, value] : h.grpc_arguments) builder.AddChannelArgument(name, value);
+  grpc::ResourceQuota quota("batchgate-frontend");
+  quota.Resize(static_cast<size_t>(h.grpc_memory_bytes));
+  quota.SetMaxThreads(h.grpc_max_threads);
+  builder.SetResourceQuota(quota);
   builder.RegisterService(&service_);
   builder.RegisterService(&health_service_);
   // Reflection is gRPC's synchronous service, which brings its own polling threads; they take
@@ -428,6 +440,10 @@ grpc::Status Frontend::StartInfer(const inference::ModelInferRequest& request, i
   ticket->outputs = std::move(decoded.outputs);
   ticket->rid = rid;
   return grpc::Status::OK;
+}
+
+bool Frontend::KnowsModel(const std::string& name) const {
+  return models_.Current()->models.count(name) != 0;
 }
 
 void Frontend::NoteArrival() {

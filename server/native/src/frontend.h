@@ -96,6 +96,10 @@ class Frontend final : public LinkObserver {
   grpc::Status StartInfer(const inference::ModelInferRequest& request, int64_t deadline_ns,
                           AnswerTarget* target, InferTicket* ticket);
 
+  // Whether the executor knows a model of this name (in any state): only such names become
+  // metric labels.
+  bool KnowsModel(const std::string& name) const;
+
   // A call arrived while draining (any worker thread).
   void NoteArrival();
 

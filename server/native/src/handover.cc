@@ -196,6 +196,23 @@ bool ParseHandover(const std::string& json, Handover* out, std::string* error) {
     }
     top.Adopt(r);
   }
+  if (const auto* list = top.List("grpc_arguments")) {
+    for (const Value& v : list->values()) {
+      const auto& pair = v.list_value();
+      if (v.kind_case() != Value::kListValue || pair.values_size() != 2 ||
+          pair.values(0).kind_case() != Value::kStringValue ||
+          pair.values(1).kind_case() != Value::kNumberValue) {
+        top.Fail("grpc_arguments", "must be a list of [name, integer]");
+        break;
+      }
+      out->grpc_arguments.emplace_back(
+          pair.values(0).string_value(),
+          static_cast<int>(top.CheckInteger("grpc_arguments", pair.values(1).number_value(),
+                                            std::numeric_limits<int32_t>::min(), kMaxInt)));
+    }
+  }
+  out->unknown_model_label = top.String("unknown_model_label");
+  out->max_stream_backlog_messages = top.Integer("max_stream_backlog_messages", 1, kMaxInt);
   const Struct* settings = top.Object("settings");
   if (!top.ok()) {
     *error = top.error();
@@ -206,6 +223,9 @@ bool ParseHandover(const std::string& json, Handover* out, std::string* error) {
   out->max_message_bytes = s.Integer("max_message_bytes", 1, kMaxInt);
   out->max_request_bytes = s.Integer("max_request_bytes", 1, kMaxSize);
   out->max_tensor_elements = s.Integer("max_tensor_elements", 1, kMaxSize);
+  out->grpc_memory_bytes = s.Integer("grpc_memory_bytes", 1, kMaxSize);
+  out->grpc_max_threads = static_cast<int>(s.Integer("grpc_max_threads", 2, kMaxInt));
+  out->max_stream_backlog_bytes = s.Integer("max_stream_backlog_bytes", 1, kMaxSize);
   out->drain_timeout_s = s.Number("drain_timeout_s", 0);
   out->reflection = s.Bool("reflection");
   out->tls_cert = s.OptionalString("tls_cert");

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "log.h"
@@ -26,12 +27,22 @@ struct Handover {
   // What a request's wire bytes may hold: each rule's bound and refusal, as
   // server/request_limits.py declares them.
   WireLimits wire_limits;
+  // gRPC server arguments, each added to the builder as it is (server/connections.py).
+  std::vector<std::pair<std::string, int>> grpc_arguments;
+  // The label requests for models the executor does not know count under (server/metrics.py).
+  std::string unknown_model_label;
 
   // settings
   std::string host;
   int64_t max_message_bytes = 0;
   int64_t max_request_bytes = 0;
   int64_t max_tensor_elements = 0;
+  int64_t grpc_memory_bytes = 0;  // the ResourceQuota's memory
+  int grpc_max_threads = 0;       // and its threads
+  int64_t max_stream_backlog_bytes = 0;
+  // Requests at the executor plus replies not yet written past which a stream stops reading
+  // (server/connections.py STREAM_BACKLOG_MESSAGES).
+  int64_t max_stream_backlog_messages = 0;
   double drain_timeout_s = 0;
   bool reflection = true;
   std::optional<std::string> tls_cert, tls_key, tls_client_ca;

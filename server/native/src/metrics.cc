@@ -50,37 +50,40 @@ const char* StatusCodeName(grpc::StatusCode code) {
 }
 
 RequestMetrics::RequestMetrics(std::vector<double> seconds_buckets, std::string region,
-                               std::function<uint64_t()> bytes_in_use)
+                               std::function<uint64_t()> bytes_in_use, std::string unknown_label)
     : bounds_(std::move(seconds_buckets)),
       region_(std::move(region)),
-      bytes_in_use_(std::move(bytes_in_use)) {}
+      bytes_in_use_(std::move(bytes_in_use)),
+      unknown_label_(std::move(unknown_label)) {}
 
-void RequestMetrics::Count(const std::string& model, grpc::StatusCode code, double seconds) {
+void RequestMetrics::Count(const std::string& model, bool known, grpc::StatusCode code,
+                           double seconds) {
   std::lock_guard<std::mutex> lock(mu_);
-  CounterKey key{model, static_cast<int>(code)};
-  auto it = counter_index_.find(key);
-  if (it == counter_index_.end()) {
-    // Model names come from clients: past the bound, new ones share one label, so a client
-    // sending random names cannot grow this process's memory.
-    if (counter_index_.size() >= kMaxLabelledCounters) {
-      key.model = "_unknown";
-      it = counter_index_.find(key);
+  CounterKey key{known ? model : unknown_label_, static_cast<int>(code)};
+  auto it = counters_.find(key);
+  if (it == counters_.end()) {
+    // Past the bound (models loaded and unloaded under ever new names), new pairs share the
+    // unknown label too, so this process's memory stays bounded whatever is loaded.
+    if (counters_.size() >= kMaxLabelledCounters) {
+      key.model = unknown_label_;
+      it = counters_.find(key);
     }
-    if (it == counter_index_.end()) {
-      it = counter_index_.emplace(key, counters_.size()).first;
-      counters_.emplace_back(key, 0);
+    if (it == counters_.end()) {
+      it = counters_.emplace(std::move(key), 0).first;
+      counter_order_.push_back(&*it);
     }
   }
-  ++counters_[it->second].second;
+  ++it->second;
   if (code != grpc::StatusCode::OK) return;
   const std::string& label = it->first.model;
-  auto h = histogram_index_.find(label);
-  if (h == histogram_index_.end()) {
-    h = histogram_index_.emplace(label, histograms_.size()).first;
-    histograms_.emplace_back(label, Histogram{});
-    histograms_.back().second.buckets.assign(bounds_.size() + 1, 0);
+  auto h = histograms_.find(label);
+  if (h == histograms_.end()) {
+    Histogram fresh;
+    fresh.buckets.assign(bounds_.size() + 1, 0);
+    h = histograms_.emplace(label, std::move(fresh)).first;
+    histogram_order_.push_back(&*h);
   }
-  Histogram& histogram = histograms_[h->second].second;
+  Histogram& histogram = h->second;
   // An observation counts in the first bucket whose bound it does not exceed.
   const size_t bucket = static_cast<size_t>(
       std::lower_bound(bounds_.begin(), bounds_.end(), seconds) - bounds_.begin());
@@ -94,7 +97,8 @@ std::string RequestMetrics::Exposition() const {
   std::lock_guard<std::mutex> lock(mu_);
   out += "# HELP batchgate_requests_total Inference requests answered, by model and gRPC status.\n";
   out += "# TYPE batchgate_requests_total counter\n";
-  for (const auto& [key, count] : counters_) {
+  for (const auto* entry : counter_order_) {
+    const auto& [key, count] = *entry;
     out += "batchgate_requests_total{model=\"";
     AppendLabelValue(out, key.model);
     out += "\",status=\"";
@@ -106,7 +110,8 @@ std::string RequestMetrics::Exposition() const {
   out += "# HELP batchgate_request_seconds End-to-end time of an inference request inside the "
          "server, decode to encode.\n";
   out += "# TYPE batchgate_request_seconds histogram\n";
-  for (const auto& [model, histogram] : histograms_) {
+  for (const auto* entry : histogram_order_) {
+    const auto& [model, histogram] = *entry;
     std::string label;
     AppendLabelValue(label, model);
     uint64_t cumulative = 0;
@@ -130,6 +135,16 @@ std::string RequestMetrics::Exposition() const {
   out += "batchgate_arena_bytes_in_use{region=\"";
   AppendLabelValue(out, region_);
   out += "\"} " + PrometheusFloat(static_cast<double>(bytes_in_use_())) + "\n";
+  out += "# HELP batchgate_stream_backlog_bytes Reply bytes held for ModelStreamInfer clients, "
+         "not yet written to them.\n";
+  out += "# TYPE batchgate_stream_backlog_bytes gauge\n";
+  out += "batchgate_stream_backlog_bytes " +
+         PrometheusFloat(static_cast<double>(stream_backlog_bytes_.load())) + "\n";
+  out += "# HELP batchgate_stream_pauses_total Times a ModelStreamInfer stream stopped reading "
+         "requests until its replies drained (--max-stream-backlog-bytes).\n";
+  out += "# TYPE batchgate_stream_pauses_total counter\n";
+  out += "batchgate_stream_pauses_total " +
+         PrometheusFloat(static_cast<double>(stream_pauses_.load())) + "\n";
   return out;
 }
 

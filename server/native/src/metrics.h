@@ -26,15 +26,26 @@ const char* StatusCodeName(grpc::StatusCode code);
 class RequestMetrics {
  public:
   // (model, status) pairs with their own batchgate_requests_total series; the rest count under
-  // model "_unknown" (service.py MAX_LABELLED_COUNTERS).
+  // the unknown-model label (service.py MAX_LABELLED_COUNTERS).
   static constexpr size_t kMaxLabelledCounters = 4096;
 
+  // `unknown_label`: the model label of requests for models the executor does not know
+  // (server/metrics.py UNKNOWN_MODEL_LABEL).
   RequestMetrics(std::vector<double> seconds_buckets, std::string region,
-                 std::function<uint64_t()> bytes_in_use);
+                 std::function<uint64_t()> bytes_in_use, std::string unknown_label);
 
   // One answered inference request; `seconds` is its end-to-end time, observed for OK only
-  // (service.py _count()). `model` is the name as the client sent it.
-  void Count(const std::string& model, grpc::StatusCode code, double seconds);
+  // (service.py _count()). `model` is the name as the client sent it, a label only when
+  // `known` (a model the executor knows): client-sent names never become series.
+  void Count(const std::string& model, bool known, grpc::StatusCode code, double seconds);
+
+  // Reply bytes held for ModelStreamInfer clients: added as a reply is queued, taken away as
+  // it is written (or dropped with its stream).
+  void AddStreamBacklog(int64_t bytes) {
+    stream_backlog_bytes_.fetch_add(bytes, std::memory_order_relaxed);
+  }
+  // A stream stopped reading: its backlog passed --max-stream-backlog-bytes.
+  void CountStreamPause() { stream_pauses_.fetch_add(1, std::memory_order_relaxed); }
 
   // The text exposition (format 0.0.4) of every series.
   std::string Exposition() const;
@@ -55,16 +66,22 @@ class RequestMetrics {
       return std::hash<std::string>()(k.model) * 31 + static_cast<size_t>(k.code);
     }
   };
+  using Counters = std::unordered_map<CounterKey, uint64_t, CounterKeyHash>;
+  using Histograms = std::unordered_map<std::string, Histogram>;
 
   const std::vector<double> bounds_;
   const std::string region_;
   const std::function<uint64_t()> bytes_in_use_;
+  const std::string unknown_label_;
+  std::atomic<int64_t> stream_backlog_bytes_{0};
+  std::atomic<uint64_t> stream_pauses_{0};
   mutable std::mutex mu_;
-  // Series in the order they were first counted (prometheus_client writes them so).
-  std::vector<std::pair<CounterKey, uint64_t>> counters_;
-  std::unordered_map<CounterKey, size_t, CounterKeyHash> counter_index_;
-  std::vector<std::pair<std::string, Histogram>> histograms_;
-  std::unordered_map<std::string, size_t> histogram_index_;
+  // Each label once, in its map; the series in the order they were first counted
+  // (prometheus_client writes them so), as pointers to the maps' entries (which never move).
+  Counters counters_;
+  std::vector<const Counters::value_type*> counter_order_;
+  Histograms histograms_;
+  std::vector<const Histograms::value_type*> histogram_order_;
 };
 
 // Serves RequestMetrics::Exposition() on an abstract Unix socket: each connection from a

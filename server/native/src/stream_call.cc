@@ -1,5 +1,7 @@
 #include "stream_call.h"
 
+#include <algorithm>
+
 #include "calls.h"
 #include "codec.h"
 #include "log.h"
@@ -7,11 +9,6 @@
 
 namespace batchgate {
 namespace {
-
-// Requests at the executor plus answers not yet written, past which the stream stops reading
-// until answers go out: a client that sends without reading cannot grow this process's memory
-// (HTTP/2 flow control then holds it back).
-constexpr size_t kMaxBacklog = 256;
 
 double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -27,6 +24,28 @@ StreamInferCall::StreamInferCall(Worker& worker, const RpcInfo& rpc) : CallBase(
 
 StreamInferCall::~StreamInferCall() {
   if (registered_) worker_.RemoveStream(this);
+  while (!writes_.empty()) PopWrite();
+}
+
+bool StreamInferCall::OverBacklog() const {
+  const Handover& h = worker_.frontend().handover();
+  if (requests_.size() + writes_.size() >= static_cast<size_t>(h.max_stream_backlog_messages)) {
+    return true;
+  }
+  if (requests_.empty() && writes_.empty()) return false;  // one request is always taken
+  // A request at the executor will add its reply: counted as large as the largest this stream
+  // has had, and before the first as large as any may be.
+  const uint64_t estimate =
+      largest_reply_ != 0 ? largest_reply_ : static_cast<uint64_t>(h.max_message_bytes);
+  return held_bytes_ + requests_.size() * estimate >=
+         static_cast<uint64_t>(h.max_stream_backlog_bytes);
+}
+
+void StreamInferCall::PopWrite() {
+  const uint64_t bytes = writes_.front().Length();
+  writes_.pop_front();
+  held_bytes_ -= bytes;
+  worker_.frontend().metrics().AddStreamBacklog(-static_cast<int64_t>(bytes));
 }
 
 void StreamInferCall::OnStarted(bool ok) {
@@ -56,7 +75,8 @@ void StreamInferCall::Serve() {
 
 void StreamInferCall::StartRead() {
   if (reading_ || no_more_requests_ || abandoned_) return;
-  if (Backlog() >= kMaxBacklog) {
+  if (OverBacklog()) {
+    if (!read_paused_) worker_.frontend().metrics().CountStreamPause();
     read_paused_ = true;
     return;
   }
@@ -110,8 +130,8 @@ void StreamInferCall::HandleRequest(inference::ModelInferRequest& request) {
   const grpc::Status status = frontend.StartInfer(request, deadline_ns_, pending.get(),
                                                   &pending->ticket_);
   if (!status.ok()) {
-    frontend.metrics().Count(pending->model_name_, status.error_code(),
-                             SecondsSince(pending->started_));
+    frontend.metrics().Count(pending->model_name_, frontend.KnowsModel(pending->model_name_),
+                             status.error_code(), SecondsSince(pending->started_));
     Queue(StreamError(status.error_message()));
     return;
   }
@@ -137,13 +157,13 @@ void StreamInferCall::OnAnswer(Request* key, ExecutorAnswer answer) {
       if (!problem.empty()) {
         Log(LogLevel::kError, "executor_protocol_error", {LogField("error", problem)});
       }
-      frontend.metrics().Count(request->model_name_, encoded.error_code(),
+      frontend.metrics().Count(request->model_name_, true, encoded.error_code(),
                                SecondsSince(request->started_));
       Queue(encoded.ok() ? std::move(reply) : StreamError(encoded.error_message()));
     }
     frontend.link().FreeOutputs(answer.generation, *answer.result);
   } else if (wanted) {
-    frontend.metrics().Count(request->model_name_, answer.status.error_code(),
+    frontend.metrics().Count(request->model_name_, true, answer.status.error_code(),
                              SecondsSince(request->started_));
     Queue(StreamError(answer.status.error_message()));
   }
@@ -154,6 +174,10 @@ void StreamInferCall::OnAnswer(Request* key, ExecutorAnswer answer) {
 
 void StreamInferCall::Queue(grpc::ByteBuffer message) {
   if (abandoned_) return;
+  const uint64_t bytes = message.Length();
+  held_bytes_ += bytes;
+  largest_reply_ = std::max(largest_reply_, bytes);
+  worker_.frontend().metrics().AddStreamBacklog(static_cast<int64_t>(bytes));
   writes_.push_back(std::move(message));
   StartWrite();
 }
@@ -167,7 +191,7 @@ void StreamInferCall::StartWrite() {
 
 void StreamInferCall::OnWritten(bool ok) {
   writing_ = false;
-  writes_.pop_front();
+  PopWrite();
   if (ok) {
     StartWrite();
     if (read_paused_) StartRead();
@@ -182,7 +206,13 @@ void StreamInferCall::Abandon() {
   if (abandoned_) return;
   abandoned_ = true;
   no_more_requests_ = true;
-  writes_.clear();
+  // The write in flight (if any) stays until its event: OnWritten pops it.
+  while (writes_.size() > (writing_ ? 1u : 0u)) {
+    const uint64_t bytes = writes_.back().Length();
+    writes_.pop_back();
+    held_bytes_ -= bytes;
+    worker_.frontend().metrics().AddStreamBacklog(-static_cast<int64_t>(bytes));
+  }
   for (const auto& [key, request] : requests_) worker_.frontend().link().Cancel(request->ticket_.rid);
 }
 

@@ -2,7 +2,10 @@
 // ModelStreamInfer()).
 //
 // Requests are read one after another and each goes to the executor as it comes; answers are
-// written in the order they complete, one write at a time. A request that fails is answered by
+// written in the order they complete, one write at a time. A client that reads slowly holds
+// its replies here: once they pass --max-stream-backlog-bytes (with the requests still at the
+// executor counted as large as the largest reply so far), the stream stops reading until
+// replies drain, and HTTP/2's flow control holds the client back; nothing is dropped. A request that fails is answered by
 // its own message with error_message set, and the stream goes on. When the client half-closes,
 // the stream finishes OK once every answer is written; when the client goes away, the requests
 // still queued at the executor are cancelled. A message that does not parse ends the stream as
@@ -66,7 +69,10 @@ class StreamInferCall final : public CallBase {
   // The client will not hear from us any more: let the executor drop what it still queues.
   void Abandon();
   void MaybeFinish();
-  size_t Backlog() const { return requests_.size() + writes_.size(); }
+  // Whether the stream holds so much that it is not to read another request now.
+  bool OverBacklog() const;
+  // The written (or dropped) reply at the front of writes_ leaves the backlog.
+  void PopWrite();
 
   const RpcInfo& rpc_;
   grpc::ServerContext context_;
@@ -81,6 +87,8 @@ class StreamInferCall final : public CallBase {
   int64_t deadline_ns_ = 0;  // the stream's deadline, every request's (service.py)
   std::unordered_map<Request*, std::unique_ptr<Request>> requests_;  // at the executor
   std::deque<grpc::ByteBuffer> writes_;
+  uint64_t held_bytes_ = 0;     // the bytes of writes_ (the one being written included)
+  uint64_t largest_reply_ = 0;  // the largest reply queued so far; 0: none yet
   grpc::Status end_status_;     // what the stream finishes with
   bool registered_ = false;     // in the worker's set of open streams
   bool reading_ = false;        // a read is outstanding

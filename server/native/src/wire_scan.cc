@@ -7,7 +7,7 @@ namespace batchgate {
 
 const char* const kWireRuleKeys[kWireRules] = {
     "inputs", "raw_input_contents", "outputs", "parameters", "dimensions", "bytes_contents",
-    "name_bytes", "unknown_fields",
+    "name_bytes", "unknown_fields", "contents_bytes",
 };
 
 WireLimits UnlimitedWireLimits() {
@@ -19,6 +19,17 @@ WireLimits UnlimitedWireLimits() {
 namespace {
 
 constexpr int kMaxDepth = 100;  // protobuf's recursion limit
+// What one value of InferTensorContents' numeric fields (1-7) takes parsed, by field number.
+constexpr uint64_t kParsedWidth[8] = {0, 1, 4, 8, 4, 8, 4, 8};
+// A run of unpacked values that mixes fields counts this many bytes parsed per byte sent
+// (server/request_scan.py _MIXED_RUN_FACTOR).
+constexpr uint64_t kMixedRunFactor = 4;
+
+// The tags of numeric values sent one field each, in one byte (request_scan.py _UNPACKED_TAGS).
+bool IsUnpackedTag(uint32_t tag) {
+  return tag == 0x08 || tag == 0x10 || tag == 0x18 || tag == 0x20 || tag == 0x28 ||
+         tag == 0x35 || tag == 0x39;
+}
 
 // The bytes of `spans` as one sequence, read forwards; positions are offsets from the start.
 class WireReader {
@@ -164,13 +175,43 @@ class Scan {
     return true;
   }
 
-  // An InferTensorContents (level 2): its bytes_contents counted, the rest skipped.
+  // A run of numeric values sent one field each (single-byte tags, one after the other), as
+  // server/request_scan.py matches one: counted when it ends.
+  struct UnpackedRun {
+    bool active = false;
+    bool mixed = false;   // of more than one field
+    uint32_t field = 0;   // its first value's
+    uint64_t start = 0;   // where its first value's tag is
+    uint64_t stop = 0;    // where its last whole value ends
+    uint64_t parsed = 0;  // the bytes its values take parsed
+  };
+
+  // An InferTensorContents (level 2): its bytes_contents counted, and its numeric values'
+  // bytes as parsed; the rest skipped. A run of unpacked values is counted when it ends, before
+  // whatever ends it is looked at (a value cut short, too), as request_scan.py counts it.
   bool Contents(uint64_t end) {
+    UnpackedRun run;
     while (reader_.position() < end) {
+      const uint64_t at = reader_.position();
       uint32_t tag;
-      if (!Tag(end, &tag)) return false;
+      if (!Tag(end, &tag)) return EndRun(&run) && false;
       const uint32_t field = tag >> 3;
       const uint32_t wire_type = tag & 7;
+      if (reader_.position() - at == 1 && IsUnpackedTag(tag)) {
+        uint64_t value;
+        if (!(wire_type == 0 ? Varint(end, 10, &value) : Fixed(end, wire_type == 5 ? 4 : 8))) {
+          return EndRun(&run) && false;  // the run ends before the value cut short
+        }
+        if (!run.active) {
+          run = UnpackedRun{true, false, field, at, at, 0};
+        } else if (field != run.field) {
+          run.mixed = true;
+        }
+        run.parsed += kParsedWidth[field];
+        run.stop = reader_.position();
+        continue;
+      }
+      if (!EndRun(&run)) return false;
       if (wire_type == 2) {
         uint64_t length, stop;
         if (!Length(end, &length, &stop)) return false;
@@ -178,18 +219,42 @@ class Scan {
           if (!Count(&strings_, WireRule::kBytesContents)) return false;
         } else if (field > 8) {
           if (!CountUnknown()) return false;
-        }  // fields 1-7 packed: values of their own type, not counted
+        } else {  // 1-7 packed: values of their own type
+          const uint64_t width = kParsedWidth[field];
+          uint64_t values;
+          if (field >= 6) {
+            values = length / width;
+          } else {
+            const uint64_t most = limits_.Most(WireRule::kContentsBytes);
+            values = reader_.VarintEnds(stop, (most - std::min(most, contents_bytes_)) / width);
+          }
+          if (!AddContents(values * width)) return false;
+        }
         reader_.SeekTo(stop);
       } else if (wire_type == 0 && field <= 5) {
         uint64_t value;
-        if (!Varint(end, 10, &value)) return false;
+        if (!Varint(end, 10, &value) || !AddContents(kParsedWidth[field])) return false;
       } else if ((wire_type == 5 && field == 6) || (wire_type == 1 && field == 7)) {
-        if (!Fixed(end, wire_type == 5 ? 4 : 8)) return false;
+        if (!Fixed(end, wire_type == 5 ? 4 : 8) || !AddContents(kParsedWidth[field])) return false;
       } else if (!Other(tag, end, 2)) {
         return false;
       }
     }
-    return true;
+    return EndRun(&run);
+  }
+
+  // Counts the run that ends here, if one was going on; false when that passes the rule (the
+  // refusal then stands, whatever stopped the run).
+  bool EndRun(UnpackedRun* run) {
+    if (!run->active) return true;
+    run->active = false;
+    return AddContents(run->mixed ? kMixedRunFactor * (run->stop - run->start) : run->parsed);
+  }
+
+  bool AddContents(uint64_t parsed) {
+    contents_bytes_ += parsed;
+    return contents_bytes_ <= limits_.Most(WireRule::kContentsBytes) ||
+           Refuse(WireRule::kContentsBytes);
   }
 
   // An InferRequestedOutputTensor (level 1).
@@ -358,6 +423,7 @@ class Scan {
   const WireLimits& limits_;
   uint64_t size_ = 0;
   uint64_t inputs_ = 0, raw_ = 0, outputs_ = 0, strings_ = 0, unknown_ = 0;
+  uint64_t contents_bytes_ = 0;  // typed contents' values, as parsed
   ScanResult result_;
 };
 

@@ -18,9 +18,9 @@ namespace batchgate {
 // server/request_limits.py RULES, in their order.
 enum class WireRule : int {
   kInputs, kRawInputContents, kOutputs, kParameters, kDimensions, kBytesContents, kNameBytes,
-  kUnknownFields,
+  kUnknownFields, kContentsBytes,
 };
-constexpr int kWireRules = 8;
+constexpr int kWireRules = 9;
 // Each rule's key (Rule.key), as the handover names it.
 extern const char* const kWireRuleKeys[kWireRules];
 

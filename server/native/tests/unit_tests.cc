@@ -677,14 +677,18 @@ void TestHandoverSharedMemory() {
   const std::string wire_limits =
       R"("wire_limits": {"inputs": [3, "no more than 3"], "raw_input_contents": [3, "r"],
          "outputs": [4, "o"], "parameters": [5, "p"], "dimensions": [6, "d"],
-         "bytes_contents": [0, "b"], "name_bytes": [8, "n"], "unknown_fields": [9, "u"]},)";
+         "bytes_contents": [0, "b"], "name_bytes": [8, "n"], "unknown_fields": [9, "u"],
+         "contents_bytes": [4096, "c"]},)";
   const std::string places =
       R"({"slot": 0, "arena_fd": 3, "arena_bytes": 1048576, "input_region": [0, 524288],
           "executor_socket": "s", "metrics_socket": "m", "grpc_port": 0, "version": "0.1.0",
-          "extensions": ["health", "system_shared_memory"], "seconds_buckets": [0.001, 0.01],)";
+          "extensions": ["health", "system_shared_memory"], "seconds_buckets": [0.001, 0.01],
+          "grpc_arguments": [["grpc.max_concurrent_streams", 7], ["grpc.keepalive_time_ms", 500]],
+          "unknown_model_label": "<unknown>", "max_stream_backlog_messages": 256,)";
   const std::string settings =
       R"("settings": {"host": "127.0.0.1", "max_message_bytes": 1024,
           "max_request_bytes": 4096, "max_tensor_elements": 100, "drain_timeout_s": 1,
+          "grpc_memory_bytes": 1048576, "grpc_max_threads": 4, "max_stream_backlog_bytes": 2048,
           "reflection": true, "tls_cert": null, "tls_key": null, "tls_client_ca": null,
           "admin_token": null, "infer_token": null, "frontend_threads": 1,
           "request_scheduling": "normal", "model_cpus": null, "log_level": "info")";
@@ -716,6 +720,19 @@ void TestHandoverSharedMemory() {
   CHECK(batchgate::ParseHandover(head + R"(, "shared_memory": true}})", &handover, &error));
   CHECK(handover.shared_memory);
   CHECK_EQ(handover.extensions.size(), size_t{2});
+  CHECK_EQ(handover.grpc_arguments.size(), size_t{2});
+  CHECK_EQ(handover.grpc_arguments[0].first, std::string("grpc.max_concurrent_streams"));
+  CHECK_EQ(handover.grpc_arguments[1].second, 500);
+  CHECK_EQ(handover.unknown_model_label, std::string("<unknown>"));
+  CHECK_EQ(handover.grpc_memory_bytes, int64_t{1048576});
+  CHECK_EQ(handover.grpc_max_threads, 4);
+  CHECK_EQ(handover.max_stream_backlog_bytes, int64_t{2048});
+  CHECK_EQ(handover.max_stream_backlog_messages, int64_t{256});
+  std::string bad_argument = head + R"(, "shared_memory": true}})";
+  bad_argument.replace(bad_argument.find("500"), 3, "\"x\"");
+  batchgate::Handover refused_argument;
+  CHECK(!batchgate::ParseHandover(bad_argument, &refused_argument, &error));
+  CHECK_EQ(error, std::string("handover key 'grpc_arguments' must be a list of [name, integer]"));
   batchgate::Handover off;
   CHECK(batchgate::ParseHandover(head + R"(, "shared_memory": false}})", &off, &error));
   CHECK(!off.shared_memory);
@@ -824,7 +841,7 @@ void TestWireScanCounts() {
   } counts[] = {{WireRule::kInputs, 2}, {WireRule::kRawInputContents, 2}, {WireRule::kOutputs, 1},
                 {WireRule::kParameters, 2}, {WireRule::kDimensions, 2},
                 {WireRule::kBytesContents, 2}, {WireRule::kNameBytes, 23},
-                {WireRule::kUnknownFields, 0}};
+                {WireRule::kUnknownFields, 0}, {WireRule::kContentsBytes, 40}};
   for (const auto& count : counts) {
     auto limits = unlimited;
     limits.most[static_cast<int>(count.rule)] = count.has;
@@ -893,6 +910,51 @@ void TestWireScanCounts() {
   wide.mutable_inputs(0)->mutable_shape()->Resize(1 << 20, 3);
   const std::string wide_bytes = wide.SerializeAsString();
   CHECK_EQ(Outcome(ScanBytes(wide_bytes, dims, {7, 4096, 70000})), std::string("over dimensions"));
+  // Typed contents count as parsed (request_scan.py's cases): 1-byte int64 values 8 each.
+  const auto contents_limit = [&](uint64_t most) {
+    auto limits = unlimited;
+    limits.most[static_cast<int>(WireRule::kContentsBytes)] = most;
+    return limits;
+  };
+  const auto in_contents = [](const std::string& contents) {
+    const auto wrap = [](char tag, const std::string& payload) {
+      std::string out(1, tag);
+      uint64_t n = payload.size();
+      while (n >= 0x80) {
+        out += static_cast<char>(0x80 | (n & 0x7f));
+        n >>= 7;
+      }
+      out += static_cast<char>(n);
+      return out + payload;
+    };
+    return wrap('\x2a', wrap('\x2a', contents));
+  };
+  inference::InferTensorContents zeros;
+  for (int i = 0; i < 1000000; ++i) zeros.add_int64_contents(0);
+  const std::string million = in_contents(zeros.SerializeAsString());
+  CHECK_EQ(Outcome(ScanBytes(million, contents_limit(8000000), {4096, 70000})),
+           std::string("within"));
+  CHECK_EQ(Outcome(ScanBytes(million, contents_limit(7999999), {4096, 70000})),
+           std::string("over contents_bytes"));
+  const std::string unpacked = std::string("\x18\x01", 2) + std::string("\x18\x01", 2) +
+                               std::string("\x18\x01", 2) + std::string("\x18\x01", 2) +
+                               std::string("\x18\x01", 2) + std::string("\x18\xff\x01", 3) +
+                               std::string("\x18\xff\x01", 3);  // 7 int64 values
+  const std::string two_inputs = in_contents(unpacked) + in_contents(unpacked);
+  CHECK_EQ(Outcome(ScanBytes(two_inputs, contents_limit(112))), std::string("within"));
+  CHECK_EQ(Outcome(ScanBytes(two_inputs, contents_limit(111))), std::string("over contents_bytes"));
+  const std::string fixed = std::string("\x35" "abcd" "\x35" "abcd" "\x35" "abcd" "\x39" "xxxxxxxx", 24);
+  CHECK_EQ(Outcome(ScanBytes(in_contents(fixed.substr(0, 15)), contents_limit(12))),
+           std::string("within"));
+  CHECK_EQ(Outcome(ScanBytes(in_contents(fixed), contents_limit(96))), std::string("within"));
+  CHECK_EQ(Outcome(ScanBytes(in_contents(fixed), contents_limit(95))),
+           std::string("over contents_bytes"));
+  CHECK_EQ(Outcome(ScanBytes(in_contents(unpacked + "\x18"), contents_limit(55))),
+           std::string("over contents_bytes"));
+  CHECK_EQ(Outcome(ScanBytes(in_contents(unpacked + "\x18"), contents_limit(56))),
+           std::string("malformed"));
+  CHECK_EQ(Outcome(ScanBytes(in_contents(std::string("\x98\x00\x01", 3)), contents_limit(7))),
+           std::string("over contents_bytes"));
   // Many empty outputs: refused at the first past the bound, whatever follows.
   auto few = unlimited;
   few.most[static_cast<int>(WireRule::kOutputs)] = 1024;
@@ -979,10 +1041,11 @@ void TestWireScanMalformed() {
 }
 
 void TestMetrics() {
-  batchgate::RequestMetrics metrics({0.001, 0.01}, "input-3", [] { return uint64_t{512}; });
-  metrics.Count("m\"x", grpc::StatusCode::OK, 0.005);
-  metrics.Count("m\"x", grpc::StatusCode::OK, 0.01);
-  metrics.Count("m\"x", grpc::StatusCode::NOT_FOUND, 0.5);
+  batchgate::RequestMetrics metrics({0.001, 0.01}, "input-3", [] { return uint64_t{512}; },
+                                    "<unknown>");
+  metrics.Count("m\"x", true, grpc::StatusCode::OK, 0.005);
+  metrics.Count("m\"x", true, grpc::StatusCode::OK, 0.01);
+  metrics.Count("m\"x", true, grpc::StatusCode::NOT_FOUND, 0.5);
   const std::string text = metrics.Exposition();
   CHECK(text.find("batchgate_requests_total{model=\"m\\\"x\",status=\"OK\"} 2.0\n") != std::string::npos);
   CHECK(text.find("batchgate_requests_total{model=\"m\\\"x\",status=\"NOT_FOUND\"} 1.0\n") != std::string::npos);
@@ -991,12 +1054,26 @@ void TestMetrics() {
   CHECK(text.find("batchgate_request_seconds_bucket{le=\"+Inf\",model=\"m\\\"x\"} 2.0\n") != std::string::npos);
   CHECK(text.find("batchgate_request_seconds_count{model=\"m\\\"x\"} 2.0\n") != std::string::npos);
   CHECK(text.find("batchgate_arena_bytes_in_use{region=\"input-3\"} 512.0\n") != std::string::npos);
-  // Past 4096 (model, status) pairs, new names count under "_unknown".
-  for (int i = 0; i < 5000; ++i) metrics.Count("model" + std::to_string(i), grpc::StatusCode::OK, 0);
+  CHECK(text.find("batchgate_stream_backlog_bytes 0.0\n") != std::string::npos);
+  // Names the executor does not know never become labels, however many and long.
+  for (int i = 0; i < 3000; ++i) {
+    metrics.Count(std::string(60000, 'n') + std::to_string(i), false, grpc::StatusCode::NOT_FOUND, 0);
+  }
+  const std::string flooded = metrics.Exposition();
+  CHECK(flooded.size() < 4096);
+  CHECK(flooded.find("model=\"<unknown>\",status=\"NOT_FOUND\"} 3000.0") != std::string::npos);
+  // Past 4096 (model, status) pairs, even known names count under the unknown label.
+  for (int i = 0; i < 5000; ++i) metrics.Count("model" + std::to_string(i), true, grpc::StatusCode::OK, 0);
   const std::string full = metrics.Exposition();
-  CHECK(full.find("model=\"_unknown\",status=\"OK\"} 906.0") != std::string::npos);
-  CHECK(full.find("model=\"model4093\"") != std::string::npos);  // the 4096th pair
-  CHECK(full.find("model=\"model4094\"") == std::string::npos);
+  CHECK(full.find("model=\"<unknown>\",status=\"OK\"} 907.0") != std::string::npos);
+  CHECK(full.find("model=\"model4092\"") != std::string::npos);  // the 4096th pair
+  CHECK(full.find("model=\"model4093\"") == std::string::npos);
+  metrics.AddStreamBacklog(300);
+  metrics.AddStreamBacklog(-100);
+  metrics.CountStreamPause();
+  const std::string streams = metrics.Exposition();
+  CHECK(streams.find("batchgate_stream_backlog_bytes 200.0\n") != std::string::npos);
+  CHECK(streams.find("batchgate_stream_pauses_total 1.0\n") != std::string::npos);
 }
 
 }  // namespace
