@@ -378,3 +378,18 @@ def test_the_attack_bench_runs_an_attack_beside_valid_load(tmp_path, capsys):
     assert set(row["peak_growth_bytes"]) == {"server"}
     assert result["metrics_bytes"] < attacks.METRICS_BOUND
     assert "| an output asked for twice | INVALID_ARGUMENT |" in capsys.readouterr().out
+
+
+def test_the_attack_bench_reads_a_request_attack_against_the_same_bytes_sent_honestly(tmp_path):
+    from batchgate.bench import attacks
+
+    [attack] = [a for a in attacks.attacks() if a.name == "3,000,000 unknown fields"]
+    honest = attacks.pb.ModelInferRequest.FromString(attack.honest)  # well formed
+    assert abs(len(attack.honest) - attack.wire_bytes) <= 1
+    assert len(honest.raw_input_contents[0]) > attack.wire_bytes - 64
+    written = tmp_path / "attacks.json"
+    assert attacks.main(["--modes", "single", "--seconds", "0.5", "--clients", "2",
+                         "--only", "unknown fields", "--json", str(written)]) == 0
+    [row] = json.loads(written.read_text())["results"][0]["rows"]
+    assert row["status"] == "RESOURCE_EXHAUSTED" and row["wrong"] == 0
+    assert row["honest_goodput"] > 0 and row["honest_ratio"] is not None
