@@ -49,10 +49,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from batchgate.bench.inprocess import load as load_inprocess
 from batchgate.bench.serving import ROOT, start_server
 from batchgate.clients import AsyncClient, BatchgateError, RetryPolicy
+from batchgate.server.metrics import UNKNOWN_MODEL_LABEL
 
 MAX_SECONDS = 600.0  # a soak runs 10 minutes at most
 RSS_GROWTH_LIMIT = 0.05
 CALL_TIMEOUT_S = 30.0  # far above any latency here: reaching it means a request was lost
+UNKNOWN_MODEL = "no_such_model"  # what the invalid traffic names that the repository lacks
 MODELS = ("mlp", "cnn", "encoder")
 INVALID_KINDS = ("shape", "datatype", "input_name", "model")
 INVALID_CODES = {
@@ -145,7 +147,7 @@ def invalid_request(kind: str, rng: random.Random, refs: dict[str, Reference]
         return model, {ref.input_name: x.astype(np.float64 if x.dtype != np.float64 else np.int8)}
     if kind == "input_name":
         return model, {"NO_SUCH_INPUT": x}
-    return "no_such_model", {ref.input_name: x}
+    return UNKNOWN_MODEL, {ref.input_name: x}
 
 
 async def one_invalid(client: AsyncClient, rng: random.Random, refs: dict[str, Reference],
@@ -247,8 +249,10 @@ def compare_counts(tally: Tally, before: dict, after: dict) -> list[str]:
     client: collections.Counter = collections.Counter()
     for kind in ("valid", "invalid"):
         for model, statuses in tally.counts[kind].items():
+            # The server labels a model its repository does not know with one label.
+            label = UNKNOWN_MODEL_LABEL if model == UNKNOWN_MODEL else model
             for status, n in statuses.items():
-                client[(model, status)] += n
+                client[(label, status)] += n
     cancelled: collections.Counter = collections.Counter()
     for model, statuses in tally.counts["cancelled"].items():
         cancelled[model] += sum(statuses.values())

@@ -45,7 +45,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, BinaryIO
 
 import structlog
@@ -82,6 +82,26 @@ EXECUTOR_MIN_GRACE_S = 5.0
 # GOAWAY's way to the clients, then the last answers (server/drain.py; the native one alike).
 FRONTEND_SHUTDOWN_S = GOAWAY_PROPAGATION_S + LAST_ANSWERS_S
 
+
+
+def frontend_handover(settings: Settings, values: dict, *, slot: int, arena_fd: int,
+                      arena_bytes: int, slots: int, input_region: tuple[int, int],
+                      executor_socket: str, metrics_socket: str, grpc_port: int,
+                      extensions: Iterable[str]) -> dict:
+    """What a native front end is handed (``server/native/src/handover.cc`` reads it):
+    ``values``, the settings it acts on (``Settings.handover``), and what it is to serve with.
+    The one place its shape is written, for the supervisor and the tests' own front ends."""
+    return {
+        "role": FRONTEND, "slot": slot, "arena_fd": arena_fd, "arena_bytes": arena_bytes,
+        "slots": slots, "input_region": list(input_region), "executor_socket": executor_socket,
+        "metrics_socket": metrics_socket, "grpc_port": grpc_port, "version": __version__,
+        "extensions": list(extensions), "seconds_buckets": list(SECONDS_BUCKETS),
+        "wire_limits": request_limits.wire_limits(settings),
+        "grpc_arguments": connections.server_arguments(settings),
+        "unknown_model_label": UNKNOWN_MODEL_LABEL,
+        "max_stream_backlog_messages": connections.STREAM_BACKLOG_MESSAGES,
+        "settings": values,
+    }
 
 class SupervisorError(RuntimeError):
     """The server could not start: a child failed before it was ready."""
@@ -521,20 +541,12 @@ class Supervisor:
 
     def _handover_of_frontend(self, slot: int) -> bytes:
         offset, size = ArenaLayout(self.arena_bytes, self.frontends).input_region(slot)
-        return _json({
-            "role": FRONTEND, "slot": slot, **self._arena_fields(),
-            "input_region": [offset, size], "executor_socket": self.socket_name,
-            "metrics_socket": self._metrics_socket(slot), "grpc_port": self.grpc_port,
-            "version": __version__,
-            "extensions": list(server_extensions(self.settings.shared_memory,
-                                                 cuda=self.cuda_shared_memory)),
-            "seconds_buckets": list(SECONDS_BUCKETS),
-            "wire_limits": request_limits.wire_limits(self.settings),
-            "grpc_arguments": connections.server_arguments(self.settings),
-            "unknown_model_label": UNKNOWN_MODEL_LABEL,
-            "max_stream_backlog_messages": connections.STREAM_BACKLOG_MESSAGES,
-            "settings": self._settings_for(FRONTEND),
-        })
+        return _json(frontend_handover(
+            self.settings, self._settings_for(FRONTEND), slot=slot, **self._arena_fields(),
+            input_region=(offset, size), executor_socket=self.socket_name,
+            metrics_socket=self._metrics_socket(slot), grpc_port=self.grpc_port,
+            extensions=server_extensions(self.settings.shared_memory,
+                                         cuda=self.cuda_shared_memory)))
 
     def _settings_for(self, role: str) -> dict:
         values = self.settings.handover(role)

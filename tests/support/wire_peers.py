@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 
 from batchgate.batcher.arena import ArenaLayout, SharedArena
-from batchgate.batcher.metrics import SECONDS_BUCKETS
 from batchgate.protos import model_config_pb2, wire_pb2
-from batchgate.server import __version__, native, request_limits, server_extensions, wire
+from batchgate.server import native, server_extensions, wire
 from batchgate.server.posix import hand_over, reserve_port
 from batchgate.server.settings import EXECUTOR, FRONTEND, Settings
+from batchgate.server.supervisor import frontend_handover
 
 READ_TIMEOUT_S = 30.0
 
@@ -222,14 +222,11 @@ class NativeFrontEnd(_Child):
         offset, size = ArenaLayout(arena.size, slots).input_region(slot)
         values = self.settings.handover(FRONTEND)
         values["log_level"] = "info"
-        handover = {
-            "role": FRONTEND, "slot": slot, "arena_fd": arena.fd, "arena_bytes": arena.size,
-            "slots": slots, "input_region": [offset, size], "executor_socket": executor_socket,
-            "metrics_socket": socket_name("metrics"), "grpc_port": self.port,
-            "version": __version__, "extensions": list(server_extensions(False, cuda=False)),
-            "seconds_buckets": list(SECONDS_BUCKETS),
-            "wire_limits": request_limits.wire_limits(self.settings), "settings": values,
-        }
+        handover = frontend_handover(
+            self.settings, values, slot=slot, arena_fd=arena.fd, arena_bytes=arena.size,
+            slots=slots, input_region=(offset, size), executor_socket=executor_socket,
+            metrics_socket=socket_name("metrics"), grpc_port=self.port,
+            extensions=server_extensions(False, cuda=False))
         super().__init__([str(binary or native.binary())], handover, (arena.fd,), env)
 
     @property
