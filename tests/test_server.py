@@ -438,8 +438,9 @@ def test_known_model_names_share_the_unknown_label_past_the_bound(server, stub, 
 
     counters = server.gateway.service._status_counters
     monkeypatch.setattr(service_module, "MAX_LABELLED_COUNTERS", len(counters))
-    # A model the repository knows whose NOT_FOUND pair no earlier test made.
-    names = [entry.name for entry in server.gateway.repository.index()]
+    # A model the repository serves whose NOT_FOUND pair no earlier test made (a model an earlier
+    # test unloaded answers UNAVAILABLE, not NOT_FOUND).
+    names = server.gateway.repository.ready_models()
     name = next(n for n in names if (n, grpc.StatusCode.NOT_FOUND) not in counters)
     unknown_before = server.metric("batchgate_requests_total", model=UNKNOWN_MODEL_LABEL,
                                    status="NOT_FOUND") or 0
