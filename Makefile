@@ -26,9 +26,10 @@ tools: $(STAMP)
 
 # The native front end (server/native, C++ on Debian's / Ubuntu's gRPC): the script installs the
 # build packages it needs. When it cannot build, this says so once and serve falls back to the
-# Python front end (tests of the native mode say why they skip; CI sets BATCHGATE_REQUIRE_NATIVE).
+# one-process mode, saying why (tests of the native mode say why they skip; CI sets
+# BATCHGATE_REQUIRE_NATIVE).
 native: $(STAMP)
-	@bash scripts/build-native.sh || echo "make: the native front end could not be built (the line above says why); batchgate serves with the Python front end"
+	@bash scripts/build-native.sh || echo "make: the native front end could not be built (the line above says why); batchgate serve falls back to one Python process (--frontend single)"
 
 # The same under AddressSanitizer and UBSan, for the tests that run it (tests/test_native_parity.py).
 native-asan: $(STAMP)

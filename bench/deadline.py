@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
                              "generator")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-arg", action="append", default=[],
-                        help="a flag for the server (repeatable), e.g. --server-arg=--frontends=2")
+                        help="a flag for the server (repeatable), e.g. --server-arg=--frontend=native")
     parser.add_argument("--synthetic-ms", type=lambda t: _numbers(t, float), metavar="FIXED,PER",
                         help="serve a generated model whose batch of n sleeps FIXED + PER × n ms "
                              "instead of --model (batching, not the front end, then sets capacity)")

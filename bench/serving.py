@@ -5,7 +5,7 @@ One run, one machine, the model on one intra-op thread everywhere:
 
 1. the in-process ceiling (``batchgate.bench.inprocess``, in a subprocess): samples/s at batch 64 and the
    per-call p50 at batch 1;
-2. per mode (``--modes``: the native front end, Python front-end processes, one process), the
+2. per mode (``--modes``: the native front end, one process), the
    server as a subprocess on loopback, serving only the measured model; then the floor
    (``batchgate.bench.floor``): the same model behind an all-C++ gRPC server with no Python,
    the yardstick for what this machine allows at all;
@@ -100,7 +100,6 @@ class Targets:
 
 TARGETS = {
     "native": Targets(0.7, 35.0, 0.5, outside_model_us=100.0, executor_us=40.0),
-    "python": Targets(0.45, 50.0, 1.0),
     "single": Targets(0.45, 50.0, 1.0),
 }
 
@@ -155,7 +154,7 @@ def process_tree(pid: int) -> dict[int, str]:
             continue
         if b"batchgate.server.executor_process" in command:
             roles[current] = "executor"
-        elif b"batchgate.server.frontend" in command or b"batchgate-frontend" in command:
+        elif b"batchgate-frontend" in command:
             roles[current] = "frontend"
         else:
             roles[current] = "supervisor"
@@ -872,7 +871,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="repository holding the model (default: the example models)")
     parser.add_argument("--modes", type=_choices(SERVING_MODES), default=list(SERVING_MODES),
                         help="server modes to measure, in order (default: "
-                             "native,python,single,floor; native is skipped, saying why, where "
+                             "native,single,floor; native is skipped, saying why, where "
                              "it is not built). floor: batchgate-floor, the all-C++ yardstick "
                              "(batchgate.bench.floor), built on first use, skipped, saying why, "
                              "where it cannot be")

@@ -8,7 +8,7 @@ registers). Reported per row: throughput, p99, and the server's CPU per request 
 processes, from ``/proc``, over the whole perf_analyzer run); and each shared-memory row's
 ratios to its gRPC row.
 
-    python -m batchgate.bench.shared_memory [--modes native,python,single] [--concurrency 4] [--seconds 3]
+    python -m batchgate.bench.shared_memory [--modes native,single] [--concurrency 4] [--seconds 3]
 """
 
 from __future__ import annotations
@@ -133,8 +133,8 @@ _say = progress("batchgate.bench.shared_memory")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m batchgate.bench.shared_memory",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", type=_choices(MODES), default=["native", "python", "single"],
-                        help="server modes to measure, in order (default: native,python,single)")
+    parser.add_argument("--modes", type=_choices(MODES), default=["native", "single"],
+                        help="server modes to measure, in order (default: native,single)")
     parser.add_argument("--concurrency", type=int, default=4,
                         help="perf_analyzer's concurrency (default: %(default)s)")
     parser.add_argument("--seconds", type=float, default=3.0,

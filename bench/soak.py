@@ -19,7 +19,7 @@ What it checks, and prints:
   in multi-process mode), sampled every second; growth from the end of warm-up to the end of
   the run must stay under 5 %.
 
-    python -m batchgate.bench.soak [--seconds 600] [--warmup-s 60] [--frontends 0] [--concurrency 16]
+    python -m batchgate.bench.soak [--seconds 600] [--warmup-s 60] [--mode single] [--concurrency 16]
                          [--json FILE]
 
 Exit status 0 when both checks pass, 1 otherwise.
@@ -273,8 +273,7 @@ def compare_counts(tally: Tally, before: dict, after: dict) -> list[str]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     repository = Path(args.model_repository)
     refs = references(repository)
-    extra = ["--frontends", str(args.frontends), "--drain-timeout-s", "10"]
-    server = start_server(repository, "auto", "mlp", extra)
+    server = start_server(repository, args.mode, "mlp", ["--drain-timeout-s", "10"])
     try:
         address = server.address
         rss: list[tuple[float, int]] = []
@@ -307,7 +306,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report = {
         "seconds": args.seconds,
         "warmup_s": args.warmup_s,
-        "frontends": args.frontends,
+        "mode": args.mode,
         "concurrency": args.concurrency,
         "mix_valid_invalid_cancelled": list(args.mix),
         "requests": tally.total(),
@@ -332,7 +331,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def render(report: dict[str, Any]) -> str:
     lines = [
         (f"soak: {report['seconds']:g} s ({report['warmup_s']:g} s warm-up), "
-        f"frontends={report['frontends']}, concurrency={report['concurrency']}, "
+        f"mode={report['mode']}, concurrency={report['concurrency']}, "
         f"mix valid:invalid:cancelled = {':'.join(map(str, report['mix_valid_invalid_cancelled']))}"),
         f"requests                {report['requests']}",
     ]
@@ -361,8 +360,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"length of the load, warm-up included, at most {MAX_SECONDS:g}")
     parser.add_argument("--warmup-s", type=float, default=60.0,
                         help="RSS growth is measured from this point on (default: %(default)s)")
-    parser.add_argument("--frontends", type=int, default=0,
-                        help="0: single process; N: the multi-process server (default: %(default)s)")
+    parser.add_argument("--mode", choices=("single", "native"), default="single",
+                        help="single: one process; native: the multi-process server (default: "
+                             "%(default)s)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--mix", type=int, nargs=3, default=(8, 1, 1),
                         metavar=("VALID", "INVALID", "CANCELLED"), help="weights of the traffic kinds")

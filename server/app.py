@@ -1,4 +1,5 @@
-"""Assembling the server: settings, the gRPC server with health and reflection, metrics, drain.
+"""Assembling the one-process server: settings, the gRPC server with health and reflection,
+metrics, drain, and the models in this process (``--frontend single``).
 
 ``Gateway.start()`` binds the ports (0 = any free port: tests read ``grpc_port`` and
 ``metrics_port`` back), loads the model repository, and only then reports SERVING.
@@ -86,46 +87,30 @@ class _Health(health.aio.HealthServicer):
 
 
 class Gateway:
-    def __init__(self, settings: Settings, *, metrics: ServerMetrics | None = None,
-                 repository=None, reuse_port: bool = False,
-                 extensions: tuple[str, ...] | None = None) -> None:
-        """``repository``: a front end's ``RemoteRepository``; by default the models load here.
-        ``reuse_port``: bind the gRPC port with SO_REUSEPORT (front ends sharing it).
-        ``extensions``: what ServerMetadata lists, as the supervisor handed it to a front end
-        (default: what this process serves)."""
+    def __init__(self, settings: Settings, *, metrics: ServerMetrics | None = None) -> None:
         self.settings = settings
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self.drain = DrainGate()
         self.health = _Health(self.drain)
-        self._remote = repository is not None
-        self._reuse_port = reuse_port
-        if repository is None:
-            pools = DevicePools(
-                PoolSettings(settings.device_pool_bytes, settings.device_pool_fraction,
-                             settings.device_pool_strict),
-                self.metrics.batcher)
-            repository = ModelRepository(
-                settings.model_repository,
-                metrics=self.metrics.batcher,
-                on_state_change=self._on_model_state,
-                pools=pools,
-            )
-        else:
-            repository.bind(metrics=self.metrics.batcher, on_state_change=self._on_model_state,
-                            on_connection_change=self._on_executor)
-        self.repository = repository
+        pools = DevicePools(
+            PoolSettings(settings.device_pool_bytes, settings.device_pool_fraction,
+                         settings.device_pool_strict),
+            self.metrics.batcher)
+        self.repository = ModelRepository(
+            settings.model_repository,
+            metrics=self.metrics.batcher,
+            on_state_change=self._on_model_state,
+            pools=pools,
+        )
         limits = RequestLimits(max_request_bytes=settings.request_bytes_limit,
                                max_tensor_elements=settings.max_tensor_elements,
                                max_reply_bytes=settings.max_message_bytes)
-        control = (ControlPlane(repository, max_load_files_bytes=settings.max_load_files_bytes)
-                   if not self._remote else repository)
-        # Registrations live where the models run: here, or in the executor process.
-        self.shared_memory = (SharedMemoryRegistry(settings.shared_memory)
-                              if not self._remote else None)
-        self.service = InferenceService(self.repository, self.metrics, limits, control,
-                                        wire_limits=WireLimits.of(settings),
+        control = ControlPlane(self.repository,
+                               max_load_files_bytes=settings.max_load_files_bytes)
+        self.shared_memory = SharedMemoryRegistry(settings.shared_memory)
+        self.service = InferenceService(self.repository, self.metrics, self.shared_memory,
+                                        limits, control, wire_limits=WireLimits.of(settings),
                                         shared_memory=settings.shared_memory,
-                                        registry=self.shared_memory, extensions=extensions,
                                         drain=self.drain,
                                         max_stream_backlog_bytes=settings.max_stream_backlog_bytes)
         self.grpc_port = 0
@@ -143,7 +128,7 @@ class Gateway:
         options = [
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
-            ("grpc.so_reuseport", 1 if self._reuse_port else 0),
+            ("grpc.so_reuseport", 0),
             *connections.server_arguments(s),
         ]
         server = grpc.aio.server(options=options, interceptors=auth.interceptors(s))
@@ -168,7 +153,7 @@ class Gateway:
             self._httpd = self.metrics.serve_http(s.host, s.metrics_port)
             self.metrics_port = self._httpd.server_port
         log.info("listening", grpc_port=self.grpc_port, metrics_port=self.metrics_port,
-                 models=str(getattr(self.repository, "root", "the executor process")),
+                 models=str(self.repository.root),
                  **s.security())
         await self.repository.load_all()
         if s.gc_freeze:
@@ -179,7 +164,8 @@ class Gateway:
         self.service.set_ready(True)
         await self.health.set("", SERVING)
         await self.health.set(SERVICE_NAME, SERVING)
-        log.info("serving", models=self.repository.ready_models(), **runtime_facts())
+        log.info("serving", models=self.repository.ready_models(), mode="single",
+                 **runtime_facts())
 
     async def stop(self, drain_timeout_s: float | None = None) -> None:
         """Drain and stop: NOT_SERVING first, then finish what was accepted, then close."""
@@ -202,8 +188,7 @@ class Gateway:
             await shutdown
         else:
             drain.release()
-        if self.shared_memory is not None:
-            self.shared_memory.close()
+        self.shared_memory.close()
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
@@ -212,15 +197,6 @@ class Gateway:
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
-
-    def _on_executor(self, connected: bool) -> None:
-        """A front end's executor came or went: the whole server's health follows it."""
-        if self.service.draining:
-            return
-        self.service.set_ready(connected)
-        status = SERVING if connected else NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            self._spawn(self.health.set(name, status))
 
     def _on_model_state(self, name: str, state: str) -> None:
         status = SERVING if state == "READY" else NOT_SERVING

@@ -5,6 +5,12 @@ declared once with its help. They follow Triton's names and defaults where Trito
 (``--grpc-port 8001``, ``--metrics-port 8002``, ``--model-repository``), so users' habits carry
 over.
 
+It serves in one of two modes (``--frontend``): ``native``, the supervisor with an executor
+process and the native front end (C++), the way to serve from more than one process; or
+``single``, one Python process that is its own gRPC edge, for debugging and for machines where
+the native front end cannot be built. ``auto`` (the default) takes ``native`` where it is built,
+else ``single`` with a warning that says why.
+
 Bearer tokens have no flag of their own: a command line shows in ``ps`` to every user of the
 machine, so they come from a file (``--admin-token-file``) or the environment
 (``$BATCHGATE_ADMIN_TOKEN``), one or the other.
@@ -26,7 +32,7 @@ from batchgate.batcher import gpu_env
 from batchgate.server import native
 from batchgate.server.logs import configure_logging
 from batchgate.server.posix import schedule_request_path
-from batchgate.server.settings import TOKEN_ENV, Settings, check_devices
+from batchgate.server.settings import RETIRED_FLAGS, TOKEN_ENV, Settings, check_devices
 from batchgate.server.supervisor import Supervisor
 
 log = structlog.get_logger(__name__)
@@ -54,6 +60,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     for role in TOKEN_ENV:
         parser.add_argument(f"--{role}-token-file", type=Path, default=None,
                             help=_token_help(role))
+    for flag, message in RETIRED_FLAGS.items():
+        parser.add_argument(flag, nargs="?", action=_Retired, message=message,
+                            help=argparse.SUPPRESS)
+
+
+class _Retired(argparse.Action):
+    """A flag that is gone: refused with what replaces it (argparse would say only
+    "unrecognized arguments")."""
+
+    def __init__(self, option_strings, dest, message: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.message = message
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        given = option_string if values is None else f"{option_string} {values}"
+        raise argparse.ArgumentError(self, f"{self.message}, got {given}")
 
 
 def _flag_type(parse):
@@ -105,35 +127,26 @@ def read_token(role: str, path: Path | None) -> str | None:
     return token
 
 
-def default_frontends(cores: int) -> int:
-    """Python front ends for ``cores`` usable cores. On two cores, one process did as well as
-    several: the executor and gRPC's work already fill both."""
-    return 0 if cores <= 2 else min(8, cores // 2)
+# What the one-process mode says when it starts: what it is for, and what serves otherwise.
+SINGLE_PURPOSE = ("one Python process serves gRPC and runs the models: for debugging and for "
+                  "machines where the native front end cannot be built; --frontend native "
+                  "(make native) serves from an executor process behind the native front end")
 
 
-def resolve_mode(settings: Settings) -> tuple[str, int, str | None]:
-    """``(frontend, frontends, why)``: "native" (one process) or "python" with its process
-    count (0: single-process); ``why`` says why ``auto`` did not choose the native front end.
-    ValueError when the native front end is asked for and not built, or when a setting is
-    given that the mode does not act on."""
-    frontend, why = settings.frontend, None
-    if frontend == "auto":
-        if settings.frontends is not None:
-            frontend, why = "python", "--frontends counts Python front-end processes"
-        else:
-            reason = native.unavailable_reason()
-            frontend, why = ("native", None) if reason is None else ("python", reason)
-    elif frontend == "native":
+def resolve_mode(settings: Settings) -> tuple[str, str | None]:
+    """``(mode, why)``: "native" or "single"; ``why`` says why ``auto`` did not choose the
+    native front end. ValueError when the native front end is asked for and not built, or when
+    a setting is given that the mode does not act on."""
+    mode, why = settings.frontend, None
+    if mode == "auto":
+        why = native.unavailable_reason()
+        mode = "native" if why is None else "single"
+    elif mode == "native":
         reason = native.unavailable_reason()
         if reason is not None:
             raise ValueError(f"--frontend native: {reason}")
-    count = 1
-    if frontend == "python":
-        count = settings.frontends
-        if count is None:
-            count = default_frontends(len(os.sched_getaffinity(0)))
-    settings.check_mode(frontend, count)
-    return frontend, count, why
+    settings.check_mode(mode)
+    return mode, why
 
 
 async def serve(settings: Settings) -> None:
@@ -174,18 +187,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_from(args)
         configure_logging(settings.log_level, settings.log_format)
-        frontend, frontends, why = resolve_mode(settings)
+        mode, why = resolve_mode(settings)
         supervisor = None
-        if frontends > 0:
-            supervisor = Supervisor(settings, frontend=frontend, frontends=frontends)
+        if mode == "native":
+            supervisor = Supervisor(settings)
         else:
             check_devices(settings)
     except ValueError as exc:
         parser.error(str(exc))
-    if why is not None and settings.frontend == "auto":
-        log.info("frontend_chosen", frontend=frontend, frontends=frontends, reason=why)
     if supervisor is not None:
         return supervisor.run()
+    if why is not None:
+        log.warning("native_front_end_unavailable", mode=mode, reason=why, purpose=SINGLE_PURPOSE)
+    else:
+        log.info("single_process_mode", mode=mode, purpose=SINGLE_PURPOSE)
     # Before the server's threads start: they inherit it, and model threads take SCHED_OTHER
     # back (batchgate.batcher.scheduling).
     schedule_request_path(settings.request_scheduling, settings.model_cpus)

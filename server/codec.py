@@ -452,7 +452,7 @@ def _from_contents(model: str, tspec: TensorSpec, shape: tuple, count: int,
 def encode_outputs(
     response: pb.ModelInferResponse,
     spec: ModelSpec,
-    outputs: Mapping[str, np.ndarray | EncodedBytes | Placed],
+    outputs: Mapping[str, np.ndarray | Placed],
     requested: tuple[str, ...] | None,
     *,
     max_reply_bytes: int | None = None,
@@ -474,12 +474,8 @@ def encode_outputs(
             # Written into the client's region: an empty entry keeps raw_output_contents
             # aligned with outputs, as clients index them together (Triton does the same).
             raws.append(b"")
-        elif isinstance(array, EncodedBytes):
-            raws.append(array.data)
         elif datatype == "BYTES":
             raws.append(bytes_encoding(array))
-        elif isinstance(array.base, bytes) and len(array.base) == array.nbytes:
-            raws.append(array.base)  # already the reply's bytes (multi-process front end)
         else:
             raws.append(array)  # copied once it is known to fit
     if max_reply_bytes is not None:
@@ -501,17 +497,6 @@ def _length_delimited(size: int) -> int:
     """What a length-delimited field of ``size`` bytes takes, numbered under 16 (a one-byte
     tag): the tag, the varint of its length, its bytes."""
     return 1 + max(1, (size.bit_length() + 6) // 7) + size
-
-
-class EncodedBytes:
-    """A BYTES output still in its wire encoding (as an executor process wrote it), which a
-    reply carries as it is."""
-
-    __slots__ = ("data", "shape")
-
-    def __init__(self, data: bytes, shape: tuple[int, ...]) -> None:
-        self.data = data
-        self.shape = shape
 
 
 def bytes_row_offsets(array: np.ndarray) -> np.ndarray:

@@ -1,6 +1,6 @@
-"""What one front-end process allows its clients' connections, as gRPC server arguments.
+"""What the gRPC edge allows its clients' connections, as gRPC server arguments.
 
-``server_arguments(settings)`` is the one list: the Python front end passes it to
+``server_arguments(settings)`` is the one list: the one-process server passes it to
 ``grpc.aio.server``, and the supervisor hands the same list to the native front end, which adds
 each to its ``grpc::ServerBuilder`` as it is (``server/native/src/frontend.cc``). Besides the
 settings' own (``-- connections`` in ``server/settings.py``), two arguments are fixed here:

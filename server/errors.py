@@ -1,4 +1,4 @@
-"""The serving path's errors as gRPC statuses, for the Python front end (``server/status.py``
+"""The serving path's errors as gRPC statuses, for the one-process server's grpcio edge (``server/status.py``
 holds the one table; this turns its numbers into ``grpc.StatusCode``)."""
 
 from __future__ import annotations

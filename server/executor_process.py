@@ -1,7 +1,7 @@
 """The executor process: owns the models, their queues and executors; serves front ends.
 
-Front ends (native or Python) decode and check each request, write its tensors into their region
-of the shared arena and send a descriptor over the wire (``protos/wire.proto``,
+The native front end decodes and checks each request, writes its tensors into its region
+of the shared arena and sends a descriptor over the wire (``protos/wire.proto``,
 ``server/wire.py``). A read's descriptors are taken in one pass: each becomes a request whose
 arrays are views of the arena, so the batcher reads them without another copy, and each model's
 requests of the read join its queue together (one admission bound, one taking of the queue's

@@ -1,9 +1,8 @@
 """The KServe v2 / Triton gRPC service: thin handlers over the model repository and the codec.
 
-Each handler turns protocol messages into calls on the repository's models (a
-``ModelRepository`` here, or a front end's ``RemoteRepository``) and back; the control RPCs
-(statistics, index, load, unload) go to the control plane as the client sent them
-(``server/control.py``, or forwarded to the executor process). Errors go through
+Each handler turns protocol messages into calls on the repository's models (the one-process
+server's ``ModelRepository``) and back; the control RPCs (statistics, index, load, unload) go to
+the control plane as the client sent them (``server/control.py``). Errors go through
 ``batchgate.server.errors.status_of`` in one place (``_fail``). Every handler hands
 ``_fail`` whatever it caught, not only ``BatchgateError``: a bug of ours then reaches the client
 as INTERNAL with a fixed text, where gRPC would send UNKNOWN with the exception's text.
@@ -47,7 +46,7 @@ from batchgate.server.request_scan import (
     WireLimits,
     scan_infer_request,
 )
-from batchgate.server.shared_memory import OFF_MESSAGE
+from batchgate.server.shared_memory import OFF_MESSAGE, SharedMemoryRegistry
 
 log = structlog.get_logger(__name__)
 
@@ -66,33 +65,26 @@ PARSE_ERROR = (f"Unexpected {DecodeError}: Error parsing message with type "
 
 
 class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, repository, metrics: ServerMetrics,
+    def __init__(self, repository, metrics: ServerMetrics, registry: SharedMemoryRegistry,
                  limits: RequestLimits = DEFAULT_LIMITS, control=None, *,
                  wire_limits: WireLimits = DEFAULT_WIRE_LIMITS,
-                 shared_memory: bool = False, registry=None,
-                 extensions: tuple[str, ...] | None = None,
+                 shared_memory: bool = False,
                  drain: DrainGate | None = None,
                  max_stream_backlog_bytes: int = 64 * 1024 * 1024) -> None:
-        """``control``: what answers the control RPCs (default: ``ControlPlane(repository)``;
-        a front end's ``RemoteRepository`` forwards them). ``shared_memory``: whether
-        shared-memory tensors are served (``--shared-memory``); ``registry``: the
-        ``SharedMemoryRegistry`` of a single-process server, which maps regions here (None: the
-        ``control`` forwards the registration RPCs, and requests carry their placements).
+        """``registry``: the clients' shared-memory regions, mapped in this process.
+        ``control``: what answers the control RPCs (default: ``ControlPlane(repository)``).
+        ``shared_memory``: whether shared-memory tensors are served (``--shared-memory``).
         ``wire_limits``: what a request's bytes may hold (``server/request_scan.py``).
-        ``extensions``: what ServerMetadata lists (default: ``server_extensions`` of
-        ``shared_memory``, CUDA's by the registry's own device). ``drain``: the gate the
-        server's other services share (health's Watch streams end with the drain too).
-        ``max_stream_backlog_bytes``: the reply bytes a stream holds for a slow reader before
-        it stops reading that stream's requests."""
+        ``drain``: the gate the server's other services share (health's Watch streams end with
+        the drain too). ``max_stream_backlog_bytes``: the reply bytes a stream holds for a slow
+        reader before it stops reading that stream's requests."""
         self._repository = repository
         self._control = control if control is not None else ControlPlane(repository)
         self._shared_memory = shared_memory
         self._registry = registry
-        self._regions = registry if registry is not None else self._control
-        if extensions is None:
-            extensions = server_extensions(
-                shared_memory, cuda=registry is not None and registry.cuda_available())
-        self._extensions = tuple(extensions)
+        # What ServerMetadata lists: CUDA's extension by the registry's own device.
+        self._extensions = tuple(server_extensions(shared_memory,
+                                                   cuda=registry.cuda_available()))
         self._metrics = metrics
         self._limits = limits
         self._wire_limits = wire_limits
@@ -213,7 +205,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         spec = model.spec
         decoded = decode_request(request, spec, deadline=deadline, limits=self._limits,
                                  shared_memory=self._shared_memory)
-        if type(decoded) is PlacedRequest and self._registry is not None:
+        if type(decoded) is PlacedRequest:
             self._registry.attach(decoded, spec)
             outputs = self._registry.place_outputs(decoded, spec, await model.infer(decoded))
         else:
@@ -365,7 +357,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             if not self._shared_memory:
                 raise NotSupported(OFF_MESSAGE)
-            return await getattr(self._regions, method)(request)
+            return await getattr(self._registry, method)(request)
         except Exception as exc:
             return await _fail(context, exc)
 

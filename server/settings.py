@@ -3,10 +3,11 @@
 ``Settings`` is the only declaration. ``batchgate serve``'s flags are generated from it
 (``add_arguments`` / ``from_arguments``), so a flag and its setting cannot drift apart. In
 multi-process mode the supervisor validates and resolves the settings once and hands every
-child what it acts on (``handover``) as JSON on its standard input; children — the executor,
-Python front ends, the native front end — never parse flags of their own. So a setting that a
-process does not act on never reaches it, and a setting the chosen mode does not act on at all
-is refused (``check_mode``), never silently accepted.
+child what it acts on (``handover``) as JSON on its standard input; children — the executor
+and the native front end — never parse flags of their own. So a setting that a process does
+not act on never reaches it, a setting the chosen mode does not act on at all is refused
+(``check_mode``), and a flag that is gone is refused naming what replaced it
+(``RETIRED_FLAGS``), never silently accepted.
 
 Importable without torch or grpc (the supervisor uses it). Tokens are values here, never paths
 or flags: the CLI reads them from a file or the environment so that they do not show in
@@ -38,7 +39,9 @@ PEM_MARKERS = {
     "tls_key": b"PRIVATE KEY-----",
     "tls_client_ca": b"-----BEGIN CERTIFICATE-----",
 }
-FRONTENDS = ("auto", "native", "python")
+# native: the supervisor, an executor process and the native front end; single: one Python
+# process that is its own gRPC edge (debugging, machines where the native one cannot be built).
+FRONTENDS = ("auto", "native", "single")
 LOG_FORMATS = ("auto", "json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 REQUEST_SCHEDULING = ("batch", "normal")  # batchgate.batcher.scheduling.POLICIES (no torch here)
@@ -86,16 +89,27 @@ def _optional_port(text: str) -> int | None:
     return None if value < 0 else value
 
 
-def _frontend_count(text: str) -> int | None:
-    if text == "auto":
-        return None
-    try:
-        count = int(text)
-    except ValueError:
-        count = -1
-    if count < 0:
-        raise ValueError(f"frontends must be 'auto' or an integer >= 0, got {text!r}")
-    return count
+# Flags that served once and are gone, with what replaces them: the CLI refuses each with its
+# text, so that a deployment upgraded with its old command line fails at start, saying what to
+# pass, instead of serving in a mode nobody chose.
+RETIRED_FLAGS = {
+    "--frontends": (
+        "--frontends was removed with the Python front-end processes: more than one process "
+        "serves through the native front end (--frontend native; one process using every "
+        "core, --frontend-threads sizes it), and --frontend single replaces --frontends 0"),
+}
+RETIRED_FRONTENDS = {
+    "python": (
+        "--frontend python (Python front-end processes) was removed: use --frontend native "
+        "(the C++ front end, built by make native) or --frontend single (one Python process, "
+        "for debugging)"),
+}
+
+
+def _frontend_mode(text: str) -> str:
+    if text in RETIRED_FRONTENDS:
+        raise ValueError(f"{RETIRED_FRONTENDS[text]}, got --frontend {text}")
+    return text
 
 
 def cpu_list(text: str) -> tuple[int, ...]:
@@ -279,27 +293,23 @@ class Settings:
 
     # -- processes -----------------------------------------------------------------------------
     frontend: str = setting(
-        "auto", choices=FRONTENDS, roles=(SUPERVISOR,),
-        help="the gRPC front end: native (C++, one process using every core), python "
-             "(--frontends processes), or auto: native where it is built, else python")
-    frontends: int | None = setting(
-        None, parse=_frontend_count, roles=(SUPERVISOR,), default_text="auto",
-        help="with the Python front end: processes sharing the gRPC port, fed by one executor "
-             "process; 0 serves from one process; auto: 0 on a machine with 2 usable cores or "
-             "fewer, else half the cores, at most 8")
+        "auto", parse=_frontend_mode, choices=FRONTENDS, roles=(SUPERVISOR,),
+        help="the gRPC edge: native (the C++ front end, one process using every core, over an "
+             "executor process), single (one Python process, for debugging or where the native "
+             "one cannot be built), or auto: native where it is built, else single with a warning")
     frontend_threads: int = setting(
         0, parse=int, roles=(FRONTEND,), default_text="the usable cores",
         help="with the native front end: gRPC threads, each with its own completion queue")
     arena_bytes: int | None = setting(
         None, parse=int, roles=(SUPERVISOR,), default_text=str(DEFAULT_ARENA_BYTES),
-        help="size of the shared-memory arena between front ends and the executor (multi-"
-             "process modes); pages are used only when touched")
+        help="size of the shared-memory arena between the native front end and the executor "
+             "(--frontend native); pages are used only when touched")
     drain_timeout_s: float = setting(
         30.0, parse=float, roles=ALL,
         help="on SIGTERM/SIGINT, how long queued requests may take to finish")
     request_scheduling: str = setting(
         "batch", choices=REQUEST_SCHEDULING, roles=SERVING,
-        help="Linux scheduling policy of the request path's threads (front ends, the "
+        help="Linux scheduling policy of the request path's threads (the front end, the "
              "executor's event loop): batch (SCHED_BATCH) does not preempt a running model "
              "thread when it wakes, so model threads keep their cores under load; normal: "
              "as the process started (SCHED_OTHER)")
@@ -307,7 +317,7 @@ class Settings:
         None, parse=cpu_list, roles=SERVING, default_text="any",
         help="CPUs the model threads run on, as a list such as 1 or 2-7,9 (their intra-op "
              "threads too, by default no more of them than those CPUs); the request path "
-             "(front ends, the executor's event loop) then runs on the server's other CPUs, "
+             "(the front end, the executor's event loop) then runs on the server's other CPUs, "
              "so the two do not share cores and caches")
     switch_interval_s: float = setting(
         0.0005, parse=float, roles=SERVING,
@@ -350,16 +360,14 @@ class Settings:
             raise ValueError(f"switch_interval_s must be > 0, got {self.switch_interval_s}")
         if not self.model_repository.is_dir():
             raise ValueError(f"model_repository must be a folder, got {str(self.model_repository)!r}")
+        if self.frontend in RETIRED_FRONTENDS:
+            raise ValueError(f"{RETIRED_FRONTENDS[self.frontend]}, got frontend {self.frontend!r}")
         for name, choices in (("frontend", FRONTENDS), ("log_format", LOG_FORMATS),
                               ("log_level", LOG_LEVELS),
                               ("request_scheduling", REQUEST_SCHEDULING)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, "
                                  f"got {getattr(self, name)!r}")
-        if self.frontends is not None and (not isinstance(self.frontends, int)
-                                           or self.frontends < 0):
-            raise ValueError(f"frontends must be an integer >= 0 or None (auto), "
-                             f"got {self.frontends!r}")
         if self.frontend_threads < 0:
             raise ValueError(f"frontend_threads must be >= 0 (0: the usable cores), "
                              f"got {self.frontend_threads}")
@@ -484,29 +492,23 @@ class Settings:
         return {"tls": tls, "admin_token": self.admin_token is not None,
                 "infer_token": self.infer_token is not None}
 
-    def check_mode(self, frontend: str, frontends: int) -> None:
-        """Refuse the settings that the resolved mode does not act on (``frontend`` "native"
-        or "python"; ``frontends`` 0 for one process): ValueError saying which and why."""
-        single = frontend == "python" and frontends == 0
-        if frontend == "native" and self.frontends is not None:
-            raise ValueError(
-                "--frontends counts Python front-end processes; the native front end is one "
-                "process using every core (--frontend-threads), got --frontend native "
-                f"--frontends {self.frontends}")
-        if frontend != "native" and self.frontend_threads:
+    def check_mode(self, mode: str) -> None:
+        """Refuse the settings that the resolved ``mode`` ("native" or "single") does not act
+        on: ValueError saying which and why."""
+        if mode != "native" and self.frontend_threads:
             raise ValueError(
                 "--frontend-threads sizes the native front end's thread pool, got "
-                f"--frontend-threads {self.frontend_threads} with the Python front end")
+                f"--frontend-threads {self.frontend_threads} with --frontend single")
         for name in ("grpc_memory_bytes", "grpc_max_threads"):
-            if frontend != "native" and getattr(self, name) is not None:
+            if mode != "native" and getattr(self, name) is not None:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(
-                    f"{flag} sets the native front end's gRPC ResourceQuota, which grpcio (the "
-                    f"Python front end) does not offer, got {flag} {getattr(self, name)}")
-        if single and self.arena_bytes is not None:
+                    f"{flag} sets the native front end's gRPC ResourceQuota, which grpcio (one "
+                    f"process, --frontend single) does not offer, got {flag} {getattr(self, name)}")
+        if mode != "native" and self.arena_bytes is not None:
             raise ValueError(
                 "--arena-bytes sizes the shared memory between processes; one process "
-                f"(--frontends 0) has none, got --arena-bytes {self.arena_bytes}")
+                f"(--frontend single) has none, got --arena-bytes {self.arena_bytes}")
 
     # -- the handover to a child process -------------------------------------------------------
 

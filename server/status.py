@@ -2,8 +2,8 @@
 
 Status codes are gRPC's numbers (google.rpc.Code), which the wire between processes carries as
 they are: the executor, which knows nothing of gRPC, answers a request's error with the number
-and message from here, and every front end, Python or native, sends them on unchanged.
-``server/errors.py`` turns them into ``grpc.StatusCode`` for the Python front end.
+and message from here, and the native front end sends them on unchanged.
+``server/errors.py`` turns them into ``grpc.StatusCode`` for the one-process server.
 
 A client sees the status code and the error's own message, which is written for it. Anything
 else that escapes a handler is a bug of ours: it is logged with its traceback and the client

@@ -1,27 +1,26 @@
-"""The supervisor of a multi-process server: one executor process and its front ends.
+"""The supervisor of a multi-process server: one executor process and the native front end.
 
-The front end is the native one (``--frontend native``: one C++ process using every core) or
-``--frontends N`` Python processes sharing the port. The supervisor is a thin parent that
-imports neither torch nor grpc. It owns the shared arena (a memfd, handed to each child by
-descriptor), reserves the gRPC port so that every front end binds the same one with
-SO_REUSEPORT, starts the executor and waits for its ``executor_ready`` line, then the front ends
-and their ``frontend_ready`` lines, and serves one ``/metrics`` for all of them
-(``server/multiproc_metrics.py``). Children log JSON lines on stderr; a thread per child forwards
+``--frontend native``: the front end is one C++ process using every core (``server/native/``).
+The supervisor is a thin parent that imports neither torch nor grpc. It owns the shared arena
+(a memfd, handed to each child by descriptor), reserves the gRPC port so that the front end,
+restarted, binds the same one (SO_REUSEPORT), starts the executor and waits for its
+``executor_ready`` line, then the front end and its ``frontend_ready`` line, and serves one
+``/metrics`` for both (``server/multiproc_metrics.py``). Children log JSON lines on stderr; a thread per child forwards
 each line to the supervisor's stderr as it comes, so the server's log stays one stream
 (``server/child_logs.py``).
 
 Each child gets what it needs as one JSON object on its standard input (``handover``): its
-place (role, arena slot, sockets, the reserved port; an executor, the pids of the front ends
+place (role, arena slot, sockets, the reserved port; an executor, the pid of the front end
 alive, whose reads of the arena it must let end) and the settings it acts on, resolved
 here once (``Settings.handover``). No child parses flags, and none is handed a setting it does
-not act on. Bearer tokens travel only to front ends, this way: never on a command line, which
+not act on. Bearer tokens travel only to the front end, this way: never on a command line, which
 ``ps`` shows to every user, nor in an environment another process could inherit.
 
 A child that exits while serving is started again with the same command line after a backoff
 that doubles with each crash; one child crashing ``RestartPolicy.max_crashes`` times within
 ``window_s`` makes the supervisor give up: it drains the others and exits 1. SIGTERM or SIGINT
-drains: front ends first (they go NOT_SERVING, refuse new requests, finish in-flight ones), then
-the executor; whatever outlives its time is killed.
+drains: the front end first (it goes NOT_SERVING, refuses new requests, finishes in-flight
+ones), then the executor; whatever outlives its time is killed.
 
 Children run in their own session, so a terminal's Ctrl-C reaches only the supervisor, which
 then stops them in order. Each has PR_SET_PDEATHSIG=SIGKILL, so a supervisor that is killed takes
@@ -72,14 +71,15 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 EXECUTOR_COMMAND = (sys.executable, "-m", "batchgate.server.executor_process")
-FRONTEND_COMMAND = (sys.executable, "-m", "batchgate.server.frontend")
+# The one front end's arena slot: the wire and the arena name front ends by slot.
+FRONTEND_SLOT = 0
 # How long an exited child's last log lines may take to be forwarded (a grandchild that
 # inherited its stderr could hold the pipe open for ever).
 LAST_LINES_S = 2.0
-# The executor's share of a drain whose front ends used up the whole timeout: enough to close.
+# The executor's share of a drain whose front end used up the whole timeout: enough to close.
 EXECUTOR_MIN_GRACE_S = 5.0
-# A front end's drain ends with gRPC's shutdown, after the timeout for requests in flight: the
-# GOAWAY's way to the clients, then the last answers (server/drain.py; the native one alike).
+# The front end's drain ends with gRPC's shutdown, after the timeout for requests in flight: the
+# GOAWAY's way to the clients, then the last answers (as server/drain.py's).
 FRONTEND_SHUTDOWN_S = GOAWAY_PROPAGATION_S + LAST_ANSWERS_S
 
 
@@ -177,11 +177,10 @@ class _StartupFailed(Exception):
 
 
 class Supervisor:
-    """Runs the executor and its front ends; ``start()``, then ``stop()`` or ``run()``.
+    """Runs the executor and the native front end; ``start()``, then ``stop()`` or ``run()``.
 
-    ``frontend`` is "native" (one process) or "python" (``frontends`` processes).
     ``executor_command`` and ``frontend_command`` are the children's command lines (tests pass
-    stand-in scripts); the front end's defaults to the native binary or the Python module.
+    stand-in scripts); the front end's defaults to the native binary.
     ``log_stream`` is the binary stream child log lines are forwarded to (default: this
     process's stderr).
     """
@@ -190,35 +189,24 @@ class Supervisor:
         self,
         settings: Settings,
         *,
-        frontend: str = "python",
-        frontends: int = 1,
         executor_command: Sequence[str] = EXECUTOR_COMMAND,
         frontend_command: Sequence[str] | None = None,
         restart_policy: RestartPolicy | None = None,
         ready_timeout_s: float = 300.0,
         log_stream: BinaryIO | None = None,
     ) -> None:
-        if frontend not in ("native", "python"):
-            raise ValueError(f"frontend must be 'native' or 'python', got {frontend!r}")
-        if not isinstance(frontends, int) or frontends < 1:
-            raise ValueError(f"frontends must be an int >= 1, got {frontends!r}")
-        if frontend == "native" and frontends != 1:
-            raise ValueError(f"the native front end is one process, got frontends={frontends}")
-        ArenaLayout(settings.arena_size, frontends)  # refuses an arena too small for the slots
+        ArenaLayout(settings.arena_size, 1)  # refuses an arena too small for its regions
         if ready_timeout_s <= 0:
             raise ValueError(f"ready_timeout_s must be > 0, got {ready_timeout_s}")
         log_level = settings.log_level
         self._logs = ChildLogs(log_level, settings.log_format, log_stream)
         self.settings = settings
-        self.frontend = frontend
-        self.frontends = frontends
         self.arena_bytes = settings.arena_size
         self.log_level = log_level
         self.log_format = settings.log_format
         self.executor_command = list(executor_command)
         if frontend_command is None:
-            frontend_command = ([str(native.binary())] if frontend == "native"
-                                else FRONTEND_COMMAND)
+            frontend_command = [str(native.binary())]
         self.frontend_command = list(frontend_command)
         self.policy = restart_policy if restart_policy is not None else RestartPolicy()
         self.ready_timeout_s = ready_timeout_s
@@ -227,9 +215,9 @@ class Supervisor:
         self.metrics_dir = None
         self.socket_name = f"batchgate-{os.getpid()}-{secrets.token_hex(4)}"
         self.models: list[str] = []
-        # Whether the executor can map clients' CUDA regions (its ready line says): front ends
-        # then list cuda_shared_memory. They start after it is ready, and every restart of it
-        # says again.
+        # Whether the executor can map clients' CUDA regions (its ready line says): the front
+        # end then lists cuda_shared_memory. It starts after the executor is ready, and every
+        # restart of the executor says again.
         self.cuda_shared_memory = False
         self.serving = False
         self.exit_code: int | None = None
@@ -273,17 +261,14 @@ class Supervisor:
             self._release()
             self.exit_code = 1
             raise
-        if self.frontend == "native":
-            self._metrics.add_native_sources(
-                [self._metrics_socket(slot) for slot in range(self.frontends)])
-        # Tokens reach front ends in their handover only.
+        self._metrics.add_native_sources([self._metrics_socket(FRONTEND_SLOT)])
+        # Tokens reach the front end in its handover only.
         self._env = {k: v for k, v in {**os.environ, **self._metrics.child_env()}.items()
                      if k not in TOKEN_ENV.values()}
         self._children = [_Child("executor", None, self.executor_command,
                                  self._handover_of_executor)]
-        self._children += [_Child("frontend", slot, self.frontend_command,
-                                  functools.partial(self._handover_of_frontend, slot))
-                           for slot in range(self.frontends)]
+        self._children.append(_Child("frontend", FRONTEND_SLOT, self.frontend_command,
+                                     functools.partial(self._handover_of_frontend, FRONTEND_SLOT)))
         self._thread = threading.Thread(target=self._supervise, name="batchgate-supervisor",
                                         daemon=True)
         self._thread.start()
@@ -297,7 +282,7 @@ class Supervisor:
         self._events.put(("stop", drain_timeout_s))
 
     def stop(self, drain_timeout_s: float | None = None) -> int:
-        """Drain (front ends, then the executor) and return the exit code."""
+        """Drain (the front end, then the executor) and return the exit code."""
         self.request_stop(drain_timeout_s)
         return self.wait()
 
@@ -348,8 +333,7 @@ class Supervisor:
                          model_repository=str(self.settings.model_repository),
                          **self.settings.security())
                 log.info("serving", models=self.models, grpc_port=self.grpc_port,
-                         metrics_port=self.metrics_port, frontend=self.frontend,
-                         frontends=self.frontends)
+                         metrics_port=self.metrics_port, mode="native")
             self._started.set()
             if self.serving:
                 self._serve()
@@ -370,12 +354,11 @@ class Supervisor:
             log.info("stopped", exit_code=self.exit_code)
 
     def _start_children(self) -> None:
-        executor, frontends = self._children[0], self._children[1:]
+        executor, frontend = self._children
         self._spawn(executor)
         self._wait_until(lambda: executor.ready, "the executor")
-        for child in frontends:
-            self._spawn(child)
-        self._wait_until(lambda: all(c.ready for c in frontends), "the front ends")
+        self._spawn(frontend)
+        self._wait_until(lambda: frontend.ready, "the front end")
 
     def _wait_until(self, done: Callable[[], bool], what: str) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
@@ -433,7 +416,7 @@ class Supervisor:
                 if child.role == "executor":
                     self.models = list(info.get("models") or [])
                     self.cuda_shared_memory = bool(info.get("cuda_shared_memory"))
-                elif self.frontend == "native":
+                else:
                     self._metrics.native_process(self._metrics_socket(child.slot), proc.pid)
         elif kind == "exit":
             _, child, proc, returncode = event
@@ -529,8 +512,8 @@ class Supervisor:
     # -- children ------------------------------------------------------------------------
 
     def _handover_of_executor(self) -> bytes:
-        # A restart: the front ends alive now may still read the output blocks of the executor
-        # before this one, which this one reuses; it welcomes none of them until each is done
+        # A restart: the front end alive now may still read the output blocks of the executor
+        # before this one, which this one reuses; it welcomes it only once it is done
         # (wire.proto's Restarts).
         frontend_pids = {str(c.slot): c.proc.pid for c in self._children[1:]
                          if c.proc is not None and c.proc.poll() is None}
@@ -540,7 +523,7 @@ class Supervisor:
         })
 
     def _handover_of_frontend(self, slot: int) -> bytes:
-        offset, size = ArenaLayout(self.arena_bytes, self.frontends).input_region(slot)
+        offset, size = ArenaLayout(self.arena_bytes, 1).input_region(slot)
         return _json(frontend_handover(
             self.settings, self._settings_for(FRONTEND), slot=slot, **self._arena_fields(),
             input_region=(offset, size), executor_socket=self.socket_name,
@@ -556,8 +539,7 @@ class Supervisor:
         return values
 
     def _arena_fields(self) -> dict:
-        return {"arena_fd": self._arena.fd, "arena_bytes": self.arena_bytes,
-                "slots": self.frontends}
+        return {"arena_fd": self._arena.fd, "arena_bytes": self.arena_bytes, "slots": 1}
 
     def _metrics_socket(self, slot: int) -> str:
         return f"{self.socket_name}-metrics-{slot}"

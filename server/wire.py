@@ -15,8 +15,8 @@ entry larger than a whole frame raises ``FrameFull``, for its writer to answer w
 in its place). Reading hands over one whole
 frame, which the receiver handles in one pass. The executor's end reads in the transport's
 ``data_received``: every whole frame of a read goes to its handler there and then, with no
-reader task to wake per frame (a front end's end, which reads far fewer frames, awaits
-``Link.receive``).
+reader task to wake per frame (a front end's end, which the tests and benchmarks play in
+Python, awaits ``Link.receive``).
 
 An abstract socket has no file permissions, so any local user could connect: each end checks
 the other's credentials (SO_PEERCRED) and talks only to a process of its own user, which could
@@ -48,21 +48,11 @@ FRAME_SLACK_BYTES = 256
 ENTRY_BYTES = 5
 # A uint64 or int64 field, tag and varint, at most; a list's element (packed) takes one less.
 NUMBER_BYTES = 11
-LAST_DEADLINE_NS = 2**63 - 1  # the largest Infer.deadline_ns: a deadline that never passes
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 
 In = TypeVar("In", bound=Message)
 Out = TypeVar("Out", bound=Message)
-
-
-def deadline_ns(deadline: float | None) -> int:
-    """``Infer.deadline_ns`` of a monotonic ``deadline`` (None: 0, none): saturated at int64's
-    largest, as the native front end does (a grpc-timeout may say 99999999 hours), and 1 (at
-    once) for one already past."""
-    if deadline is None:
-        return 0
-    return min(max(1, int(deadline * 1e9)), LAST_DEADLINE_NS)
 
 
 def socket_address(name: str) -> str:

@@ -55,16 +55,52 @@ def test_bad_setting_is_refused_with_the_value():
     assert "got 70000" in done.stderr
 
 
-def test_frontends_default_follows_the_core_count(model_repository):
-    from batchgate.server.cli import default_frontends, resolve_mode
+def test_auto_is_native_where_built_else_one_process(model_repository, monkeypatch, tmp_path):
+    import pytest
+
+    from batchgate.server import native
+    from batchgate.server.cli import resolve_mode
     from batchgate.server.settings import Settings
 
-    assert [default_frontends(c) for c in (1, 2, 4, 16, 64)] == [0, 0, 2, 8, 8]
-    python = Settings(model_repository=model_repository, frontend="python")
-    cores = len(os.sched_getaffinity(0))
-    assert resolve_mode(python)[:2] == ("python", default_frontends(cores))
-    assert resolve_mode(Settings(model_repository=model_repository, frontends=3))[:2] == (
-        "python", 3)
+    settings = lambda **kw: Settings(model_repository=model_repository, **kw)  # noqa: E731
+    monkeypatch.setenv(native.ENV_VAR, sys.executable)  # an executable: what "built" is checked by
+    assert resolve_mode(settings()) == ("native", None)
+    assert resolve_mode(settings(frontend="single")) == ("single", None)
+    monkeypatch.setenv(native.ENV_VAR, str(tmp_path / "absent"))
+    mode, why = resolve_mode(settings())
+    assert mode == "single" and "the native front end is not built" in why
+    with pytest.raises(ValueError, match="--frontend native: the native front end is not built"):
+        resolve_mode(settings(frontend="native"))
+    with pytest.raises(ValueError, match="--frontend python .* was removed: use --frontend native"):
+        settings(frontend="python")
+
+
+def test_serve_without_the_native_build_says_it_falls_back_to_one_process(tmp_path):
+    """``auto`` where the native front end is not built: one process, with a warning that says
+    why and what the mode is for; ``--frontend single`` says what it is for too."""
+    import shutil
+
+    from batchgate.server import native
+    from tests.support import EXAMPLE_MODELS
+
+    shutil.copytree(EXAMPLE_MODELS / "mlp", tmp_path / "models" / "mlp",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, native.ENV_VAR: str(tmp_path / "absent")}
+    for args, event, level in (([], "native_front_end_unavailable", "warning"),
+                               (["--frontend", "single"], "single_process_mode", "info")):
+        server = ServeProcess("serve", *args, "--host", "127.0.0.1", "--grpc-port", "0",
+                              "--metrics-port", "-1", "--log-format", "json",
+                              "--model-repository", str(tmp_path / "models"), env=env)
+        try:
+            said = server.wait_for(event)
+            assert said["level"] == level and said["mode"] == "single"
+            assert "for debugging" in said["purpose"] and "--frontend native" in said["purpose"]
+            if not args:
+                assert str(tmp_path / "absent") in said["reason"]
+            assert server.wait_for("serving")["mode"] == "single"
+            assert not server.pids("executor")  # no other process serves
+        finally:
+            assert server.stop() == 0
 
 
 def test_grpc_port_comes_from_the_environment_when_not_given(monkeypatch):

@@ -80,8 +80,7 @@ UNLIMITED = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_le
 def start(mode: str, root, extra_args: tuple[str, ...]):
     write_model(root, GROW_CONFIG, GROW_MODEL)
     if mode == "native":
-        running = start_multiprocess_server(root, frontend="native", frontends=1,
-                                            extra_args=extra_args)
+        running = start_multiprocess_server(root, extra_args=extra_args)
         running.serving_pid = running.supervisor.pids("frontend")[0]
     else:
         running = start_process(root, "single", extra_args=(

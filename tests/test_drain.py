@@ -124,7 +124,7 @@ def serve(mode: str, repository, *flags: str) -> ServeProcess:
     """``batchgate serve`` in ``mode`` as its own process, every port chosen by the system."""
     arena = () if mode == "single" else ("--arena-bytes", str(256 << 20))
     return ServeProcess(
-        "serve", *mode_args(mode, frontends=1), *arena, "--host", "127.0.0.1", "--grpc-port", "0",
+        "serve", *mode_args(mode), *arena, "--host", "127.0.0.1", "--grpc-port", "0",
         "--metrics-port", "0", "--model-repository", str(repository), "--log-format", "json",
         "--no-gc-freeze", *flags)
 

@@ -4,7 +4,7 @@ metrics, staging, out-of-memory recovery, CUDA graphs' fallback; CUDA-only check
 Servers here serve a repository of their own (``gpu_repository``): copies of the example mlp
 in other precisions and with buckets, and small test models that write down the batch sizes
 they run, so padding and warm-up can be seen from outside. Every server test runs in both
-modes (one process; front ends + an executor process).
+modes (one process; the native front end + an executor process).
 """
 
 from __future__ import annotations
@@ -36,7 +36,12 @@ from tests.support.metrics import sample, scrape
 from tests.support.models import reference, xy_config
 from tests.support.polling import poll
 from tests.support.repository import copy_model, write_model
-from tests.support.servers import SERVER_MODES, start_multiprocess_server, start_server
+from tests.support.servers import (
+    SERVER_MODES,
+    native_or_skip,
+    start_multiprocess_server,
+    start_server,
+)
 
 CUDA = torch.cuda.is_available()
 
@@ -169,7 +174,7 @@ def gpu_server(request, tmp_path_factory):
     if request.param == "single":
         running = start_server(repository)
     else:
-        running = start_multiprocess_server(repository, frontend=request.param)
+        running = start_multiprocess_server(repository)
     running.log_dir = log_dir
     yield running
     (log_dir / "closed").unlink(missing_ok=True)
@@ -339,7 +344,8 @@ def test_a_model_that_does_not_fit_the_pool_fails_to_load_with_resource_exhauste
 
 def test_the_refusal_holds_in_multiprocess_mode(tmp_path, log_dir):
     repository = _tiny_repository(tmp_path / "models", log_dir)
-    server = ServeProcess("serve", "--frontends", "1", "--host", "127.0.0.1", "--grpc-port", "0",
+    native_or_skip()
+    server = ServeProcess("serve", "--frontend", "native", "--host", "127.0.0.1", "--grpc-port", "0",
                           "--metrics-port", "-1", "--model-repository", str(repository),
                           "--device-pool-bytes", str(TINY_POOL), "--arena-bytes",
                           str(64 << 20), "--log-format", "json", "--no-gc-freeze")

@@ -226,8 +226,8 @@ def test_grace_period_covers_prestop_and_drain():
         pre_stop_s = int(command[1])
     assert pre_stop_s > 0
     needed = pre_stop_s + args.drain_timeout_s
-    if getattr(args, "frontend", "auto") == "native" or getattr(args, "frontends", 1):
-        # The supervisor drains the front ends, then gives the executor its minimum grace.
+    if getattr(args, "frontend", "auto") != "single":
+        # The supervisor drains the front end, then gives the executor its minimum grace.
         needed += EXECUTOR_MIN_GRACE_S + LAST_LINES_S
     assert spec["terminationGracePeriodSeconds"] > needed
 

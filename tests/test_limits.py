@@ -195,7 +195,7 @@ def limited(request, tmp_path_factory):
         running = start_server(root, max_tensor_elements=MAX_ELEMENTS,
                                max_request_bytes=MAX_REQUEST_BYTES, max_message_bytes=MAX_MESSAGE)
     else:
-        running = start_multiprocess_server(root, frontends=1, frontend=request.param, extra_args=(
+        running = start_multiprocess_server(root, extra_args=(
             "--max-tensor-elements", str(MAX_ELEMENTS),
             "--max-request-bytes", str(MAX_REQUEST_BYTES),
             "--max-message-bytes", str(MAX_MESSAGE)))

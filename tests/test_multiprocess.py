@@ -45,35 +45,9 @@ def pids(server, role: str) -> dict:
     return server.supervisor.pids(role)
 
 
-def test_killed_front_end_loses_only_its_requests_and_comes_back(mlp_only):
-    before_shm = dev_shm()
-    server = start_multiprocess_server(mlp_only, frontends=2)
-    try:
-        old = pids(server, "frontend")
-        # The SDK's retries take a failed request to another front end.
-        retry = RetryPolicy(max_attempts=10, initial_backoff_s=0.02, max_backoff_s=0.5)
-        with Load(server.address, retry=retry) as load:
-            poll(lambda: load.answered() > 50, what="load running")
-            os.kill(old[0], signal.SIGKILL)
-            poll(lambda: pids(server, "frontend").get(0) not in (None, old[0]), 60,
-                 "front end 0 restarted")
-            assert pids(server, "frontend")[1] == old[1], "the other front end was disturbed"
-            served = load.answered()
-            poll(lambda: load.answered() > served + 50, what="serving after the restart")
-        print(f"front-end kill: ok={load.ok} failures={dict(load.failures)}")
-        # Every arena block came back: the killed front end's outputs and inputs included.
-        poll(lambda: server.metric("batchgate_arena_bytes_in_use") == 0, 30, "arena empty")
-        assert load.wrong == 0
-        # What the killed process had in flight failed UNAVAILABLE and was retried elsewhere.
-        assert not load.failures
-    finally:
-        server.stop()
-    assert dev_shm() == before_shm
-
-
 def test_killed_native_front_end_is_restarted_and_its_counts_carry_over(mlp_only):
     before_shm = dev_shm()
-    server = start_multiprocess_server(mlp_only, frontend="native")
+    server = start_multiprocess_server(mlp_only)
     try:
         [old] = pids(server, "frontend").values()
         # One front end: while it restarts the port refuses connections; retries bridge that.
@@ -101,10 +75,9 @@ def test_killed_native_front_end_is_restarted_and_its_counts_carry_over(mlp_only
     assert dev_shm() == before_shm
 
 
-@pytest.mark.parametrize("frontend", ["python", "native"])
-def test_killed_executor_answers_unavailable_then_serves_again(mlp_only, frontend):
+def test_killed_executor_answers_unavailable_then_serves_again(mlp_only):
     before_shm = dev_shm()
-    server = start_multiprocess_server(mlp_only, frontends=2, frontend=frontend)
+    server = start_multiprocess_server(mlp_only)
     try:
         old = pids(server, "executor")[None]
         with Load(server.address) as load, grpc.insecure_channel(server.address) as channel:
@@ -112,7 +85,7 @@ def test_killed_executor_answers_unavailable_then_serves_again(mlp_only, fronten
             status = lambda: health.Check(health_pb2.HealthCheckRequest(service="")).status
             poll(lambda: load.answered() > 50, what="load running")
             os.kill(old, signal.SIGKILL)
-            # While no executor runs, the front ends say so (the one this channel reaches).
+            # While no executor runs, the front end says so.
             poll(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, 60,
                  "health NOT_SERVING while the executor is down")
             poll(lambda: pids(server, "executor").get(None) not in (None, old), 120,
@@ -134,13 +107,12 @@ def test_killed_executor_answers_unavailable_then_serves_again(mlp_only, fronten
     assert dev_shm() == before_shm
 
 
-@pytest.mark.parametrize("frontend", ["python", "native"])
-def test_no_client_gets_another_clients_answer_across_an_executor_restart(mlp_only, frontend):
+def test_no_client_gets_another_clients_answer_across_an_executor_restart(mlp_only):
     """Two loads whose inputs differ (so an answer says whose it is) while the executor is
     killed and restarted under them: every answer that comes back is its own request's, before,
-    during and after; the new executor welcomed the front ends only once they had said Hello
-    again (wire.proto: they may still have been copying out of the output region it reuses)."""
-    server = start_multiprocess_server(mlp_only, frontends=2, frontend=frontend)
+    during and after; the new executor welcomed the front end only once it had said Hello
+    again (wire.proto: it may still have been copying out of the output region it reuses)."""
+    server = start_multiprocess_server(mlp_only)
     try:
         old = pids(server, "executor")[None]
         with Load(server.address, clients=4, seed=1) as one, \
@@ -157,6 +129,6 @@ def test_no_client_gets_another_clients_answer_across_an_executor_restart(mlp_on
         assert one.wrong == 0 and two.wrong == 0
         assert set(one.failures) | set(two.failures) <= {grpc.StatusCode.UNAVAILABLE}
         awaited = [e for e in server.supervisor.events if e.get("event") == "awaiting_frontends"]
-        assert awaited and awaited[-1]["slots"] == ([0] if frontend == "native" else [0, 1])
+        assert awaited and awaited[-1]["slots"] == [0]
     finally:
         server.stop()

@@ -1,4 +1,4 @@
-"""The native front end and the Python one answer every bad request alike, byte for byte.
+"""The native front end and the one-process server answer every bad request alike, byte for byte.
 
 The same requests go to a server of each mode at once; the status codes and messages (and a
 stream's error messages) must be equal. First a matrix of every kind of bad input the codec,
@@ -6,14 +6,14 @@ the repository and the executor refuse, then seeded random requests. The native 
 written apart from the Python code (``server/native/``): this is what holds the two to one
 behaviour.
 
-A fourth server runs the native front end built with AddressSanitizer and UBSan
+A third server runs the native front end built with AddressSanitizer and UBSan
 (``scripts/build-native.sh --sanitize``): it answers everything here too, then a load, a
 drain, and its log must hold no sanitizer report.
 
 The servers serve shared-memory tensors (``--shared-memory``), each with the same two regions
 registered, so that the matrix holds what the front ends check of a request's
 ``shared_memory_*`` parameters and what the executor refuses behind them; the setting off is
-checked against the Python front end's own message in every mode.
+checked against the one-process server's own message in every mode.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from tests.support.raw_http2 import unary_call
 from tests.support.sanitizers import SANITIZED, SANITIZER_ENV, SANITIZER_REPORTS
 from tests.support.servers import native_or_skip, start_in_mode
 
-MODES = ("single", "python", "native", "native-asan")
+MODES = ("single", "native", "native-asan")
 # Regions every server has registered (SharedRegions): inputs are read from the first, outputs
 # written into the second.
 REGION_BYTES = 4096
@@ -755,7 +755,7 @@ def test_a_timeout_of_99999999_hours_is_answered_alike(servers):
     """gRPC's largest grpc-timeout, 99999999 hours (3.6e20 ns, past int64's nanoseconds), sent
     as raw HTTP/2 (grpcio will not send it): a deadline that never passes, in every mode. The
     native front end overflowed on it (UBSan aborted the sanitized build; the release build
-    carried a garbage deadline), the Python front end could not write it on the wire."""
+    carried a garbage deadline)."""
     values = np.linspace(-1, 1, 512, dtype=np.float32)
     request = mlp(raw=values.tobytes(), id="forever").SerializeToString()
     replies = []

@@ -110,7 +110,7 @@ class Replica:
         self.process = ServeProcess(
             "serve", "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--metrics-port", "0",
             "--model-repository", str(repository), "--drain-timeout-s", "10",
-            "--log-format", "json", "--frontends", "0", "--no-gc-freeze")
+            "--log-format", "json", "--frontend", "single", "--no-gc-freeze")
         self.grpc_port = grpc_port
         self.metrics_port = 0
 

@@ -123,8 +123,7 @@ def server(request, tmp_path_factory):
     write_model(root, GROW_CONFIG, GROW_MODEL)
     write_model(root, TEXTS_CONFIG, TEXTS_MODEL)
     if request.param == "native":
-        running = start_multiprocess_server(root, frontend="native", frontends=1,
-                                            extra_args=("--shared-memory",))
+        running = start_multiprocess_server(root, extra_args=("--shared-memory",))
         running.serving_pid = running.supervisor.pids("frontend")[0]
     else:
         running = start_process(root, "single", extra_args=(

@@ -37,8 +37,7 @@ def test_request_path_under_sched_batch_and_model_threads_not(mode, tmp_path):
     write_model(tmp_path, model_config("ident", max_batch_size=4,
                                        input=[tensor("X", "FP32", [2])],
                                        output=[tensor("Y", "FP32", [2])]), MODEL)
-    server = start_process(tmp_path, mode, frontends=0 if mode == "single" else 1,
-                           models=["ident"])
+    server = start_process(tmp_path, mode, models=["ident"])
     try:
         # The process that runs the models: its event loop (the main thread) is request path.
         runner = (server.supervisor.proc.pid if mode == "single"
@@ -51,11 +50,9 @@ def test_request_path_under_sched_batch_and_model_threads_not(mode, tmp_path):
             return
         [frontend] = server.supervisor.pids("frontend").values()
         found = threads(frontend, os.sched_getscheduler)
-        if mode == "native":  # every thread of the process is request path
-            assert {policy for _, policy in found.values()} == {os.SCHED_BATCH}, found
-            assert any(name.startswith("bg-worker") for name, _ in found.values())
-        else:
-            assert found[frontend][1] == os.SCHED_BATCH
+        # Every thread of the native front end is request path.
+        assert {policy for _, policy in found.values()} == {os.SCHED_BATCH}, found
+        assert any(name.startswith("bg-worker") for name, _ in found.values())
     finally:
         server.stop()
 
@@ -83,7 +80,7 @@ def _intra_op_threads(tmp_path: Path, *args: str, parameters: dict | None = None
                                        output=[tensor("Y", "FP32", [1])],
                                        parameters=parameters or {}), THREADS_MODEL)
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    server = start_process(tmp_path, "single", frontends=0, models=["threads"],
+    server = start_process(tmp_path, "single", models=["threads"],
                            extra_args=args, env=env)
     try:
         with Client(server.address, timeout_s=30) as client:

@@ -76,7 +76,7 @@ def secured(request, tmp_path_factory, pki):
     arena = [] if request.param == "single" else ["--arena-bytes", str(64 << 20)]
     if request.param == "native":
         native_or_skip()
-    running = start_process(repository, request.param, frontends=1, env=env, extra_args=[
+    running = start_process(repository, request.param, env=env, extra_args=[
         *arena,
         "--tls-cert", str(pki["server_cert"]), "--tls-key", str(pki["server_key"]),
         "--tls-client-ca", str(pki["ca"]), "--infer-token-file", str(token_file),
@@ -365,7 +365,7 @@ def test_tls_settings_are_checked(pki, model_repository, tmp_path):
     not_pem = tmp_path / "cert.txt"
     not_pem.write_text("not a certificate")
     done = subprocess.run(
-        [sys.executable, "-m", "batchgate.server.cli", "serve", "--frontends", "0", "--host", "127.0.0.1",
+        [sys.executable, "-m", "batchgate.server.cli", "serve", "--frontend", "single", "--host", "127.0.0.1",
          "--grpc-port", "0", "--metrics-port", "-1", "--model-repository", str(tmp_path),
          "--tls-cert", str(not_pem), "--tls-key", str(pki["server_key"])],
         cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120)

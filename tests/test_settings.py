@@ -133,9 +133,9 @@ CHECKED = {
     "--device-pool-bytes": "the most the CPU's pool holds, whatever its models plan",
     "--device-pool-fraction": "refused on a machine without CUDA",
     "--device-pool-permissive": "what does not fit the pool is allocated outside it",
-    "--frontend": "the front end processes that run",
-    "--frontends": "how many Python front ends run; refused with the native one",
-    "--frontend-threads": "the native front end's gRPC threads; refused with Python",
+    "--frontend": "the processes that run",
+    "--frontends": "removed: refused, naming what replaces it",
+    "--frontend-threads": "the native front end's gRPC threads; refused with one process",
     "--arena-bytes": "the executor's arena size; refused with one process",
     "--drain-timeout-s": "every process drains with it",
     "--switch-interval-s": "the Python processes' GIL switch interval",
@@ -209,9 +209,7 @@ def running(request, tmp_path_factory, pki):
     for role, token in (("admin", ADMIN_TOKEN), ("infer", INFER_TOKEN)):
         (root / role).write_text(token)
     grpc_port, metrics_port = free_port(), free_port()
-    processes = {"single": ["--frontend", "python", "--frontends", "0"],
-                 "python": ["--frontend", "python", "--frontends", "1",
-                            "--arena-bytes", str(ARENA_BYTES)],
+    processes = {"single": ["--frontend", "single"],
                  "native": ["--frontend", "native", "--frontend-threads", str(THREADS),
                             "--arena-bytes", str(ARENA_BYTES),
                             "--grpc-memory-bytes", str(GRPC_MEMORY_BYTES),
@@ -490,8 +488,7 @@ def test_the_device_pool_flags(running):
 def test_the_process_flags(running):
     ready = running.ready_lines()
     # --switch-interval-s and --no-gc-freeze, in every Python process that serves.
-    python_lines = [e for e in ready if e.get("role") != "frontend" or running.mode == "python"]
-    python_lines = [e for e in python_lines if "switch_interval_s" in e]
+    python_lines = [e for e in ready if e.get("role") != "frontend" and "switch_interval_s" in e]
     assert python_lines and all(e["switch_interval_s"] == SWITCH_S for e in python_lines)
     assert all(e["gc_frozen"] is False for e in python_lines)
     # --request-scheduling normal: the request path stays as started (the default's SCHED_BATCH
@@ -499,19 +496,16 @@ def test_the_process_flags(running):
     assert all(e["scheduling"] == "normal" for e in python_lines)
     if running.mode == "single":
         return
-    # --frontend, --frontends, --frontend-threads: the processes that run.
+    # --frontend, --frontend-threads: the processes that run.
     frontends = running.process.pids("frontend")
     assert len(frontends) == 1
     [pid] = frontends.values()
     command = Path(f"/proc/{pid}/cmdline").read_bytes()
-    if running.mode == "native":
-        assert b"batchgate-frontend" in command
-        workers = [t for t in Path(f"/proc/{pid}/task").iterdir()
-                   if (t / "comm").read_text().startswith("bg-worker")]
-        assert len(workers) == THREADS
-        assert {os.sched_getscheduler(int(t.name)) for t in workers} == {os.SCHED_OTHER}
-    else:
-        assert b"batchgate.server.frontend" in command
+    assert b"batchgate-frontend" in command
+    workers = [t for t in Path(f"/proc/{pid}/task").iterdir()
+               if (t / "comm").read_text().startswith("bg-worker")]
+    assert len(workers) == THREADS
+    assert {os.sched_getscheduler(int(t.name)) for t in workers} == {os.SCHED_OTHER}
     # --arena-bytes: the executor's memfd.
     [executor] = running.process.pids("executor").values()
     sizes = {os.stat(f"/proc/{executor}/fd/{fd}").st_size
@@ -537,12 +531,9 @@ def test_the_model_cpus_flag(running):
     if running.mode == "single":
         return
     [frontend] = running.process.pids("frontend").values()
-    if running.mode == "native":
-        found = list(threads(frontend, os.sched_getaffinity).values())
-        assert any(name.startswith("bg-worker") for name, _ in found)
-        assert all(cpus == rest for _, cpus in found), found
-    else:
-        assert os.sched_getaffinity(frontend) == rest
+    found = list(threads(frontend, os.sched_getaffinity).values())
+    assert any(name.startswith("bg-worker") for name, _ in found)
+    assert all(cpus == rest for _, cpus in found), found
 
 
 def test_cpu_lists_are_read_as_taskset_writes_them_and_checked():
@@ -581,12 +572,22 @@ def test_the_log_flags_and_the_drain(running):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--frontend", "python", "--frontend-threads", "2"], "--frontend-threads sizes the native"),
-    (["--frontend", "native", "--frontends", "2"], "--frontends counts Python front-end"),
-    (["--frontends", "0", "--arena-bytes", str(64 << 20)], "one process (--frontends 0) has none"),
-    (["--frontends", "0", "--device-pool-fraction", "0.5"], "--device-pool-fraction caps"),
-    (["--frontends", "0", "--grpc-memory-bytes", str(1 << 30)], "which grpcio (the Python"),
-    (["--frontend", "python", "--grpc-max-threads", "4"], "--grpc-max-threads sets the native"),
+    (["--frontend", "single", "--frontend-threads", "2"], "--frontend-threads sizes the native"),
+    (["--frontend", "single", "--arena-bytes", str(64 << 20)],
+     "one process (--frontend single) has none"),
+    (["--frontend", "single", "--device-pool-fraction", "0.5"], "--device-pool-fraction caps"),
+    (["--frontend", "single", "--grpc-memory-bytes", str(1 << 30)],
+     "which grpcio (one process, --frontend single)"),
+    (["--frontend", "single", "--grpc-max-threads", "4"], "--grpc-max-threads sets the native"),
+    # Removed with the Python front-end processes: an old command line fails, naming what
+    # replaces what it asked for, however it is written.
+    (["--frontend", "native", "--frontends", "2"],
+     "--frontends was removed with the Python front-end processes"),
+    (["--frontends=0"], "--frontend single replaces --frontends 0, got --frontends 0"),
+    (["--frontends"], "(--frontend native; one process using every core"),
+    (["--frontend", "python"], "use --frontend native (the C++ front end, built by make native) "
+                               "or --frontend single (one Python process, for debugging), "
+                               "got --frontend python"),
 ])
 def test_flags_the_mode_does_not_act_on_are_refused(args, message):
     if "--device-pool-fraction" in args:
@@ -608,7 +609,8 @@ def test_the_fraction_is_refused_by_the_executor_process_too(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: the fraction is acted on")
-    process = ServeProcess("serve", "--frontends", "1", "--grpc-port", "0", "--metrics-port",
+    native_or_skip()
+    process = ServeProcess("serve", "--frontend", "native", "--grpc-port", "0", "--metrics-port",
                            "-1", "--model-repository", str(repository(tmp_path / "models")),
                            "--device-pool-fraction", "0.5", "--log-format", "json")
     assert process.proc.wait(120) == 1

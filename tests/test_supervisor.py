@@ -1,19 +1,18 @@
-"""The supervisor of ``batchgate serve --frontends N``, with stand-in children.
+"""The supervisor of ``batchgate serve --frontend native``, with stand-in children.
 
 The stand-in (``STANDIN`` below, written to a temporary folder) speaks the children's protocol:
 it parses exactly the command line the real executor / front end get, checks the arena
-descriptor, writes metrics the way the real ones do (prometheus_client multiprocess mode), binds
-the reserved gRPC port with SO_REUSEPORT when it is a front end, prints its ``*_ready`` JSON line,
+descriptor, writes metrics the way the Python executor does (prometheus_client multiprocess
+mode), binds the reserved gRPC port with SO_REUSEPORT when it is the front end, prints its ``*_ready`` JSON line,
 and waits for SIGTERM. Files beside it change its behaviour: ``crash-<role>`` (exit 3 at once),
 ``linger-<role>`` (seconds to wait after SIGTERM). Every line it prints carries ``time.monotonic()``
 (one clock for all processes), so the tests check ordering across processes from the log.
 
-The last test runs the real executor and front ends, once they exist.
+The last test runs the real executor and the native front end.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -37,6 +36,7 @@ from batchgate.server.multiproc_metrics import PREFIX, remove_abandoned
 from batchgate.server.supervisor import RestartPolicy, Supervisor, SupervisorError
 from tests.support.metrics import Samples, metrics_url
 from tests.support.polling import poll
+from tests.support.servers import native_or_skip
 from tests.support.metrics import scrape as scrape_url
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,7 +128,7 @@ DRIVER = textwrap.dedent('''
         device_pool_bytes=1 << 20, device_pool_fraction=None, device_pool_strict=True,
         arena_bytes=1 << 20, log_format="json")
     supervisor = Supervisor(
-        settings, frontends=2,
+        settings,
         executor_command=[sys.executable, str(here / "standin.py"), "executor"],
         frontend_command=[sys.executable, str(here / "standin.py"), "frontend"],
         restart_policy=RestartPolicy(backoff_s=0.05, max_backoff_s=0.2, max_crashes=3),
@@ -193,7 +193,7 @@ def make_supervisor(tmp_path, monkeypatch):
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
 
-    def make(frontends: int = 2, *, drain_timeout_s: float = 5.0, log_level: str = "info",
+    def make(*, drain_timeout_s: float = 5.0, log_level: str = "info",
              log_format: str = "json", policy: RestartPolicy | None = None,
              shared_memory: bool = False) -> tuple[Supervisor, LogSink]:
         folder = standin_dir(tmp_path)
@@ -204,7 +204,7 @@ def make_supervisor(tmp_path, monkeypatch):
                             admin_token="a" * 20, shared_memory=shared_memory)
         sink = LogSink()
         supervisor = Supervisor(
-            settings, frontends=frontends, executor_command=[sys.executable, script, "executor"],
+            settings, executor_command=[sys.executable, script, "executor"],
             frontend_command=[sys.executable, script, "frontend"],
             restart_policy=policy or RestartPolicy(backoff_s=0.05, max_backoff_s=0.2,
                                                    max_crashes=3),
@@ -230,9 +230,9 @@ def ready_pids(supervisor: Supervisor) -> dict | None:
     return None
 
 
-def test_starts_the_executor_first_then_front_ends_and_forwards_their_lines(make_supervisor):
+def test_starts_the_executor_first_then_the_front_end_and_forwards_their_lines(make_supervisor):
     shm_before = {n for n in os.listdir("/dev/shm") if "batchgate" in n}
-    supervisor, sink = make_supervisor(frontends=2)
+    supervisor, sink = make_supervisor()
     supervisor.start()
     assert supervisor.serving and supervisor.models == ["standin"]
     assert supervisor.grpc_port > 0 and supervisor.metrics_port > 0
@@ -240,12 +240,12 @@ def test_starts_the_executor_first_then_front_ends_and_forwards_their_lines(make
     executor_ready = next(e for e in events if e["event"] == "executor_ready")
     frontend_starts = [e["t"] for e in events
                        if e["event"] == "standin_started" and e["role"] == "frontend"]
-    assert len(frontend_starts) == 2 and min(frontend_starts) > executor_ready["t"]
+    assert len(frontend_starts) == 1 and frontend_starts[0] > executor_ready["t"]
     ready = [e for e in events if e["event"] == "frontend_ready"]
-    assert sorted(e["slot"] for e in ready) == [0, 1]
+    assert [e["slot"] for e in ready] == [0]
     assert {e["grpc_port"] for e in ready} == {supervisor.grpc_port}
     # Each child is handed exactly the settings its role acts on; the token travels only to
-    # front ends, in the handover, never in an environment.
+    # the front end, in the handover, never in an environment.
     assert executor_ready["settings"] == sorted(fields_for("executor"))
     assert "model_repository" in executor_ready["settings"]
     for event in ready:
@@ -260,7 +260,7 @@ def test_starts_the_executor_first_then_front_ends_and_forwards_their_lines(make
     for event in [executor_ready, *ready]:
         assert event["arena"].startswith("/memfd:")
         assert not [fd for fd in event["fds"] if fd.startswith("/dev/shm")]
-    # Both front ends listen on the port the supervisor reserved; the reservation takes nothing.
+    # The front end listens on the port the supervisor reserved; the reservation takes nothing.
     for _ in range(4):
         socket.create_connection(("127.0.0.1", supervisor.grpc_port), timeout=5).close()
 
@@ -274,12 +274,12 @@ def test_starts_the_executor_first_then_front_ends_and_forwards_their_lines(make
 
 
 @pytest.mark.parametrize("cuda", [False, True])
-def test_front_ends_list_cuda_shared_memory_where_the_executor_can_map_cuda_regions(
+def test_the_front_end_lists_cuda_shared_memory_where_the_executor_can_map_cuda_regions(
         make_supervisor, tmp_path, cuda):
     # The stand-in executor's ready line says what a real one says of its device.
     if cuda:
         (standin_dir(tmp_path) / "cuda-executor").touch()
-    supervisor, sink = make_supervisor(frontends=1, shared_memory=True)
+    supervisor, sink = make_supervisor(shared_memory=True)
     supervisor.start()
     [ready] = [e for e in sink.events() if e["event"] == "frontend_ready"]
     assert "system_shared_memory" in ready["extensions"]
@@ -289,14 +289,13 @@ def test_front_ends_list_cuda_shared_memory_where_the_executor_can_map_cuda_regi
 
 def test_one_scrape_sums_every_process_under_the_single_process_names(make_supervisor):
     # A long backoff leaves time to see the killed front end's gauge gone before its restart.
-    supervisor, _sink = make_supervisor(
-        frontends=2, policy=RestartPolicy(backoff_s=1.0, max_backoff_s=1.0))
+    supervisor, _sink = make_supervisor(policy=RestartPolicy(backoff_s=1.0, max_backoff_s=1.0))
     supervisor.start()
     samples = scrape(supervisor.metrics_port)
     model = (("model", "standin"),)
-    assert samples[("batchgate_requests_total", (("model", "standin"), ("status", "OK")))] == 2
-    assert samples[("batchgate_request_seconds_count", model)] == 2
-    assert samples[("batchgate_queue_depth", model)] == 3  # livesum: executor + 2 front ends
+    assert samples[("batchgate_requests_total", (("model", "standin"), ("status", "OK")))] == 1
+    assert samples[("batchgate_request_seconds_count", model)] == 1
+    assert samples[("batchgate_queue_depth", model)] == 2  # livesum: executor + front end
     assert samples[("batchgate_batches_total", (("model", "standin"), ("reason", "full")))] == 1
     assert samples[("batchgate_child_restarts_total", (("role", "frontend"),))] == 0
 
@@ -320,50 +319,49 @@ def test_one_scrape_sums_every_process_under_the_single_process_names(make_super
     os.kill(before[("frontend", 0)], signal.SIGKILL)
     poll(lambda: pids(supervisor)[("frontend", 0)] is None, what="the exit to be seen")
     samples = scrape(supervisor.metrics_port)
-    assert samples[("batchgate_queue_depth", model)] == 2  # the dead process's gauge is gone
-    assert samples[("batchgate_requests_total", (("model", "standin"), ("status", "OK")))] == 2
+    assert samples[("batchgate_queue_depth", model)] == 1  # the dead process's gauge is gone
+    assert samples[("batchgate_requests_total", (("model", "standin"), ("status", "OK")))] == 1
     after = poll(lambda: ready_pids(supervisor), what="the restart")
     assert after[("frontend", 0)] != before[("frontend", 0)]
     samples = scrape(supervisor.metrics_port)
     # Counters keep the dead process's counts: they never go backwards.
-    assert samples[("batchgate_requests_total", (("model", "standin"), ("status", "OK")))] == 3
-    assert samples[("batchgate_queue_depth", model)] == 3
+    assert samples[("batchgate_requests_total", (("model", "standin"), ("status", "OK")))] == 2
+    assert samples[("batchgate_queue_depth", model)] == 2
     assert samples[("batchgate_child_restarts_total", (("role", "frontend"),))] == 1
     assert supervisor.stop() == 0
 
 
-def test_a_killed_front_end_is_restarted_and_the_others_are_left_alone(make_supervisor):
-    supervisor, sink = make_supervisor(frontends=2)
+def test_a_killed_front_end_is_restarted_and_the_executor_left_alone(make_supervisor):
+    supervisor, sink = make_supervisor()
     supervisor.start()
     before = pids(supervisor)
-    os.kill(before[("frontend", 1)], signal.SIGKILL)
+    os.kill(before[("frontend", 0)], signal.SIGKILL)
     after = poll(
-        lambda: (p := ready_pids(supervisor)) and p[("frontend", 1)] != before[("frontend", 1)]
-        and p, what="front end 1 to be restarted")
-    assert after[("frontend", 0)] == before[("frontend", 0)]
+        lambda: (p := ready_pids(supervisor)) and p[("frontend", 0)] != before[("frontend", 0)]
+        and p, what="the front end to be restarted")
     assert after[("executor", None)] == before[("executor", None)]
     sink.wait_for(lambda events: any(
-        e["event"] == "frontend_ready" and e["pid"] == after[("frontend", 1)] for e in events))
-    assert not alive(before[("frontend", 1)])
+        e["event"] == "frontend_ready" and e["pid"] == after[("frontend", 0)] for e in events))
+    assert not alive(before[("frontend", 0)])
     assert supervisor.serving
     assert supervisor.stop() == 0
 
 
-def test_a_killed_executor_is_restarted_and_front_ends_keep_running(make_supervisor):
-    supervisor, sink = make_supervisor(frontends=2)
+def test_a_killed_executor_is_restarted_and_the_front_end_keeps_running(make_supervisor):
+    supervisor, sink = make_supervisor()
     supervisor.start()
     before = pids(supervisor)
     os.kill(before[("executor", None)], signal.SIGKILL)
     after = poll(
         lambda: (p := ready_pids(supervisor)) and p[("executor", None)] != before[("executor", None)]
         and p, what="the executor to be restarted")
-    assert [after[("frontend", i)] for i in (0, 1)] == [before[("frontend", i)] for i in (0, 1)]
+    assert after[("frontend", 0)] == before[("frontend", 0)]
     assert sum(e["event"] == "executor_ready" for e in sink.events()) == 2
     assert supervisor.stop() == 0
 
 
 def test_gives_up_after_repeated_crashes_and_stops_the_rest(make_supervisor, tmp_path):
-    supervisor, sink = make_supervisor(frontends=2)
+    supervisor, sink = make_supervisor()
     supervisor.start()
     before = pids(supervisor)
     (tmp_path / "standin" / "crash-frontend").write_text("")
@@ -376,7 +374,7 @@ def test_gives_up_after_repeated_crashes_and_stops_the_rest(make_supervisor, tmp
 
 
 def test_a_child_failing_at_startup_fails_start_with_its_exit_code(make_supervisor, tmp_path):
-    supervisor, _sink = make_supervisor(frontends=1)
+    supervisor, _sink = make_supervisor()
     (tmp_path / "standin" / "crash-executor").write_text("")
     with pytest.raises(SupervisorError, match="executor process exited .exit code 3."):
         supervisor.start()
@@ -385,7 +383,7 @@ def test_a_child_failing_at_startup_fails_start_with_its_exit_code(make_supervis
 
 
 def test_drain_kills_what_outlives_the_timeout(make_supervisor, tmp_path):
-    supervisor, sink = make_supervisor(frontends=1)
+    supervisor, sink = make_supervisor()
     supervisor.start()
     (tmp_path / "standin" / "linger-frontend").write_text("60")
     frontend = pids(supervisor)[("frontend", 0)]
@@ -399,7 +397,7 @@ def test_drain_kills_what_outlives_the_timeout(make_supervisor, tmp_path):
 
 
 def test_children_log_their_ready_lines_whatever_the_level_asked(make_supervisor):
-    supervisor, sink = make_supervisor(frontends=1, log_level="warning")
+    supervisor, sink = make_supervisor(log_level="warning")
     supervisor.start()
     assert supervisor.serving
     events = sink.events()
@@ -410,7 +408,7 @@ def test_children_log_their_ready_lines_whatever_the_level_asked(make_supervisor
 
 
 def test_console_format_renders_the_children_json_lines(make_supervisor):
-    supervisor, sink = make_supervisor(frontends=1, log_format="console")
+    supervisor, sink = make_supervisor(log_format="console")
     supervisor.start()
     assert supervisor.stop() == 0
     ready = [line.decode() for line in sink.lines if b"frontend_ready" in line]
@@ -475,14 +473,14 @@ class DriverProcess:
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_sigterm_drains_front_ends_before_the_executor_and_exits_0(tmp_path):
+def test_sigterm_drains_the_front_end_before_the_executor_and_exits_0(tmp_path):
     driver = DriverProcess(tmp_path)
     try:
         modules = driver.event("driver_modules")
         assert not modules["torch"] and not modules["grpc"]
         serving = driver.event("serving")
         listening = driver.event("listening")
-        assert serving["models"] == ["standin"] and serving["frontends"] == 2
+        assert serving["models"] == ["standin"] and serving["mode"] == "native"
         assert serving["grpc_port"] == listening["grpc_port"] > 0
         assert serving["metrics_port"] == listening["metrics_port"] > 0
         assert list(driver.tmpdir.iterdir())  # the metrics folder
@@ -496,9 +494,9 @@ def test_sigterm_drains_front_ends_before_the_executor_and_exits_0(tmp_path):
                        if e["event"] == "standin_exit" and e["role"] == "frontend"]
         executor_term = [e["t"] for e in events
                          if e["event"] == "standin_sigterm" and e["role"] == "executor"]
-        assert len(front_exits) == 2 and len(executor_term) == 1
-        assert max(front_exits) < executor_term[0]
-        assert sum(e["event"] == "child_stopped" for e in events) == 3
+        assert len(front_exits) == 1 and len(executor_term) == 1
+        assert front_exits[0] < executor_term[0]
+        assert sum(e["event"] == "child_stopped" for e in events) == 2
         assert not any(e["event"] == "child_exited" for e in events)
         assert not list(driver.tmpdir.iterdir())  # the metrics folder is gone
     finally:
@@ -510,7 +508,7 @@ def test_a_killed_supervisor_takes_its_children_along(tmp_path):
     try:
         driver.event("serving")
         children = driver.child_pids()
-        assert len(children) == 3 and all(alive(pid) for pid in children)
+        assert len(children) == 2 and all(alive(pid) for pid in children)
         driver.proc.kill()
         driver.proc.wait(10)
         poll(lambda: not any(alive(pid) for pid in children), 10,
@@ -541,10 +539,12 @@ def test_a_crash_loop_makes_the_supervisor_exit_1_with_the_reason(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--frontends", "-1"], "got '-1'"),
-    (["--frontends", "2", "--arena-bytes", "4096"], "got size_bytes 4096"),
+    (["--frontends", "-1"], "--frontends was removed"),
+    (["--frontend", "native", "--arena-bytes", "4096"], "got size_bytes 4096"),
 ])
 def test_cli_refuses_bad_process_settings(args, message):
+    if "native" in args:
+        native_or_skip()
     done = subprocess.run([sys.executable, "-m", "batchgate.server.cli", "serve", *args],
                           check=False, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
@@ -552,9 +552,8 @@ def test_cli_refuses_bad_process_settings(args, message):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("batchgate.server.frontend") is None,
-                    reason="server/frontend.py (the front-end process) is not written yet")
-def test_serve_with_front_end_processes_end_to_end(tmp_path):
+def test_serve_with_the_native_front_end_end_to_end(tmp_path):
+    native_or_skip()
     import grpc
     import numpy as np
 
@@ -562,7 +561,7 @@ def test_serve_with_front_end_processes_end_to_end(tmp_path):
     from batchgate.protos import inference_pb2_grpc
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "batchgate.server.cli", "serve", "--frontends", "2", "--host", "127.0.0.1",
+        [sys.executable, "-m", "batchgate.server.cli", "serve", "--frontend", "native", "--host", "127.0.0.1",
          "--grpc-port", "0", "--metrics-port", "0", "--log-format", "json",
          "--arena-bytes", str(64 << 20)],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -572,9 +571,9 @@ def test_serve_with_front_end_processes_end_to_end(tmp_path):
                               daemon=True)
     reader.start()
     try:
-        # Front ends log their own ``serving`` (forwarded); the supervisor's names the count.
+        # The supervisor's own ``serving`` line names the mode (children's lines carry a role).
         def supervisor_serving(evs):
-            return [e for e in evs if e.get("event") == "serving" and "frontends" in e]
+            return [e for e in evs if e.get("event") == "serving" and "role" not in e]
 
         events = sink.wait_for(lambda evs: supervisor_serving(evs) or proc.poll() is not None,
                                timeout_s=120)

@@ -30,16 +30,21 @@ def families(text: str) -> dict[str, list]:
 
 
 @pytest.mark.skipif(CUDA, reason="a GPU is present: test_nvml_figures_on_a_gpu covers it")
-@pytest.mark.parametrize("frontends", ["0", "1"])
+@pytest.mark.parametrize("mode", ["single", "native"])
 def test_without_a_gpu_the_families_are_absent_and_nothing_is_logged_as_an_error(
-        tmp_path, frontends):
+        tmp_path, mode):
     import shutil
+
+    from tests.support.servers import native_or_skip
+
+    if mode == "native":
+        native_or_skip()
 
     shutil.copytree(EXAMPLE_MODELS / "cnn", tmp_path / "cnn",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    server = ServeProcess("serve", "--frontends", frontends, "--host", "127.0.0.1",
+    server = ServeProcess("serve", "--frontend", mode, "--host", "127.0.0.1",
                           "--grpc-port", "0", "--metrics-port", "0", "--model-repository",
-                          str(tmp_path), *([] if frontends == "0" else
+                          str(tmp_path), *([] if mode == "single" else
                                            ["--arena-bytes", str(64 << 20)]),
                           "--log-format", "json",
                           "--log-level", "debug", "--no-gc-freeze")

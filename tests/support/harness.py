@@ -1,12 +1,11 @@
 """The one server harness for tests and benchmarks: a batchgate server on port 0, in any mode.
 
 - ``start_process(repository, mode)``: ``python -m batchgate.server.cli serve`` as its own process, in
-  mode "native" (the supervisor, an executor process and the native front end), "python" (the
-  supervisor, an executor process and ``frontends`` Python front-end processes), "single"
-  (one process, ``--frontends 0``) or "auto" (the server's own choice: no mode flags); its
+  mode "native" (the supervisor, an executor process and the native front end), "single"
+  (one process, ``--frontend single``) or "auto" (the server's own choice: no mode flags); its
   JSON log lines are parsed on a thread.
 - ``start_in_thread(repository)``: ``batchgate.server.app.Gateway`` on a thread of this process, on its
-  own event loop (settings overridable); what ``--frontends 0`` runs, without a process.
+  own event loop (settings overridable); what ``--frontend single`` runs, without a process.
 
 Both return a ``RunningServer``: its ports, ``address`` (``host:port``, what the SDK and
 tritonclient take), ``metrics_url``, ``pid`` (for ``/proc``), ``stop()`` (SIGTERM and a
@@ -33,7 +32,7 @@ from typing import Any
 from tests.support import ROOT
 from tests.support.metrics import Samples, parse_samples, read_metrics, total
 
-MODES = ("native", "python", "single")
+MODES = ("native", "single")
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 60.0
 
@@ -42,16 +41,12 @@ class ServerError(RuntimeError):
     """The server did not start, or did not stop as it should; the message holds its log."""
 
 
-def mode_args(mode: str, frontends: int = 2) -> list[str]:
+def mode_args(mode: str) -> list[str]:
     """The ``serve`` flags that select ``mode`` (one of ``MODES``, or "auto": none)."""
     if mode == "auto":
         return []
-    if mode == "native":
-        return ["--frontend", "native"]
-    if mode == "python":
-        return ["--frontend", "python", "--frontends", str(frontends)]
-    if mode == "single":
-        return ["--frontend", "python", "--frontends", "0"]
+    if mode in MODES:
+        return ["--frontend", mode]
     raise ValueError(f"mode must be auto or one of {', '.join(MODES)}; got {mode!r}")
 
 
@@ -147,7 +142,7 @@ class ServeProcess:
 class RunningServer:
     """A server under test or benchmark, started by ``start_process`` or ``start_in_thread``.
 
-    ``mode``: "native", "python", "single" (``MODES``; an in-thread server is "single") or
+    ``mode``: "native", "single" (``MODES``; an in-thread server is "single") or
     "auto" (a process in the mode the server chose).
     ``supervisor``: the ``ServeProcess`` (processes only); ``gateway``/``loop``/``thread``: the
     in-thread server's own."""
@@ -167,7 +162,7 @@ class RunningServer:
 
     @property
     def multiprocess(self) -> bool:
-        """Whether it runs an executor process of its own (native and python modes)."""
+        """Whether it runs an executor process of its own (native mode)."""
         return self.supervisor is not None and bool(self.supervisor.pids("executor"))
 
     @property
@@ -247,8 +242,7 @@ class RunningServer:
         self.stop()
 
 
-def start_process(repository: Path, mode: str = "auto", *, frontends: int = 2,
-                  extra_args: Sequence[str] = (), env: dict[str, str] | None = None,
+def start_process(repository: Path, mode: str = "auto", *, extra_args: Sequence[str] = (), env: dict[str, str] | None = None,
                   models: Sequence[str] = (), timeout_s: float = START_TIMEOUT_S,
                   check_exit: bool = True) -> RunningServer:
     """``batchgate serve`` of ``repository`` in ``mode`` (``MODES`` or "auto") on loopback, port
@@ -257,7 +251,7 @@ def start_process(repository: Path, mode: str = "auto", *, frontends: int = 2,
     ``serving`` (``ServerError`` with its log otherwise, the process killed), with ``models``
     among those it serves. ``check_exit``: whether ``stop()`` raises unless it exits 0."""
     process = ServeProcess(
-        "serve", *mode_args(mode, frontends), "--host", "127.0.0.1", "--grpc-port", "0",
+        "serve", *mode_args(mode), "--host", "127.0.0.1", "--grpc-port", "0",
         "--metrics-port", "0", "--log-format", "json", "--model-repository", str(repository),
         *extra_args, env=env)
     try:

@@ -10,7 +10,7 @@ import pytest
 
 from tests.support.harness import RunningServer, start_in_thread, start_process
 
-SERVER_MODES = ("single", "python", "native")
+SERVER_MODES = ("single", "native")
 
 
 def native_or_skip() -> None:
@@ -33,19 +33,16 @@ def start_server(repository: Path, gate=None, **overrides) -> RunningServer:
     return running
 
 
-def start_multiprocess_server(repository: Path, gate=None, frontends: int = 2,
-                              extra_args: tuple[str, ...] = (),
-                              env: dict[str, str] | None = None,
-                              frontend: str = "python") -> RunningServer:
-    """The supervisor with an executor process and its front end: ``frontends`` Python
-    processes, or (``frontend`` "native") the native one; ``extra_args``: further ``serve``
-    flags; ``env``: the server's whole environment. ``stop()`` fails unless it exits 0."""
-    if frontend == "native":
-        native_or_skip()
+def start_multiprocess_server(repository: Path, gate=None, extra_args: tuple[str, ...] = (),
+                              env: dict[str, str] | None = None) -> RunningServer:
+    """The supervisor with an executor process and the native front end; ``extra_args``:
+    further ``serve`` flags; ``env``: the server's whole environment. ``stop()`` fails unless
+    it exits 0."""
+    native_or_skip()
     # The supervisor runs apart from the test process on purpose: it forks its children, and a
     # fork of a process whose threads are inside gRPC (the tests' clients) is not safe.
     running = start_process(
-        repository, frontend, frontends=frontends, env=env,
+        repository, "native", env=env,
         extra_args=("--arena-bytes", str(256 << 20), "--drain-timeout-s", "10",
                     "--no-gc-freeze", *extra_args))
     running.gate = gate
@@ -54,10 +51,10 @@ def start_multiprocess_server(repository: Path, gate=None, frontends: int = 2,
 
 def start_in_mode(mode: str, repository: Path, gate=None, **overrides) -> RunningServer:
     """A server of ``mode`` (SERVER_MODES). ``overrides``: settings of the single-process
-    server (``Settings`` fields), or ``extra_args``/``env``/``frontends`` of the others."""
+    server (``Settings`` fields), or ``extra_args``/``env`` of the native one."""
     if mode == "single":
         return start_server(repository, gate, **overrides)
-    return start_multiprocess_server(repository, gate, frontend=mode, **overrides)
+    return start_multiprocess_server(repository, gate, **overrides)
 
 
 def threads(pid: int, read=lambda tid: None) -> dict[int, tuple[str, object]]:

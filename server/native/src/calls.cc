@@ -183,7 +183,7 @@ void UnaryCall::Handle() {
       auto* request = call->mutable_statistics();
       if (!ParseRequest(&request_, request, rpc_, &error)) return Fail(error);
       if (!request->name().empty()) {
-        // remote.py statistics(): a model named must be one this front end serves.
+        // As the one-process server's statistics: a model named must be one this front end serves.
         std::shared_ptr<const ModelState> model;
         const grpc::Status found = ModelTable::Lookup(*frontend.models().Current(),
                                                       request->name(), request->version(), &model);

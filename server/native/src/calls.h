@@ -23,7 +23,7 @@ void ListenForEveryRpc(Worker& worker);
 // Requests the next call of `rpc` on `worker`'s queue, unless the worker is quitting.
 void Listen(Worker& worker, const RpcInfo& rpc);
 
-// Parses a raw request; false, with the Python front end's status for it, when it does not
+// Parses a raw request; false, with the one-process server's status for it, when it does not
 // parse (grpcio's deserializer raising DecodeError: UNKNOWN "Unexpected ...").
 bool ParseRequest(grpc::ByteBuffer* bytes, google::protobuf::Message* message,
                   const RpcInfo& rpc, grpc::Status* error);

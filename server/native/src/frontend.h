@@ -46,7 +46,7 @@ struct RpcInfo {
 
 // Every method of the service served with raw payloads: each call's bytes reach our code
 // unparsed, so that the token check comes before parsing (server/auth.py never reads a refused
-// call's request), and a request that does not parse gets the Python front end's answer.
+// call's request), and a request that does not parse gets the one-process server's answer.
 class RawInferenceService final : public inference::GRPCInferenceService::Service {
  public:
   RawInferenceService();
@@ -91,7 +91,7 @@ class Frontend final : public LinkObserver {
   bool ready() const { return ready_.load(std::memory_order_acquire); }
 
   // The inference path up to the executor, shared by ModelInfer and ModelStreamInfer
-  // (service.py _infer(), remote.py infer()): draining, the model, decode_request()'s checks,
+  // (service.py _infer()): draining, the model, decode_request()'s checks,
   // the inputs into the arena, the Infer queued. On OK, `target` gets exactly one answer.
   grpc::Status StartInfer(const inference::ModelInferRequest& request, int64_t deadline_ns,
                           AnswerTarget* target, InferTicket* ticket);

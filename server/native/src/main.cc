@@ -1,4 +1,4 @@
-// batchgate-frontend: the native front end of `batchgate serve --frontends N`.
+// batchgate-frontend: the native front end of `batchgate serve --frontend native`.
 //
 // Started by the supervisor (server/supervisor.py) with the handover, one JSON object, on stdin
 // (server/native/src/handover.h). Reports `frontend_ready` on stderr once the executor has

@@ -1,6 +1,6 @@
 // This front end's metrics, and the socket the supervisor scrapes them from.
 //
-// The Python front ends' families, names and HELP texts (server/metrics.py, batcher/metrics.py):
+// The Python processes' families, names and HELP texts (server/metrics.py, batcher/metrics.py):
 // the supervisor parses this process's text with prometheus_client's parser and merges it into
 // the server's one /metrics, so the series must read exactly as Python's would.
 #pragma once

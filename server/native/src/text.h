@@ -1,6 +1,6 @@
 // Text the front end writes for people: status messages, log lines, metric samples.
 //
-// Every function here reproduces, byte for byte, what the Python front end writes, so that a
+// Every function here reproduces, byte for byte, what the one-process server writes, so that a
 // client (or a test comparing the two front ends) cannot tell them apart. Strings are UTF-8:
 // protobuf refuses a proto3 string field that is not, so everything a client sends is.
 #pragma once

@@ -384,7 +384,7 @@ void TestDecode() {
                        "this server allows (--max-tensor-elements 1000)"));
 }
 
-// What the Python front end (server/codec.py) answers for the shared-memory cases of
+// What the one-process server (server/codec.py) answers for the shared-memory cases of
 // TestSharedMemoryDecode.
 #define SHM_RAW_COUNT_MESSAGE                                                                  \
   "model 'pair': 2 raw_input_contents for 1 inputs; send one raw buffer per input that is not " \
