@@ -36,7 +36,7 @@ def flags_table() -> str:
     rows = ["| flag | default | what it sets |", "|---|---|---|"]
     for action in parser._actions:
         flags = [o for o in action.option_strings if o.startswith("--") and o != "--help"]
-        if not flags:
+        if not flags or action.help == argparse.SUPPRESS:  # a retired flag, refused at start
             continue
         field = fields.get(action.dest)
         if field is None:  # a token file: its help is the CLI's own
