@@ -47,6 +47,7 @@ from batchgate.server.request_scan import (
     WireLimits,
     scan_infer_request,
 )
+from batchgate.server.settings import Settings
 from batchgate.server.shared_memory import OFF_MESSAGE
 
 log = structlog.get_logger(__name__)
@@ -72,7 +73,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                  shared_memory: bool = False, registry=None,
                  extensions: tuple[str, ...] | None = None,
                  drain: DrainGate | None = None,
-                 max_stream_backlog_bytes: int = 64 * 1024 * 1024) -> None:
+                 max_stream_backlog_bytes: int = Settings.max_stream_backlog_bytes) -> None:
         """``control``: what answers the control RPCs (default: ``ControlPlane(repository)``;
         a front end's ``RemoteRepository`` forwards them). ``shared_memory``: whether
         shared-memory tensors are served (``--shared-memory``); ``registry``: the
