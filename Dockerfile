@@ -64,7 +64,8 @@ COPY bench/ bench/
 RUN pip install --no-cache-dir -c constraints.txt ".[server,gpu]" \
     && batchgate serve --help > /dev/null \
     && python -I -c "import batchgate.server.app, grpc_health.v1.health_pb2" \
-    && python server/native/describe_health.py /src/health.binpb
+    && python server/native/describe_health.py /src/health.binpb \
+    && python server/native/generate_rules.py /src/rules.h
 
 # ---------------------------------------------------------------------------------------------
 # The native front end (server/native): C++ on Ubuntu 24.04's gRPC C++ 1.51 and protobuf 3.21,
@@ -83,13 +84,15 @@ RUN apt-get update \
 
 WORKDIR /src
 # The protocols are generated at build time from the repository's own .proto files.
-COPY protos/inference.proto protos/model_config.proto protos/wire.proto protos/
+COPY protos/inference.proto protos/model_config.proto protos/wire.proto protos/handover.proto \
+     protos/
 COPY server/native/ server/native/
 # grpc.health.v1's descriptor, from the Python stage's grpcio-health-checking: reflection
-# describes the health service with it.
-COPY --from=builder /src/health.binpb /src/health.binpb
+# describes the health service with it. rules.h, the rules' C++ copy, from the Python modules
+# that define them (server/native/generate_rules.py), written there too.
+COPY --from=builder /src/health.binpb /src/rules.h /src/
 RUN cmake -S server/native -B /build -DCMAKE_BUILD_TYPE=Release -DBATCHGATE_WERROR=ON \
-          -DBATCHGATE_HEALTH_DESCRIPTOR=/src/health.binpb \
+          -DBATCHGATE_HEALTH_DESCRIPTOR=/src/health.binpb -DBATCHGATE_RULES_HEADER=/src/rules.h \
     && cmake --build /build --parallel "$(nproc)" --target batchgate-frontend \
     && install -D -m 0755 /build/batchgate-frontend /opt/batchgate/bin/batchgate-frontend
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from batchgate.batcher.metric_families import ARENA_BYTES_IN_USE
 from batchgate.batcher.spec import DISPATCH_REASONS
 
 # Batch sizes are small integers; powers of two bound the buckets people configure.
@@ -100,9 +101,8 @@ class BatcherMetrics:
             ["model"], registry=r, multiprocess_mode="livesum",
         )
         self.arena_bytes_in_use = Gauge(
-            "batchgate_arena_bytes_in_use",
-            "Bytes allocated in the shared-memory arena (multi-process mode), by region.",
-            ["region"], registry=r, multiprocess_mode="livesum",
+            ARENA_BYTES_IN_USE.name, ARENA_BYTES_IN_USE.help, ARENA_BYTES_IN_USE.labels,
+            registry=r, multiprocess_mode="livesum",
         )
         self.failures = Counter(
             "batchgate_request_failures", "Requests that got no result, by reason.",

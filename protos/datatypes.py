@@ -64,6 +64,9 @@ CONTENTS_FIELDS: Mapping[str, tuple[str, np.dtype]] = {
     "FP64": ("fp64_contents", np.dtype(np.float64)),
 }
 
+# BYTES tensors' typed contents field (repeated bytes, one element each).
+BYTES_CONTENTS_FIELD = "bytes_contents"
+
 # The length before each BYTES element on the wire.
 BYTES_LENGTH = struct.Struct("<I")
 

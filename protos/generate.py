@@ -27,8 +27,9 @@ from grpc_tools import protoc
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # Relative to REPO_ROOT: they name the descriptors and the generated import paths.
-PROTO_FILES = ("protos/model_config.proto", "protos/inference.proto", "protos/wire.proto")
-# model_config.proto and wire.proto define no service; giving them to the gRPC plugin would
+PROTO_FILES = ("protos/model_config.proto", "protos/inference.proto", "protos/wire.proto",
+               "protos/handover.proto")
+# model_config.proto, wire.proto and handover.proto define no service; giving them to the gRPC plugin would
 # only add empty modules.
 SERVICE_PROTO_FILES = ("protos/inference.proto",)
 
@@ -40,6 +41,8 @@ GENERATED_FILES = (
     "protos/inference_pb2_grpc.py",
     "protos/wire_pb2.py",
     "protos/wire_pb2.pyi",
+    "protos/handover_pb2.py",
+    "protos/handover_pb2.pyi",
 )
 
 

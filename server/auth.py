@@ -26,20 +26,13 @@ import grpc
 import structlog
 
 from batchgate.protos import inference_pb2
+from batchgate.server import messages
+from batchgate.server.rpc_access import ADMIN_METHODS, METADATA_KEY, OPEN_METHODS
 from batchgate.server.settings import Settings
 
 log = structlog.get_logger(__name__)
 
 SERVICE = inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-ADMIN_METHODS = frozenset({
-    "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload", "LogSettings",
-    "TraceSetting",
-    # They open files and device memory on the server's host by name.
-    "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
-    "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister",
-})
-OPEN_METHODS = frozenset({"ServerLive", "ServerReady"})
-METADATA_KEY = "authorization"
 
 
 def accepted_tokens(method: str, *, admin_token: str | None,
@@ -97,13 +90,12 @@ class TokenAuth(grpc.aio.ServerInterceptor):
                 continue
             admin = method.name in ADMIN_METHODS and admin_token is not None
             kind = (method.client_streaming, method.server_streaming)
-            which = "the admin token" if admin else "a bearer token"
-            missing = _refusal(kind, grpc.StatusCode.UNAUTHENTICATED, (
-                f"{method.name} needs {which}: send the metadata "
-                "'authorization: Bearer <token>'"))
-            wrong = _refusal(kind, grpc.StatusCode.PERMISSION_DENIED, (
-                f"the bearer token sent is not valid for {method.name}"
-                + (" (an admin RPC: it needs the admin token)" if admin else "")))
+            which = (messages.TOKEN_MISSING_WHICH_ADMIN if admin
+                     else messages.TOKEN_MISSING_WHICH).text
+            missing = _refusal(kind, grpc.StatusCode.UNAUTHENTICATED,
+                               messages.TOKEN_MISSING(method=method.name, which=which))
+            wrong = _refusal(kind, grpc.StatusCode.PERMISSION_DENIED, messages.TOKEN_WRONG(
+                method=method.name, admin=messages.TOKEN_WRONG_ADMIN.text if admin else ""))
             self._rules[f"/{SERVICE.full_name}/{method.name}"] = _Rule(accepted, missing, wrong)
 
     async def intercept_service(

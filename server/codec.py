@@ -33,22 +33,26 @@ from batchgate.protos.datatypes import (  # bytes_encoding: also known here by t
     NUMPY_DTYPES,
     bytes_encoding,
 )
+from batchgate.server import messages
+from batchgate.server.settings import Settings
 from batchgate.server.shared_memory import OFF_MESSAGE, Placed, Placement
 
 SHARED_MEMORY_KEYS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
-# Dimensions of a shape quoted in a message; the rest is summarised.
-_SHOWN_DIMS = 8
+
+
+# The settings' declared defaults: RequestLimits() is what a server started without flags allows.
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Settings)}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RequestLimits:
     """What one inference request may ask for: the server's ``--max-*`` settings."""
 
-    max_request_bytes: int = 64 * 1024 * 1024
+    max_request_bytes: int = _DEFAULTS["max_message_bytes"]  # --max-request-bytes unset
     """Sum of the input tensors' bytes (``--max-request-bytes``)."""
-    max_tensor_elements: int = 1 << 26
+    max_tensor_elements: int = _DEFAULTS["max_tensor_elements"]
     """Elements of one input tensor, a zero dimension counted as one (``--max-tensor-elements``)."""
-    max_reply_bytes: int = 64 * 1024 * 1024
+    max_reply_bytes: int = _DEFAULTS["max_message_bytes"]
     """The serialized reply, checked before it is built (``--max-message-bytes``)."""
 
 
@@ -72,16 +76,13 @@ def _is_placed(tensor) -> bool:
 def _placement(model: str, kind: str, tensor, shape: tuple[int, ...] = ()) -> Placement:
     """The (region, offset, byte size) a tensor's ``shared_memory_*`` parameters name."""
     parameters = tensor.parameters
-    what = f"model '{model}': {kind} {quoted(tensor.name)}"
+    where = {"model": model, "tensor": kind, "name": quoted(tensor.name)}
     if "shared_memory_region" not in parameters or "shared_memory_byte_size" not in parameters:
-        raise InvalidRequest(
-            f"{what}: the parameters 'shared_memory_region' and 'shared_memory_byte_size' go "
-            "together ('shared_memory_offset' is optional)")
+        raise InvalidRequest(messages.PLACEMENT_INCOMPLETE(**where))
     region = parameters["shared_memory_region"]
     which = region.WhichOneof("parameter_choice")
     if which != "string_param":
-        raise InvalidRequest(
-            f"{what}: parameter 'shared_memory_region' must be a string, got {which}")
+        raise InvalidRequest(messages.PLACEMENT_REGION_NOT_STRING(**where, kind=which))
     values = []
     for key in ("shared_memory_offset", "shared_memory_byte_size"):
         if key not in parameters:
@@ -90,10 +91,10 @@ def _placement(model: str, kind: str, tensor, shape: tuple[int, ...] = ()) -> Pl
         param = parameters[key]
         which = param.WhichOneof("parameter_choice")
         if which not in ("int64_param", "uint64_param"):
-            raise InvalidRequest(f"{what}: parameter '{key}' must be an integer, got {which}")
+            raise InvalidRequest(messages.PLACEMENT_NOT_INTEGER(**where, key=key, kind=which))
         value = getattr(param, which)
         if value < 0:
-            raise InvalidRequest(f"{what}: parameter '{key}' must be >= 0, got {value}")
+            raise InvalidRequest(messages.PLACEMENT_NEGATIVE(**where, key=key, value=value))
         values.append(value)
     return Placement(region.string_param, values[0], values[1], shape)
 
@@ -104,9 +105,9 @@ def _int_parameter(parameters, key: str) -> int:
     if which in ("int64_param", "uint64_param"):
         value = getattr(param, which)
     else:
-        raise InvalidRequest(f"request parameter '{key}' must be an integer, got {which}")
+        raise InvalidRequest(messages.PARAMETER_NOT_INTEGER(key=key, kind=which))
     if value < 0:
-        raise InvalidRequest(f"request parameter '{key}' must be >= 0, got {value}")
+        raise InvalidRequest(messages.PARAMETER_NEGATIVE(key=key, value=value))
     return value
 
 
@@ -141,12 +142,10 @@ def decode_request(
     if raw:
         n_raw = n_inputs - sum(placed)
         if len(raw) != n_raw:
-            raise InvalidRequest(
-                f"model '{name}': {len(raw)} raw_input_contents for {n_raw} inputs; "
-                + ("send one raw buffer per input that is not in shared memory, in the order "
-                   "of 'inputs'" if n_raw != n_inputs else
-                   "send one raw buffer per input, in the order of 'inputs'")
-            )
+            advice = (messages.RAW_COUNT_ADVICE_PLACED if n_raw != n_inputs
+                      else messages.RAW_COUNT_ADVICE)
+            raise InvalidRequest(messages.RAW_COUNT(model=name, raw=len(raw), inputs=n_raw,
+                                                    advice=advice.text))
     batching = spec.batching.max_batch_size > 0
     arrays: dict[str, np.ndarray | None] = {}
     placements: dict[str, Placement] = {}
@@ -157,46 +156,35 @@ def decode_request(
     for index, tensor in enumerate(msg.inputs):
         tspec = spec.input(tensor.name)
         if tspec is None:
-            raise InvalidRequest(
-                f"model '{name}' has no input '{tensor.name}'; "
-                f"its inputs are {quoted_list(t.name for t in spec.inputs)}"
-            )
+            raise InvalidRequest(messages.NO_SUCH_INPUT(
+                model=name, input=tensor.name, inputs=quoted_list(t.name for t in spec.inputs)))
         if tensor.name in arrays:
-            raise InvalidRequest(f"model '{name}': input '{tensor.name}' is given twice")
+            raise InvalidRequest(messages.INPUT_TWICE(model=name, input=tensor.name))
         if tensor.datatype != tspec.datatype:
             if tensor.datatype == "BYTES":
-                raise InvalidRequest(
-                    f"model '{name}': input '{tensor.name}' is {tspec.datatype}; BYTES tensors "
-                    "are accepted only by models that declare them (TYPE_STRING)"
-                )
-            raise InvalidRequest(
-                f"model '{name}': input '{tensor.name}' must be {tspec.datatype}, "
-                f"got {quoted(tensor.datatype)}"
-            )
+                raise InvalidRequest(messages.BYTES_NOT_DECLARED(
+                    model=name, input=tensor.name, datatype=tspec.datatype))
+            raise InvalidRequest(messages.WRONG_DATATYPE(
+                model=name, input=tensor.name, datatype=tspec.datatype,
+                sent=quoted(tensor.datatype)))
         rows, count, shape = _check_shape(name, tspec, tensor.shape, batching,
                                           spec.batching.max_batch_size, limits)
         if batching:
             if batch_size == -1:
                 batch_size = rows
             elif rows != batch_size:
-                raise InvalidRequest(
-                    f"model '{name}': inputs disagree on the batch dimension "
-                    f"({batch_size} and {rows} for '{tensor.name}')"
-                )
+                raise InvalidRequest(messages.BATCH_DISAGREES(
+                    model=name, first=batch_size, rows=rows, input=tensor.name))
         if placed and placed[index]:
             placement = _placement(name, "input", tensor, shape)
             if tensor.HasField("contents"):
-                raise InvalidRequest(
-                    f"model '{name}': input {quoted(tensor.name)} is in shared memory and has "
-                    "contents too; use one or the other"
-                )
+                raise InvalidRequest(messages.PLACED_WITH_CONTENTS(
+                    model=name, name=quoted(tensor.name)))
             size = ELEMENT_SIZES.get(tspec.datatype)
             if size is not None and placement.nbytes != count * size:
-                raise InvalidRequest(
-                    f"model '{name}': input {quoted(tensor.name)} of shape {_shape_text(shape)} "
-                    f"and datatype {tspec.datatype} needs {count * size} bytes, "
-                    f"shared_memory_byte_size is {placement.nbytes}"
-                )
+                raise InvalidRequest(messages.PLACED_SIZE(
+                    model=name, name=quoted(tensor.name), shape=_shape_text(shape),
+                    datatype=tspec.datatype, expected=count * size, nbytes=placement.nbytes))
             request_bytes += _nbytes(tspec, count, placement.nbytes)
             _check_request_bytes(name, request_bytes, limits)
             arrays[tensor.name] = None
@@ -204,10 +192,7 @@ def decode_request(
             shapes[tensor.name] = shape
         elif raw:
             if tensor.HasField("contents"):
-                raise InvalidRequest(
-                    f"model '{name}': input '{tensor.name}' has typed contents while the "
-                    "request uses raw_input_contents; use one or the other"
-                )
+                raise InvalidRequest(messages.RAW_WITH_CONTENTS(model=name, input=tensor.name))
             buffer = raw[raw_index]
             raw_index += 1
             request_bytes += _nbytes(tspec, count, len(buffer))
@@ -220,7 +205,7 @@ def decode_request(
 
     if len(arrays) != len(spec.inputs):
         missing = [t.name for t in spec.inputs if t.name not in arrays]
-        raise InvalidRequest(f"model '{name}': missing inputs {quoted_list(missing)}")
+        raise InvalidRequest(messages.MISSING_INPUTS(model=name, inputs=quoted_list(missing)))
 
     requested = None
     output_placements = None
@@ -229,13 +214,12 @@ def decode_request(
         seen = set()
         for index, out in enumerate(msg.outputs):
             if spec.output(out.name) is None:
-                raise InvalidRequest(
-                    f"model '{name}' has no output '{out.name}'; "
-                    f"its outputs are {quoted_list(t.name for t in spec.outputs)}"
-                )
+                raise InvalidRequest(messages.NO_SUCH_OUTPUT(
+                    model=name, output=out.name,
+                    outputs=quoted_list(t.name for t in spec.outputs)))
             # Triton refuses it too; each repeat would cost the reply the output's bytes again.
             if out.name in seen:
-                raise InvalidRequest(f"model '{name}': output '{out.name}' is requested twice")
+                raise InvalidRequest(messages.OUTPUT_TWICE(model=name, output=out.name))
             seen.add(out.name)
             requested.append(out.name)
             if out.parameters and _is_placed(out):
@@ -277,10 +261,8 @@ def _check_shape(model: str, tspec: TensorSpec, wire_shape, batching: bool, max_
         raise InvalidRequest(_shape_mismatch(model, tspec, batching, wire_shape))
     shape = tuple(wire_shape)
     if any(d < 0 for d in shape):
-        raise InvalidRequest(
-            f"model '{model}': input '{tspec.name}' has a negative dimension, got shape "
-            f"{_shape_text(shape)}"
-        )
+        raise InvalidRequest(messages.NEGATIVE_DIMENSION(
+            model=model, input=tspec.name, shape=_shape_text(shape)))
     count = _element_count(model, tspec, shape, limits.max_tensor_elements)
     rows = 1
     body = shape
@@ -288,10 +270,8 @@ def _check_shape(model: str, tspec: TensorSpec, wire_shape, batching: bool, max_
         rows = shape[0]
         body = shape[1:]
         if rows < 1 or rows > max_batch:
-            raise InvalidRequest(
-                f"model '{model}': batch size must lie in 1..{max_batch} (the model's "
-                f"max_batch_size), got {rows} for input '{tspec.name}'"
-            )
+            raise InvalidRequest(messages.BATCH_SIZE_RANGE(
+                model=model, max_batch_size=max_batch, rows=rows, input=tspec.name))
     if any(d != -1 and d != s for d, s in zip(dims, body)):
         raise InvalidRequest(_shape_mismatch(model, tspec, batching, shape))
     return rows, count, shape
@@ -307,10 +287,8 @@ def _element_count(model: str, tspec: TensorSpec, shape: tuple, limit: int) -> i
         extent *= d or 1
         count *= d
         if extent > limit:
-            raise ResourceExhausted(
-                f"model '{model}': input '{tspec.name}' of shape {_shape_text(shape)} has "
-                f"more elements than this server allows (--max-tensor-elements {limit})"
-            )
+            raise ResourceExhausted(messages.TOO_MANY_ELEMENTS(
+                model=model, input=tspec.name, shape=_shape_text(shape), most=limit))
     return count
 
 
@@ -323,25 +301,21 @@ def _nbytes(tspec: TensorSpec, count: int, wire_bytes: int) -> int:
 
 def _check_request_bytes(model: str, request_bytes: int, limits: RequestLimits) -> None:
     if request_bytes > limits.max_request_bytes:
-        raise ResourceExhausted(
-            f"model '{model}': the request's inputs take more bytes than this server allows "
-            f"(--max-request-bytes {limits.max_request_bytes})"
-        )
+        raise ResourceExhausted(messages.TOO_MANY_BYTES(model=model,
+                                                        most=limits.max_request_bytes))
 
 
 def _shape_mismatch(model: str, tspec: TensorSpec, batching: bool, shape) -> str:
     expected = (["batch"] if batching else []) + [str(d) for d in tspec.dims]
-    return (
-        f"model '{model}': input '{tspec.name}' must have shape [{', '.join(expected)}] "
-        f"(-1: any), got {_shape_text(shape)}"
-    )
+    return messages.SHAPE_MISMATCH(model=model, input=tspec.name, expected=", ".join(expected),
+                                   shape=_shape_text(shape))
 
 
 def _shape_text(shape) -> str:
-    if len(shape) <= _SHOWN_DIMS:
+    if len(shape) <= messages.SHOWN_DIMENSIONS:
         return str(list(shape))
-    shown = ", ".join(str(d) for d in shape[:_SHOWN_DIMS])
-    return f"[{shown}, ...] ({len(shape)} dimensions)"
+    return messages.SHAPE_CUT(shown=", ".join(str(d) for d in shape[:messages.SHOWN_DIMENSIONS]),
+                              dimensions=len(shape))
 
 
 def _from_raw(model: str, tspec: TensorSpec, shape: tuple, count: int,
@@ -350,15 +324,12 @@ def _from_raw(model: str, tspec: TensorSpec, shape: tuple, count: int,
         return _bytes_from_raw(model, tspec, shape, count, buffer)
     expected = count * ELEMENT_SIZES[tspec.datatype]
     if len(buffer) != expected:
-        raise InvalidRequest(
-            f"model '{model}': input '{tspec.name}' of shape {list(shape)} and datatype "
-            f"{tspec.datatype} needs {expected} bytes, got {len(buffer)}"
-        )
+        raise InvalidRequest(messages.RAW_SIZE(
+            model=model, input=tspec.name, shape=list(shape), datatype=tspec.datatype,
+            expected=expected, sent=len(buffer)))
     if tspec.datatype == "BOOL" and buffer and np.frombuffer(buffer, np.uint8).max() > 1:
         # Any other byte is not a bool: torch would compute with it (~x of 2 is still true).
-        raise InvalidRequest(
-            f"model '{model}': BOOL input '{tspec.name}' must hold bytes 0 and 1 only"
-        )
+        raise InvalidRequest(messages.BOOL_NOT_0_OR_1(model=model, input=tspec.name))
     return np.frombuffer(buffer, dtype=NUMPY_DTYPES[tspec.datatype]).reshape(shape)
 
 
@@ -366,10 +337,8 @@ def _bytes_from_raw(model: str, tspec: TensorSpec, shape: tuple, count: int,
                     buffer: bytes) -> np.ndarray:
     items = _split_bytes(buffer, count)
     if items is None:
-        raise InvalidRequest(
-            f"model '{model}': BYTES input '{tspec.name}' must hold {count} elements, each a "
-            "4-byte little-endian length followed by that many bytes"
-        )
+        raise InvalidRequest(messages.BYTES_NOT_ENCODED(model=model, input=tspec.name,
+                                                        count=count))
     return _object_array(items, shape)
 
 
@@ -417,35 +386,30 @@ def _from_contents(model: str, tspec: TensorSpec, shape: tuple, count: int,
     if datatype == "BYTES":
         values = tensor.contents.bytes_contents
         if len(values) != count:
-            raise InvalidRequest(
-                f"model '{model}': input '{tspec.name}' of shape {list(shape)} needs {count} "
-                f"bytes_contents, got {len(values)}"
-            )
+            raise InvalidRequest(messages.BYTES_CONTENTS_COUNT(
+                model=model, input=tspec.name, shape=list(shape), count=count,
+                sent=len(values)))
         array = np.empty(count, dtype=object)
         array[:] = list(values)
         return array.reshape(shape)
     typed = CONTENTS_FIELDS.get(datatype)
     if typed is None:
-        raise InvalidRequest(
-            f"model '{model}': input '{tspec.name}' is {datatype}, which has no typed contents "
-            "field; send it in raw_input_contents"
-        )
+        raise InvalidRequest(messages.NO_TYPED_CONTENTS(model=model, input=tspec.name,
+                                                        datatype=datatype))
     field, wire_dtype = typed
     values = getattr(tensor.contents, field)
     if len(values) != count:
-        raise InvalidRequest(
-            f"model '{model}': input '{tspec.name}' of shape {list(shape)} needs {count} values "
-            f"in contents.{field}, got {len(values)}"
-        )
+        raise InvalidRequest(messages.CONTENTS_COUNT(
+            model=model, input=tspec.name, shape=list(shape), count=count, field=field,
+            sent=len(values)))
     wire = np.array(values, dtype=wire_dtype)
     target = NUMPY_DTYPES[datatype]
     if wire_dtype == target:
         return wire.reshape(shape)
     array = wire.astype(target)
     if not np.array_equal(array, wire):
-        raise InvalidRequest(
-            f"model '{model}': input '{tspec.name}' has values outside the range of {datatype}"
-        )
+        raise InvalidRequest(messages.CONTENTS_OUT_OF_RANGE(model=model, input=tspec.name,
+                                                            datatype=datatype))
     return array.reshape(shape)
 
 
@@ -485,9 +449,8 @@ def encode_outputs(
         if stream:
             size = _length_delimited(size)
         if size > max_reply_bytes:
-            raise ResourceExhausted(
-                f"model '{spec.name}': the reply would take {size} bytes, more than this "
-                f"server sends (--max-message-bytes {max_reply_bytes})")
+            raise ResourceExhausted(messages.REPLY_TOO_LARGE(model=spec.name, size=size,
+                                                             most=max_reply_bytes))
     response.raw_output_contents.extend(
         raw.tobytes() if isinstance(raw, np.ndarray) else raw for raw in raws)
     return response

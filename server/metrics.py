@@ -8,6 +8,12 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from batchgate.batcher.metric_families import (
+    REQUEST_SECONDS,
+    REQUESTS,
+    STREAM_BACKLOG_BYTES,
+    STREAM_PAUSES,
+)
 from batchgate.batcher.metrics import SECONDS_BUCKETS, BatcherMetrics
 from batchgate.batcher.telemetry import GpuTelemetry
 
@@ -21,26 +27,18 @@ class ServerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.batcher = BatcherMetrics(self.registry)
-        self.requests = Counter(
-            "batchgate_requests", "Inference requests answered, by model and gRPC status.",
-            ["model", "status"], registry=self.registry,
-        )
+        self.requests = Counter(REQUESTS.name, REQUESTS.help, REQUESTS.labels,
+                                registry=self.registry)
         self.request_seconds = Histogram(
-            "batchgate_request_seconds",
-            "End-to-end time of an inference request inside the server, decode to encode.",
-            ["model"], registry=self.registry, buckets=SECONDS_BUCKETS,
+            REQUEST_SECONDS.name, REQUEST_SECONDS.help, REQUEST_SECONDS.labels,
+            registry=self.registry, buckets=SECONDS_BUCKETS,
         )
         self.stream_backlog_bytes = Gauge(
-            "batchgate_stream_backlog_bytes",
-            "Reply bytes held for ModelStreamInfer clients, not yet written to them.",
-            registry=self.registry, multiprocess_mode="livesum",
+            STREAM_BACKLOG_BYTES.name, STREAM_BACKLOG_BYTES.help, registry=self.registry,
+            multiprocess_mode="livesum",
         )
-        self.stream_pauses = Counter(
-            "batchgate_stream_pauses",
-            "Times a ModelStreamInfer stream stopped reading requests until its replies "
-            "drained (--max-stream-backlog-bytes).",
-            registry=self.registry,
-        )
+        self.stream_pauses = Counter(STREAM_PAUSES.name, STREAM_PAUSES.help,
+                                     registry=self.registry)
 
     def serve_http(self, host: str, port: int):
         """Start ``/metrics`` on a daemon thread; returns the HTTP server (its port for port 0).

@@ -20,6 +20,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from batchgate.server import messages
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Rule:
@@ -35,7 +37,7 @@ class Rule:
         return "--" + self.setting.replace("_", "-")
 
     def refusal(self, most: int) -> str:
-        return f"{self.refused} ({self.flag} {most})"
+        return messages.LIMIT_REFUSAL(refused=self.refused, flag=self.flag, most=most)
 
 
 RULES = (

@@ -46,6 +46,7 @@ from batchgate.server.request_scan import (
     WireLimits,
     scan_infer_request,
 )
+from batchgate.server.settings import Settings
 from batchgate.server.shared_memory import OFF_MESSAGE, SharedMemoryRegistry
 
 log = structlog.get_logger(__name__)
@@ -70,7 +71,7 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
                  wire_limits: WireLimits = DEFAULT_WIRE_LIMITS,
                  shared_memory: bool = False,
                  drain: DrainGate | None = None,
-                 max_stream_backlog_bytes: int = 64 * 1024 * 1024) -> None:
+                 max_stream_backlog_bytes: int = Settings.max_stream_backlog_bytes) -> None:
         """``registry``: the clients' shared-memory regions, mapped in this process.
         ``control``: what answers the control RPCs (default: ``ControlPlane(repository)``).
         ``shared_memory``: whether shared-memory tensors are served (``--shared-memory``).

@@ -40,15 +40,13 @@ import structlog
 from batchgate.batcher.errors import InvalidRequest, NotSupported, quoted
 from batchgate.batcher.spec import NUMPY_DTYPES
 from batchgate.protos import inference_pb2 as pb
+from batchgate.server import messages
 from batchgate.server.status import Code, StatusError
 
 log = structlog.get_logger(__name__)
 
 SHM_ROOT = "/dev/shm"
-OFF_MESSAGE = (
-    "shared-memory tensors are off on this server (start it with --shared-memory to turn "
-    "them on); send tensor data in raw_input_contents"
-)
+OFF_MESSAGE = messages.SHARED_MEMORY_OFF.text
 NO_CUDA_MESSAGE = "this server has no CUDA device; CUDA shared memory needs one"
 
 

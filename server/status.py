@@ -22,6 +22,7 @@ import enum
 import structlog
 
 from batchgate.batcher import errors
+from batchgate.server import messages
 
 log = structlog.get_logger(__name__)
 
@@ -61,7 +62,7 @@ STATUS_CODES: dict[type[errors.BatchgateError], Code] = {
     errors.LoadError: Code.INVALID_ARGUMENT,
 }
 
-INTERNAL_MESSAGE = "internal server error; the server log has the details"
+INTERNAL_MESSAGE = messages.INTERNAL.text
 
 
 class StatusError(errors.BatchgateError):
@@ -70,9 +71,8 @@ class StatusError(errors.BatchgateError):
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
         self.code = code
-# Percent-encoded on the wire (up to 3 bytes per byte): well under the 8 KiB clients accept.
-MAX_MESSAGE_BYTES = 1024
-_CUT = " ... (message cut)"
+MAX_MESSAGE_BYTES = messages.MAX_MESSAGE_BYTES
+_CUT = messages.MESSAGE_CUT.text
 
 
 def status_of(exc: BaseException) -> tuple[Code, str]:

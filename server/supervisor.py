@@ -51,6 +51,7 @@ import structlog
 
 from batchgate.batcher.arena import ArenaLayout, SharedArena
 from batchgate.batcher.metrics import SECONDS_BUCKETS
+from batchgate.protos import handover_pb2
 from batchgate.server import (
     __version__,
     connections,
@@ -85,23 +86,34 @@ FRONTEND_SHUTDOWN_S = GOAWAY_PROPAGATION_S + LAST_ANSWERS_S
 
 
 def frontend_handover(settings: Settings, values: dict, *, slot: int, arena_fd: int,
-                      arena_bytes: int, slots: int, input_region: tuple[int, int],
+                      arena_bytes: int, input_region: tuple[int, int],
                       executor_socket: str, metrics_socket: str, grpc_port: int,
-                      extensions: Iterable[str]) -> dict:
-    """What a native front end is handed (``server/native/src/handover.cc`` reads it):
-    ``values``, the settings it acts on (``Settings.handover``), and what it is to serve with.
-    The one place its shape is written, for the supervisor and the tests' own front ends."""
-    return {
-        "role": FRONTEND, "slot": slot, "arena_fd": arena_fd, "arena_bytes": arena_bytes,
-        "slots": slots, "input_region": list(input_region), "executor_socket": executor_socket,
-        "metrics_socket": metrics_socket, "grpc_port": grpc_port, "version": __version__,
-        "extensions": list(extensions), "seconds_buckets": list(SECONDS_BUCKETS),
-        "wire_limits": request_limits.wire_limits(settings),
-        "grpc_arguments": connections.server_arguments(settings),
-        "unknown_model_label": UNKNOWN_MODEL_LABEL,
-        "max_stream_backlog_messages": connections.STREAM_BACKLOG_MESSAGES,
-        "settings": values,
-    }
+                      extensions: Iterable[str]) -> handover_pb2.FrontendHandover:
+    """What a native front end is handed (``protos/handover.proto``, which
+    ``server/native/src/handover.cc`` reads): ``values``, the settings it acts on
+    (``Settings.handover``), and what it is to serve with. The one place it is built, for the
+    supervisor and the tests' own front ends."""
+    offset, size = input_region
+    handover = handover_pb2.FrontendHandover(
+        slot=slot, arena_fd=arena_fd, arena_bytes=arena_bytes, input_region_offset=offset,
+        input_region_bytes=size, executor_socket=executor_socket, metrics_socket=metrics_socket,
+        grpc_port=grpc_port, version=__version__, extensions=list(extensions),
+        seconds_buckets=list(SECONDS_BUCKETS), wire_limits=request_limits.bounds_of(settings),
+        grpc_arguments=[handover_pb2.GrpcArgument(name=name, value=value)
+                        for name, value in connections.server_arguments(settings)],
+        unknown_model_label=UNKNOWN_MODEL_LABEL,
+        max_stream_backlog_messages=connections.STREAM_BACKLOG_MESSAGES)
+    # By name: every field of FrontendSettings is a setting of the front end's role.
+    for field in handover.settings.DESCRIPTOR.fields:
+        value = values[field.name]
+        if value is None:
+            continue
+        if field.label == field.LABEL_REPEATED:
+            getattr(handover.settings, field.name).extend(value)
+        else:
+            setattr(handover.settings, field.name, value)
+    return handover
+
 
 class SupervisorError(RuntimeError):
     """The server could not start: a child failed before it was ready."""
@@ -524,12 +536,12 @@ class Supervisor:
 
     def _handover_of_frontend(self, slot: int) -> bytes:
         offset, size = ArenaLayout(self.arena_bytes, 1).input_region(slot)
-        return _json(frontend_handover(
-            self.settings, self._settings_for(FRONTEND), slot=slot, **self._arena_fields(),
-            input_region=(offset, size), executor_socket=self.socket_name,
-            metrics_socket=self._metrics_socket(slot), grpc_port=self.grpc_port,
-            extensions=server_extensions(self.settings.shared_memory,
-                                         cuda=self.cuda_shared_memory)))
+        extensions = server_extensions(self.settings.shared_memory, cuda=self.cuda_shared_memory)
+        return frontend_handover(
+            self.settings, self._settings_for(FRONTEND), slot=slot, arena_fd=self._arena.fd,
+            arena_bytes=self.arena_bytes, input_region=(offset, size),
+            executor_socket=self.socket_name, metrics_socket=self._metrics_socket(slot),
+            grpc_port=self.grpc_port, extensions=extensions).SerializeToString()
 
     def _settings_for(self, role: str) -> dict:
         values = self.settings.handover(role)

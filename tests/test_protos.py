@@ -13,11 +13,9 @@ import base64
 import importlib.util
 import inspect
 import json
-import re
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,9 +23,8 @@ from google.protobuf import text_format
 from google.protobuf.descriptor import FieldDescriptor
 
 from batchgate.protos import generate, inference_pb2, inference_pb2_grpc, model_config_pb2
-from batchgate.protos.datatypes import CONTENTS_FIELDS, ELEMENT_SIZES, NUMPY_DTYPES
+from batchgate.protos.datatypes import CONTENTS_FIELDS, NUMPY_DTYPES
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 SERVICE = "inference.GRPCInferenceService"
 
 TRITON_CONFIG_PBTXT = """
@@ -416,23 +413,3 @@ def test_contents_fields_are_the_protos_typed_fields():
     used = {name for name, _ in CONTENTS_FIELDS.values()}
     assert used == set(fields) - {"bytes_contents"}
 
-
-def test_native_front_end_has_the_same_datatype_table():
-    # C++ cannot read the Python table: its copy (names, element sizes, typed contents fields)
-    # is compared with it here, so that the two front ends cannot drift apart.
-    native = REPO_ROOT / "server" / "native" / "src"
-    table = re.findall(r'\{"(\w+)", DataType::k(\w+), (\d+)\}',
-                       (native / "model_table.cc").read_text())
-    assert {name: int(size) for name, _, size in table} == {**ELEMENT_SIZES, "BYTES": 0}
-    assert all(enum.upper() == name for name, enum, _ in table)
-    assert len(table) == len(NUMPY_DTYPES)
-    codec = (native / "codec.cc").read_text()
-    switch = codec[codec.index("const char* TypedField("):]
-    switch = switch[:switch.index("default:")]
-    typed, pending = {}, []
-    for enum, field in re.findall(r'case DataType::k(\w+):(?:[^\n]*return "(\w+)")?', switch):
-        pending.append(enum.upper())
-        if field:
-            typed.update(dict.fromkeys(pending, field))
-            pending = []
-    assert typed == {datatype: name for datatype, (name, _) in CONTENTS_FIELDS.items()}

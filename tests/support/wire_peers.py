@@ -144,7 +144,7 @@ def model_state(name: str = "m", handle: int = 1, dims: tuple[int, ...] = (4,),
 class _Child:
     """A child process started with a handover, its JSON log lines kept as they come."""
 
-    def __init__(self, argv: list[str], handover: dict, pass_fds: tuple[int, ...],
+    def __init__(self, argv: list[str], handover: bytes, pass_fds: tuple[int, ...],
                  env: dict[str, str] | None = None) -> None:
         self.lines: list[dict] = []
         self.raw: list[bytes] = []
@@ -152,7 +152,7 @@ class _Child:
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stderr=subprocess.PIPE,
                                      pass_fds=pass_fds, start_new_session=True,
                                      env=env if env is not None else dict(os.environ))
-        hand_over(self.proc, json.dumps(handover).encode())
+        hand_over(self.proc, handover)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -224,9 +224,9 @@ class NativeFrontEnd(_Child):
         values["log_level"] = "info"
         handover = frontend_handover(
             self.settings, values, slot=slot, arena_fd=arena.fd, arena_bytes=arena.size,
-            slots=slots, input_region=(offset, size), executor_socket=executor_socket,
+            input_region=(offset, size), executor_socket=executor_socket,
             metrics_socket=socket_name("metrics"), grpc_port=self.port,
-            extensions=server_extensions(False, cuda=False))
+            extensions=server_extensions(False, cuda=False)).SerializeToString()
         super().__init__([str(binary or native.binary())], handover, (arena.fd,), env)
 
     @property
@@ -254,8 +254,8 @@ class ExecutorProcess(_Child):
                     "slots": slots, "socket": self.name, "settings": values}
         if frontend_pids is not None:
             handover["frontend_pids"] = {str(slot): pid for slot, pid in frontend_pids.items()}
-        super().__init__([sys.executable, "-m", "batchgate.server.executor_process"], handover,
-                         (arena.fd,))
+        super().__init__([sys.executable, "-m", "batchgate.server.executor_process"],
+                         json.dumps(handover).encode(), (arena.fd,))
         self.wait_for("executor_ready", timeout_s=120)
 
 

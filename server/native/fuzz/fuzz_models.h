@@ -60,7 +60,7 @@ inline WireLimits Limits() {
   const uint64_t most[kWireRules] = {8, 8, 8, 8, 8, 64, 64, 8, 1 << 16};
   for (int i = 0; i < kWireRules; ++i) {
     limits.most[i] = most[i];
-    limits.refusal[i] = kWireRuleKeys[i];
+    limits.refusal[i] = rules::kWireRuleKeys[i];
   }
   return limits;
 }

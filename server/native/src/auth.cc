@@ -1,20 +1,19 @@
 #include "auth.h"
 
 #include <algorithm>
-#include <set>
+#include <iterator>
 
 #include "log.h"
+#include "rules.h"
 
 namespace batchgate {
 namespace {
 
-const std::set<std::string_view> kAdminMethods = {
-    "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload", "LogSettings",
-    "TraceSetting",
-    // They open files and device memory on the server's host by name.
-    "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
-    "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister"};
-const std::set<std::string_view> kOpenMethods = {"ServerLive", "ServerReady"};
+// server/rpc_access.py's sets (rules.h).
+template <size_t N>
+bool IsIn(const std::string_view (&methods)[N], std::string_view method) {
+  return std::find(std::begin(methods), std::end(methods), method) != std::end(methods);
+}
 
 // Python's str.isspace() characters, as UTF-8: what str.strip() removes from a token's ends.
 bool IsPythonSpace(char32_t c) {
@@ -94,7 +93,7 @@ bool EqualsIgnoringAsciiCase(std::string_view a, std::string_view b) {
 std::optional<std::string_view> BearerToken(
     const std::multimap<grpc::string_ref, grpc::string_ref>& metadata) {
   // A multimap keeps entries of one key in the order they came: find() is the first one.
-  const auto it = metadata.find("authorization");
+  const auto it = metadata.find(rules::kTokenMetadataKey);
   if (it == metadata.end()) return std::nullopt;
   const std::string_view value(it->second.data(), it->second.size());
   const size_t space = value.find(' ');
@@ -125,8 +124,8 @@ TokenAuth::TokenAuth(const std::optional<std::string>& admin_token,
   for (const std::string& method : methods) {
     Rule rule;
     rule.path = "/inference.GRPCInferenceService/" + method;
-    const bool admin_method = kAdminMethods.count(method) > 0;
-    if (kOpenMethods.count(method)) {
+    const bool admin_method = IsIn(rules::kAdminMethods, method);
+    if (IsIn(rules::kOpenMethods, method)) {
       // open
     } else if (admin_method) {
       if (admin_token) rule.accepted.push_back(*admin_token);
@@ -138,12 +137,10 @@ TokenAuth::TokenAuth(const std::optional<std::string>& admin_token,
     const bool admin = admin_method && admin_token.has_value();
     rule.missing = grpc::Status(
         grpc::StatusCode::UNAUTHENTICATED,
-        method + " needs " + (admin ? "the admin token" : "a bearer token") +
-            ": send the metadata 'authorization: Bearer <token>'");
-    rule.wrong = grpc::Status(
-        grpc::StatusCode::PERMISSION_DENIED,
-        "the bearer token sent is not valid for " + method +
-            (admin ? " (an admin RPC: it needs the admin token)" : ""));
+        rules::TokenMissing(method, admin ? rules::kTokenMissingWhichAdmin
+                                          : rules::kTokenMissingWhich));
+    rule.wrong = grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                              rules::TokenWrong(method, admin ? rules::kTokenWrongAdmin : ""));
     rules_.push_back(std::move(rule));
   }
 }

@@ -5,13 +5,13 @@
 #include "health.h"
 #include "log.h"
 #include "metrics.h"
+#include "rules.h"
 #include "stream_call.h"
 #include "text.h"
 
 namespace batchgate {
 namespace {
 
-const char* const kInternalMessage = "internal server error; the server log has the details";
 
 grpc::Status BoundedStatus(const grpc::Status& status) {
   return grpc::Status(status.error_code(), Bounded(status.error_message()));
@@ -218,7 +218,7 @@ void UnaryCall::Handle() {
       google::protobuf::Message* request = SharedMemoryRequest(rpc_.rpc, call.get());
       if (!ParseRequest(&request_, request, rpc_, &error)) return Fail(error);
       if (!frontend.handover().shared_memory) {
-        return Fail(grpc::Status(grpc::StatusCode::UNIMPLEMENTED, kSharedMemoryOffMessage));
+        return Fail(grpc::Status(grpc::StatusCode::UNIMPLEMENTED, rules::kSharedMemoryOff));
       }
       return Forward(std::move(call));
     }
@@ -242,7 +242,7 @@ void UnaryCall::Handle() {
     case Rpc::kModelStreamInfer:
       break;  // their own call classes
   }
-  Fail(grpc::Status(grpc::StatusCode::INTERNAL, kInternalMessage));
+  Fail(grpc::Status(grpc::StatusCode::INTERNAL, rules::kInternal));
 }
 
 void UnaryCall::Forward(std::unique_ptr<wire::Call> call) {
@@ -301,7 +301,7 @@ void UnaryCall::OnExecutorAnswer(ExecutorAnswer answer) {
              ResponseOf(*answer.reply) == nullptr) {
     Log(LogLevel::kError, "executor_protocol_error",
         {LogField("error", "a reply of the wrong kind for " + rpc_.name)});
-    Fail(grpc::Status(grpc::StatusCode::INTERNAL, kInternalMessage));
+    Fail(grpc::Status(grpc::StatusCode::INTERNAL, rules::kInternal));
   } else {
     Reply(Serialize(*ResponseOf(*answer.reply)));
   }

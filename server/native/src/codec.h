@@ -1,5 +1,6 @@
 // ModelInferRequest checked against a model's state, and ModelInferResponse built from a Result:
-// server/codec.py's decode_request() and encode_outputs(), for the native front end.
+// server/codec.py's decode_request() and encode_outputs(), for the native front end. The checks
+// are request_checks.cc, writing the inputs into the arena input_writer.cc, the reply reply.cc.
 //
 // The checks, their order and their messages are decode_request()'s, so that the same mistake
 // gets the same status from either front end. Shapes are checked before anything is sized from
@@ -13,6 +14,7 @@
 #include <grpcpp/support/status.h>
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -24,13 +26,11 @@ namespace batchgate {
 
 class Arena;
 
-// What a request naming a shared-memory region, or a shared-memory RPC, is answered
-// (UNIMPLEMENTED) when the server does not serve them (server/shared_memory.py OFF_MESSAGE).
-extern const char* const kSharedMemoryOffMessage;
-
+// --max-request-bytes and --max-tensor-elements, as the handover gives them (their defaults are
+// the settings'; none here).
 struct RequestLimits {
-  uint64_t max_request_bytes = 64u << 20;
-  uint64_t max_tensor_elements = 1u << 26;
+  uint64_t max_request_bytes = std::numeric_limits<uint64_t>::max();
+  uint64_t max_tensor_elements = std::numeric_limits<uint64_t>::max();
 };
 
 // Where one model input comes from in the request, and what it takes in the arena.

@@ -1,4 +1,5 @@
-// What the supervisor tells a front end on its stdin: one JSON object (server/supervisor.py).
+// What the supervisor tells the front end on its stdin: a FrontendHandover (protos/handover.proto,
+// written by server/supervisor.py frontend_handover()), as the request path reads it.
 #pragma once
 
 #include <cstdint>
@@ -24,8 +25,8 @@ struct Handover {
   std::string version;
   std::vector<std::string> extensions;
   std::vector<double> seconds_buckets;
-  // What a request's wire bytes may hold: each rule's bound and refusal, as
-  // server/request_limits.py declares them.
+  // What a request's wire bytes may hold: each rule's bound (handed over) and refusal (its
+  // words from rules.h, with the bound).
   WireLimits wire_limits;
   // gRPC server arguments, each added to the builder as it is (server/connections.py).
   std::vector<std::pair<std::string, int>> grpc_arguments;
@@ -54,8 +55,8 @@ struct Handover {
   LogLevel log_level = LogLevel::kInfo;
 };
 
-// The handover in `json`, or false with `error` naming the key that is missing, of the wrong
-// type or out of range (keys of `settings` as "settings.<key>").
-bool ParseHandover(const std::string& json, Handover* out, std::string* error);
+// The handover serialized in `bytes`, or false with `error` naming the field that is missing or
+// out of range (fields of `settings` as "settings.<field>").
+bool ParseHandover(const std::string& bytes, Handover* out, std::string* error);
 
 }  // namespace batchgate

@@ -1,7 +1,7 @@
 // batchgate-frontend: the native front end of `batchgate serve --frontend native`.
 //
-// Started by the supervisor (server/supervisor.py) with the handover, one JSON object, on stdin
-// (server/native/src/handover.h). Reports `frontend_ready` on stderr once the executor has
+// Started by the supervisor (server/supervisor.py) with the handover, a serialized
+// FrontendHandover (protos/handover.proto), on stdin. Reports `frontend_ready` on stderr once the executor has
 // welcomed it; drains and exits 0 on SIGTERM or SIGINT; exits 1, with one log line saying why,
 // when it cannot start.
 #include <poll.h>
@@ -90,10 +90,11 @@ int main() {
   signal(SIGPIPE, SIG_IGN);
   batchgate::CaptureLibraryLogs();
 
-  const std::string json((std::istreambuf_iterator<char>(std::cin)), std::istreambuf_iterator<char>());
+  const std::string serialized((std::istreambuf_iterator<char>(std::cin)),
+                               std::istreambuf_iterator<char>());
   batchgate::Handover handover;
   std::string error;
-  if (!batchgate::ParseHandover(json, &handover, &error)) {
+  if (!batchgate::ParseHandover(serialized, &handover, &error)) {
     batchgate::Log(batchgate::LogLevel::kError, "frontend_start_failed", {batchgate::LogField("error", error)});
     return 1;
   }

@@ -13,6 +13,7 @@
 #include <limits>
 
 #include "log.h"
+#include "rules.h"
 #include "text.h"
 
 namespace batchgate {
@@ -95,11 +96,11 @@ void RequestMetrics::Count(const std::string& model, bool known, grpc::StatusCod
 std::string RequestMetrics::Exposition() const {
   std::string out;
   std::lock_guard<std::mutex> lock(mu_);
-  out += "# HELP batchgate_requests_total Inference requests answered, by model and gRPC status.\n";
-  out += "# TYPE batchgate_requests_total counter\n";
+  out += rules::kRequestsHeader;
   for (const auto* entry : counter_order_) {
     const auto& [key, count] = *entry;
-    out += "batchgate_requests_total{model=\"";
+    out += rules::kRequestsFamily;
+    out += "{model=\"";
     AppendLabelValue(out, key.model);
     out += "\",status=\"";
     out += StatusCodeName(static_cast<grpc::StatusCode>(key.code));
@@ -107,9 +108,8 @@ std::string RequestMetrics::Exposition() const {
     out += PrometheusFloat(static_cast<double>(count));
     out += '\n';
   }
-  out += "# HELP batchgate_request_seconds End-to-end time of an inference request inside the "
-         "server, decode to encode.\n";
-  out += "# TYPE batchgate_request_seconds histogram\n";
+  out += rules::kRequestSecondsHeader;
+  const std::string family = rules::kRequestSecondsFamily;
   for (const auto* entry : histogram_order_) {
     const auto& [model, histogram] = *entry;
     std::string label;
@@ -118,32 +118,29 @@ std::string RequestMetrics::Exposition() const {
     for (size_t i = 0; i <= bounds_.size(); ++i) {
       cumulative += histogram.buckets[i];
       // Labels sorted by name, as prometheus_client writes them: le before model.
-      out += "batchgate_request_seconds_bucket{le=\"";
+      out += family + "_bucket{le=\"";
       out += i < bounds_.size() ? PrometheusFloat(bounds_[i]) : "+Inf";
       out += "\",model=\"" + label + "\"} ";
       out += PrometheusFloat(static_cast<double>(cumulative));
       out += '\n';
     }
-    out += "batchgate_request_seconds_count{model=\"" + label + "\"} " +
+    out += family + "_count{model=\"" + label + "\"} " +
            PrometheusFloat(static_cast<double>(histogram.count)) + "\n";
-    out += "batchgate_request_seconds_sum{model=\"" + label + "\"} " +
+    out += family + "_sum{model=\"" + label + "\"} " +
            PrometheusFloat(histogram.sum) + "\n";
   }
-  out += "# HELP batchgate_arena_bytes_in_use Bytes allocated in the shared-memory arena "
-         "(multi-process mode), by region.\n";
-  out += "# TYPE batchgate_arena_bytes_in_use gauge\n";
-  out += "batchgate_arena_bytes_in_use{region=\"";
+  out += rules::kArenaBytesInUseHeader;
+  out += rules::kArenaBytesInUseFamily;
+  out += "{region=\"";
   AppendLabelValue(out, region_);
   out += "\"} " + PrometheusFloat(static_cast<double>(bytes_in_use_())) + "\n";
-  out += "# HELP batchgate_stream_backlog_bytes Reply bytes held for ModelStreamInfer clients, "
-         "not yet written to them.\n";
-  out += "# TYPE batchgate_stream_backlog_bytes gauge\n";
-  out += "batchgate_stream_backlog_bytes " +
+  out += rules::kStreamBacklogBytesHeader;
+  out += rules::kStreamBacklogBytesFamily;
+  out += " " +
          PrometheusFloat(static_cast<double>(stream_backlog_bytes_.load())) + "\n";
-  out += "# HELP batchgate_stream_pauses_total Times a ModelStreamInfer stream stopped reading "
-         "requests until its replies drained (--max-stream-backlog-bytes).\n";
-  out += "# TYPE batchgate_stream_pauses_total counter\n";
-  out += "batchgate_stream_pauses_total " +
+  out += rules::kStreamPausesHeader;
+  out += rules::kStreamPausesFamily;
+  out += " " +
          PrometheusFloat(static_cast<double>(stream_pauses_.load())) + "\n";
   return out;
 }

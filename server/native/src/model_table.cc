@@ -6,22 +6,6 @@
 namespace batchgate {
 namespace {
 
-struct DataTypeName {
-  std::string_view name;
-  DataType type;
-  uint64_t size;
-};
-
-constexpr DataTypeName kDataTypes[] = {
-    {"BOOL", DataType::kBool, 1},     {"UINT8", DataType::kUint8, 1},
-    {"UINT16", DataType::kUint16, 2}, {"UINT32", DataType::kUint32, 4},
-    {"UINT64", DataType::kUint64, 8}, {"INT8", DataType::kInt8, 1},
-    {"INT16", DataType::kInt16, 2},   {"INT32", DataType::kInt32, 4},
-    {"INT64", DataType::kInt64, 8},   {"FP16", DataType::kFp16, 2},
-    {"FP32", DataType::kFp32, 4},     {"FP64", DataType::kFp64, 8},
-    {"BF16", DataType::kBf16, 2},     {"BYTES", DataType::kBytes, 0},
-};
-
 TensorInfo MakeTensorInfo(const wire::TensorSpec& spec) {
   TensorInfo info;
   info.name = spec.name();
@@ -45,17 +29,24 @@ void AddMetadata(google::protobuf::RepeatedPtrField<inference::ModelMetadataResp
 }  // namespace
 
 DataType ParseDataType(std::string_view name) {
-  for (const auto& entry : kDataTypes) {
+  for (const auto& entry : rules::kDataTypes) {
     if (entry.name == name) return entry.type;
   }
   return DataType::kUnknown;
 }
 
 uint64_t ElementSize(DataType type) {
-  for (const auto& entry : kDataTypes) {
+  for (const auto& entry : rules::kDataTypes) {
     if (entry.type == type) return entry.size;
   }
   return 0;
+}
+
+std::string_view ContentsField(DataType type) {
+  for (const auto& entry : rules::kDataTypes) {
+    if (entry.type == type) return entry.contents_field;
+  }
+  return {};
 }
 
 std::shared_ptr<const ModelState> MakeModelState(const wire::ModelState& wire, uint64_t generation) {

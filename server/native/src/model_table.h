@@ -18,17 +18,17 @@
 #include <vector>
 
 #include "protos/wire.pb.h"
+#include "rules.h"
 
 namespace batchgate {
 
-// KServe datatypes (batcher/spec.py NUMPY_DTYPES).
-enum class DataType : uint8_t {
-  kBool, kUint8, kUint16, kUint32, kUint64, kInt8, kInt16, kInt32, kInt64,
-  kFp16, kFp32, kFp64, kBf16, kBytes, kUnknown,
-};
+// KServe datatypes (protos/datatypes.py, as rules.h has them).
+using rules::DataType;
 DataType ParseDataType(std::string_view name);
 // Bytes per element; 0 for BYTES (variable length) and unknown datatypes.
 uint64_t ElementSize(DataType type);
+// The datatype's typed contents field (its name in messages); "" for none.
+std::string_view ContentsField(DataType type);
 
 struct TensorInfo {
   std::string name;

@@ -5,12 +5,12 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "rules.h"
+
 namespace batchgate {
 namespace {
 
-constexpr std::string_view kCut = " ... (message cut)";
-// Dimensions of a shape quoted in a message; the rest is summarised (server/codec.py).
-constexpr int kShownDims = 8;
+constexpr std::string_view kCut = rules::kMessageCut;
 
 // The code point starting at text[*at], advancing *at; U+FFFD (advancing one byte) for a byte
 // that does not start a valid sequence.
@@ -127,14 +127,13 @@ std::string ShapeList(const google::protobuf::RepeatedField<int64_t>& shape) {
 }
 
 std::string ShapeText(const google::protobuf::RepeatedField<int64_t>& shape) {
-  if (shape.size() <= kShownDims) return ShapeList(shape);
-  std::string out = "[";
-  for (int i = 0; i < kShownDims; ++i) {
-    out += std::to_string(shape[i]);
-    out += ", ";
+  if (shape.size() <= rules::kShownDimensions) return ShapeList(shape);
+  std::string shown;
+  for (int i = 0; i < rules::kShownDimensions; ++i) {
+    if (i) shown += ", ";
+    shown += std::to_string(shape[i]);
   }
-  out += "...] (" + std::to_string(shape.size()) + " dimensions)";
-  return out;
+  return rules::ShapeCut(shown, std::to_string(shape.size()));
 }
 
 std::string PythonFloat(double value) {

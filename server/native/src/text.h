@@ -11,6 +11,8 @@
 
 #include <google/protobuf/repeated_field.h>
 
+#include "rules.h"
+
 namespace batchgate {
 
 // `text` in single quotes, with a backslash, a quote and the ASCII control characters escaped
@@ -38,7 +40,7 @@ std::string QuotedList(const Names& names) {
 // A status message cut to at most 1024 bytes of UTF-8, at a character boundary, with
 // " ... (message cut)" appended when cut (server/errors.py bounded()).
 std::string Bounded(std::string message);
-inline constexpr size_t kMaxMessageBytes = 1024;
+inline constexpr size_t kMaxMessageBytes = rules::kMaxMessageBytes;
 
 // Python's str(list(shape)) of a shape: "[1, 512]".
 std::string ShapeList(const google::protobuf::RepeatedField<int64_t>& shape);

@@ -5,11 +5,6 @@
 
 namespace batchgate {
 
-const char* const kWireRuleKeys[kWireRules] = {
-    "inputs", "raw_input_contents", "outputs", "parameters", "dimensions", "bytes_contents",
-    "name_bytes", "unknown_fields", "contents_bytes",
-};
-
 WireLimits UnlimitedWireLimits() {
   WireLimits limits;
   for (int i = 0; i < kWireRules; ++i) limits.most[i] = std::numeric_limits<uint64_t>::max();

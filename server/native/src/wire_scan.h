@@ -4,8 +4,8 @@
 // Parsed, a repeated field costs far more than on the wire (an empty `outputs` entry: 2 bytes
 // sent, a heap object here), so a request is scanned first: the protobuf wire format walked
 // over the message's slices as gRPC received them, nothing allocated per field, every count
-// given up as soon as it passes its bound. The rules, their bounds and their refusals come
-// from the handover (server/request_limits.py RULES), in the order of WireRule.
+// given up as soon as it passes its bound. The rules and their refusals' words come
+// from server/request_limits.py RULES (rules.h), their bounds from the handover.
 #pragma once
 
 #include <cstddef>
@@ -13,16 +13,13 @@
 #include <string>
 #include <vector>
 
+#include "rules.h"
+
 namespace batchgate {
 
-// server/request_limits.py RULES, in their order.
-enum class WireRule : int {
-  kInputs, kRawInputContents, kOutputs, kParameters, kDimensions, kBytesContents, kNameBytes,
-  kUnknownFields, kContentsBytes,
-};
-constexpr int kWireRules = 9;
-// Each rule's key (Rule.key), as the handover names it.
-extern const char* const kWireRuleKeys[kWireRules];
+// server/request_limits.py RULES, in their order (rules.h).
+using rules::kWireRules;
+using rules::WireRule;
 
 struct WireLimits {
   uint64_t most[kWireRules];        // each rule's bound, inclusive

@@ -26,6 +26,7 @@
 #include "executor_link.h"
 #include "frontend.h"
 #include "handover.h"
+#include "protos/handover.pb.h"
 #include "input_region.h"
 #include "metrics.h"
 #include "model_table.h"
@@ -469,6 +470,7 @@ inference::ModelInferRequest PlacedPairRequest() {
 void TestSharedMemoryDecode() {
   const auto model = PairModel();
   batchgate::RequestLimits limits;
+  limits.max_request_bytes = 64u << 20;
   const auto decode = [&](const inference::ModelInferRequest& r, batchgate::DecodedRequest* d,
                           bool enabled = true) {
     *d = {};
@@ -671,54 +673,63 @@ void TestPlacedOutputReply() {
         std::string::npos);
 }
 
-// settings.shared_memory (server/settings.py): read from the handover, which must carry it;
-// and the wire limits (server/request_limits.py), each rule's bound and refusal.
-void TestHandoverSharedMemory() {
-  const std::string wire_limits =
-      R"("wire_limits": {"inputs": [3, "no more than 3"], "raw_input_contents": [3, "r"],
-         "outputs": [4, "o"], "parameters": [5, "p"], "dimensions": [6, "d"],
-         "bytes_contents": [0, "b"], "name_bytes": [8, "n"], "unknown_fields": [9, "u"],
-         "contents_bytes": [4096, "c"]},)";
-  const std::string places =
-      R"({"slot": 0, "arena_fd": 3, "arena_bytes": 1048576, "input_region": [0, 524288],
-          "executor_socket": "s", "metrics_socket": "m", "grpc_port": 0, "version": "0.1.0",
-          "extensions": ["health", "system_shared_memory"], "seconds_buckets": [0.001, 0.01],
-          "grpc_arguments": [["grpc.max_concurrent_streams", 7], ["grpc.keepalive_time_ms", 500]],
-          "unknown_model_label": "<unknown>", "max_stream_backlog_messages": 256,)";
-  const std::string settings =
-      R"("settings": {"host": "127.0.0.1", "max_message_bytes": 1024,
-          "max_request_bytes": 4096, "max_tensor_elements": 100, "drain_timeout_s": 1,
-          "grpc_memory_bytes": 1048576, "grpc_max_threads": 4, "max_stream_backlog_bytes": 2048,
-          "reflection": true, "tls_cert": null, "tls_key": null, "tls_client_ca": null,
-          "admin_token": null, "infer_token": null, "frontend_threads": 1,
-          "request_scheduling": "normal", "model_cpus": null, "log_level": "info")";
-  const std::string head = places + wire_limits + settings;
-  {
-    batchgate::Handover limited;
-    std::string problem;
-    CHECK(batchgate::ParseHandover(head + R"(, "shared_memory": true}})", &limited, &problem));
-    CHECK_EQ(limited.wire_limits.Most(batchgate::WireRule::kInputs), uint64_t{3});
-    CHECK_EQ(limited.wire_limits.Refusal(batchgate::WireRule::kInputs),
-             std::string("no more than 3"));
-    CHECK_EQ(limited.wire_limits.Most(batchgate::WireRule::kBytesContents), uint64_t{0});
-    CHECK_EQ(limited.wire_limits.Most(batchgate::WireRule::kUnknownFields), uint64_t{9});
-    std::string without_rule = head + R"(, "shared_memory": true}})";
-    without_rule.replace(without_rule.find(R"("outputs": [4, "o"], )"), 21, "");
-    CHECK(!batchgate::ParseHandover(without_rule, &limited, &problem));
-    CHECK_EQ(problem, std::string("handover key 'wire_limits.outputs' is missing"));
-    std::string no_refusal = head + R"(, "shared_memory": true}})";
-    no_refusal.replace(no_refusal.find(R"([6, "d"])"), 8, "[6]");
-    CHECK(!batchgate::ParseHandover(no_refusal, &limited, &problem));
-    CHECK_EQ(problem,
-             std::string("handover key 'wire_limits.dimensions' must be [bound, refusal]"));
-    CHECK(!batchgate::ParseHandover(places + settings + R"(, "shared_memory": true}})", &limited,
-                                    &problem));
-    CHECK_EQ(problem, std::string("handover key 'wire_limits' is missing"));
+// The handover (protos/handover.proto): settings.shared_memory and the rest read from it; the wire
+// limits' bounds from it, their refusals' words from rules.h (server/request_limits.py).
+batchgate::handover::FrontendHandover ValidHandover() {
+  batchgate::handover::FrontendHandover in;
+  in.set_arena_fd(3);
+  in.set_arena_bytes(1048576);
+  in.set_input_region_bytes(524288);
+  in.set_executor_socket("s");
+  in.set_metrics_socket("m");
+  in.set_version("0.1.0");
+  in.add_extensions("health");
+  in.add_extensions("system_shared_memory");
+  in.add_seconds_buckets(0.001);
+  in.add_seconds_buckets(0.01);
+  for (int i = 0; i < batchgate::rules::kWireRules; ++i) {
+    (*in.mutable_wire_limits())[batchgate::rules::kWireRuleKeys[i]] = 3 + static_cast<uint64_t>(i);
   }
-  batchgate::Handover handover;
+  auto* argument = in.add_grpc_arguments();
+  argument->set_name("grpc.max_concurrent_streams");
+  argument->set_value(7);
+  argument = in.add_grpc_arguments();
+  argument->set_name("grpc.keepalive_time_ms");
+  argument->set_value(500);
+  in.set_unknown_model_label("<unknown>");
+  in.set_max_stream_backlog_messages(256);
+  auto* s = in.mutable_settings();
+  s->set_host("127.0.0.1");
+  s->set_max_message_bytes(1024);
+  s->set_max_request_bytes(4096);
+  s->set_max_tensor_elements(100);
+  s->set_drain_timeout_s(1);
+  s->set_grpc_memory_bytes(1048576);
+  s->set_grpc_max_threads(4);
+  s->set_max_stream_backlog_bytes(2048);
+  s->set_reflection(true);
+  s->set_frontend_threads(1);
+  s->set_request_scheduling("normal");
+  s->set_log_level("info");
+  s->set_shared_memory(true);
+  return in;
+}
+
+bool Parse(const batchgate::handover::FrontendHandover& in, batchgate::Handover* out,
+           std::string* error) {
+  return batchgate::ParseHandover(in.SerializeAsString(), out, error);
+}
+
+void TestHandover() {
   std::string error;
-  CHECK(batchgate::ParseHandover(head + R"(, "shared_memory": true}})", &handover, &error));
+  batchgate::Handover handover;
+  CHECK(Parse(ValidHandover(), &handover, &error));
   CHECK(handover.shared_memory);
+  CHECK_EQ(handover.wire_limits.Most(batchgate::WireRule::kInputs), uint64_t{3});
+  CHECK_EQ(handover.wire_limits.Refusal(batchgate::WireRule::kInputs),
+           std::string("the request has more inputs than this server allows "
+                       "(--max-request-inputs 3)"));
+  CHECK_EQ(handover.wire_limits.Most(batchgate::WireRule::kContentsBytes), uint64_t{11});
   CHECK_EQ(handover.extensions.size(), size_t{2});
   CHECK_EQ(handover.grpc_arguments.size(), size_t{2});
   CHECK_EQ(handover.grpc_arguments[0].first, std::string("grpc.max_concurrent_streams"));
@@ -728,44 +739,56 @@ void TestHandoverSharedMemory() {
   CHECK_EQ(handover.grpc_max_threads, 4);
   CHECK_EQ(handover.max_stream_backlog_bytes, int64_t{2048});
   CHECK_EQ(handover.max_stream_backlog_messages, int64_t{256});
-  std::string bad_argument = head + R"(, "shared_memory": true}})";
-  bad_argument.replace(bad_argument.find("500"), 3, "\"x\"");
-  batchgate::Handover refused_argument;
-  CHECK(!batchgate::ParseHandover(bad_argument, &refused_argument, &error));
-  CHECK_EQ(error, std::string("handover key 'grpc_arguments' must be a list of [name, integer]"));
-  batchgate::Handover off;
-  CHECK(batchgate::ParseHandover(head + R"(, "shared_memory": false}})", &off, &error));
-  CHECK(!off.shared_memory);
-  batchgate::Handover without;
-  CHECK(!batchgate::ParseHandover(head + "}}", &without, &error));
-  CHECK_EQ(error, std::string("handover key 'settings.shared_memory' is missing"));
-  batchgate::Handover wrong;
-  CHECK(!batchgate::ParseHandover(head + R"(, "shared_memory": 1}})", &wrong, &error));
-  CHECK_EQ(error, std::string("handover key 'settings.shared_memory' must be true or false"));
-  CHECK(!off.batch_scheduling);
-  std::string batch = head + R"(, "shared_memory": false}})";
-  batch.replace(batch.find("\"normal\""), 8, "\"batch\"");
-  batchgate::Handover batched;
-  CHECK(batchgate::ParseHandover(batch, &batched, &error));
-  CHECK(batched.batch_scheduling);
-  std::string other = head + R"(, "shared_memory": false}})";
-  other.replace(other.find("\"normal\""), 8, "\"fifo\"");
+  CHECK(!handover.batch_scheduling);
+  CHECK(handover.model_cpus.empty());
+  CHECK(!handover.tls_cert.has_value());
+
   batchgate::Handover refused;
-  CHECK(!batchgate::ParseHandover(other, &refused, &error));
-  CHECK_EQ(error, std::string("handover key 'settings.request_scheduling' must be batch or normal"));
-  CHECK(off.model_cpus.empty());
-  std::string pinned = head + R"(, "shared_memory": false}})";
-  pinned.replace(pinned.find("null, \"log_level\""), 4, "[1, 3]");
+  CHECK(!batchgate::ParseHandover("{\"slot\": 0}", &refused, &error));
+  CHECK(error.find("is not a serialized batchgate.handover.FrontendHandover") !=
+        std::string::npos);
+  auto without_rule = ValidHandover();
+  without_rule.mutable_wire_limits()->erase("outputs");
+  CHECK(!Parse(without_rule, &refused, &error));
+  CHECK_EQ(error, std::string("handover field 'wire_limits.outputs' is missing"));
+  auto without_settings = ValidHandover();
+  without_settings.clear_settings();
+  CHECK(!Parse(without_settings, &refused, &error));
+  CHECK_EQ(error, std::string("handover field 'settings' is missing"));
+
+  auto batch = ValidHandover();
+  batch.mutable_settings()->set_request_scheduling("batch");
+  batchgate::Handover batched;
+  CHECK(Parse(batch, &batched, &error));
+  CHECK(batched.batch_scheduling);
+  auto other = ValidHandover();
+  other.mutable_settings()->set_request_scheduling("fifo");
+  CHECK(!Parse(other, &refused, &error));
+  CHECK_EQ(error, std::string("handover field 'settings.request_scheduling' must be batch or normal"));
+
+  auto pinned = ValidHandover();
+  pinned.mutable_settings()->add_model_cpus(1);
+  pinned.mutable_settings()->add_model_cpus(3);
   batchgate::Handover split;
-  CHECK(batchgate::ParseHandover(pinned, &split, &error));
+  CHECK(Parse(pinned, &split, &error));
   CHECK_EQ(split.model_cpus.size(), size_t{2});
   CHECK_EQ(split.model_cpus[0], 1);
   CHECK_EQ(split.model_cpus[1], 3);
-  std::string negative = head + R"(, "shared_memory": false}})";
-  negative.replace(negative.find("null, \"log_level\""), 4, "[-1]");
-  batchgate::Handover bad;
-  CHECK(!batchgate::ParseHandover(negative, &bad, &error));
-  CHECK(error.find("handover key 'settings.model_cpus' must be an integer in 0..") == 0);
+  auto negative = ValidHandover();
+  negative.mutable_settings()->add_model_cpus(-1);
+  CHECK(!Parse(negative, &refused, &error));
+  CHECK(error.find("handover field 'settings.model_cpus' must hold CPUs in 0..") == 0);
+
+  auto half_tls = ValidHandover();
+  half_tls.mutable_settings()->set_tls_cert("/cert.pem");
+  CHECK(!Parse(half_tls, &refused, &error));
+  CHECK_EQ(error, std::string("handover field 'settings.tls_key' must be set with the other of "
+                              "tls_cert/tls_key"));
+  auto threads = ValidHandover();
+  threads.mutable_settings()->set_grpc_max_threads(1);
+  CHECK(!Parse(threads, &refused, &error));
+  CHECK_EQ(error, std::string("handover field 'settings.grpc_max_threads' must be in "
+                              "2..2147483647, got 1"));
 }
 
 // -- the wire scan (wire_scan.h) -----------------------------------------------------------------
@@ -793,7 +816,7 @@ std::string Outcome(const batchgate::ScanResult& result) {
     case ScanOutcome::kMalformed: return "malformed";
     case ScanOutcome::kOverLimit: break;
   }
-  return std::string("over ") + batchgate::kWireRuleKeys[static_cast<int>(result.rule)];
+  return std::string("over ") + batchgate::rules::kWireRuleKeys[static_cast<int>(result.rule)];
 }
 
 // A request with something of every kind a rule counts.
@@ -849,7 +872,7 @@ void TestWireScanCounts() {
     if (count.has == 0) continue;
     limits.most[static_cast<int>(count.rule)] = count.has - 1;
     CHECK_EQ(Outcome(ScanBytes(bytes, limits)),
-             std::string("over ") + batchgate::kWireRuleKeys[static_cast<int>(count.rule)]);
+             std::string("over ") + batchgate::rules::kWireRuleKeys[static_cast<int>(count.rule)]);
   }
   // Each kind of name on its own: the longest is the parameter's string value.
   const auto longest = [&](inference::ModelInferRequest r) {
@@ -1683,7 +1706,7 @@ int main() {
   TestPlacedOutputReply();
   TestWireScanCounts();
   TestWireScanMalformed();
-  TestHandoverSharedMemory();
+  TestHandover();
   TestMetrics();
   TestBatchResults();
   TestLinkWritesEveryEntryInOrder();
