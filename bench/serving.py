@@ -71,8 +71,8 @@ from batchgate.bench._perf_analyzer import (
 from batchgate.protos import inference_pb2, inference_pb2_grpc
 from batchgate.server import native
 from batchgate.server.settings import cpu_list, cpus_text, usable_cpus
-from tests.support.harness import MODES, RunningServer, ServerError, start_process
-from tests.support.repository import copy_model
+from batchgate.bench.harness.server import MODES, RunningServer, ServerError, start_process
+from batchgate.bench.harness.repository import copy_model
 
 __all__ = ["PerfRow", "main", "parse_metrics", "parse_perf_analyzer_csv"]
 

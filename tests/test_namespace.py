@@ -99,7 +99,7 @@ def test_a_checkout_that_is_not_installed_imports_from_its_folders(tmp_path):
     # install's finder is absent and only the checkout itself can map batchgate.<folder>.
     site = os.pathsep.join(dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib")))
     script = IMPORT_CHECK + textwrap.dedent("""
-        import batchgate.bench.gpu_check.run, tests.support.harness
+        import batchgate.bench.gpu_check.run, batchgate.bench.harness.server
         print(sorted(m for m in sys.modules if m.partition(".")[0] in {folders!r}))
         """).format(folders=FOLDERS)
     env = {**os.environ, "PYTHONPATH": site}

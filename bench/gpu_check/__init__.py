@@ -35,8 +35,8 @@ figure there too:
     ResNet-50 (if torchvision imports; random weights), fp32, amp-fp16 and amp-fp16 replayed as
     one CUDA graph in a tight in-process loop at batch ``THROUGHPUT_BATCH``, then amp-fp16
     eager and amp-fp16 with CUDA graphs per bucket through the whole gateway (the harness's
-    in-thread server, ``tests.support.harness.start_in_thread``, on port 0 over a temporary
-    model repository; ``batchgate.bench.loadgen``'s closed loop from ``LOAD_PROCESSES``
+    in-thread server, ``batchgate.bench.harness.server.start_in_thread``, on port 0 over a
+    temporary model repository; ``batchgate.bench.loadgen``'s closed loop from ``LOAD_PROCESSES``
     spawned workers at ``LOAD_CONCURRENCY`` requests in flight in all, one sample per request,
     after
     ``LOAD_WARMUP_S`` of warm-up): gateway samples/s / in-process samples/s of the same path.
@@ -90,7 +90,8 @@ torch API that torch 2.11 (the GPU machines') and 2.13 (CI) both have.
 
 The modules, one a section: ``correctness`` (a); ``memory``, ``pool_trace`` and
 ``server_trace`` (b); ``throughput``, ``workloads``, ``inprocess`` and ``load`` (c: the
-server is ``tests.support.harness``'s in-thread one, the load ``batchgate.bench.loadgen``'s);
+server is ``batchgate.bench.harness.server``'s in-thread one, the load
+``batchgate.bench.loadgen``'s);
 ``nvml`` (e); ``h2d``, ``gather`` and ``copy_events`` (d); ``cuda_tests`` (t); ``targets``.
 Shared: ``report`` (rows, the table, budgets), ``machine`` (what the run was on),
 ``children`` (child processes), ``samples`` (inputs and model helpers); ``run`` ties them
