@@ -68,7 +68,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from batchgate.batcher.arena import ArenaAllocator
+from batchgate.batcher.arena_allocator import ArenaAllocator
 from batchgate.batcher.buckets import bucket_for, default_buckets  # noqa: F401 (part of this API)
 from batchgate.batcher.errors import ResourceExhausted
 

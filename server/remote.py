@@ -26,7 +26,8 @@ from collections.abc import Callable
 import numpy as np
 import structlog
 
-from batchgate.batcher.arena import ArenaAllocator, SharedArena
+from batchgate.batcher.arena import SharedArena
+from batchgate.batcher.arena_allocator import ArenaAllocator
 from batchgate.batcher.errors import ModelNotFound, ModelUnavailable, ResourceExhausted, quoted
 from batchgate.batcher.metrics import BatcherMetrics
 from batchgate.batcher.request import InferenceRequest
