@@ -117,7 +117,7 @@ def limits_plan_bytes(seed: int, steps: int) -> int:
     """What the server would reserve for mixed_trace(seed)'s models, worked out here: per
     model, 2 inputs and 6 outputs at its largest, each aligned, plus one alignment."""
     from batchgate.batcher.pool import DEFAULT_POOL_ALIGNMENT as align
-    from batchgate.batcher.pool import mixed_trace
+    from batchgate.batcher.allocation_trace import mixed_trace
 
     largest: dict[tuple[str, str], int] = {}
     for event in mixed_trace(seed, steps=steps):

@@ -17,7 +17,7 @@ figure there too:
     convolutions while ``torch.backends.cudnn.allow_tf32`` is on, torch's default, and for
     every model if matmuls may use TF32: TF32's 10-bit mantissa puts the max error near 5e-4),
     fp16 2e-2 (autocast and weights), bf16 5e-2 (8-bit mantissa).
-(b) memory. First ``batchgate.batcher.pool.mixed_trace`` (several models, random batch sizes,
+(b) memory. First ``batchgate.batcher.allocation_trace.mixed_trace`` (several models, random batch sizes,
     interleaved lifetimes; ``POOL_TRACE_SEEDS``): a synthetic trace through our arenas, one per
     model reserved up front at its plan as the server reserves it (``pool_trace``: from each
     model's limits, never from the trace's own peak), and through PyTorch's caching allocator
