@@ -61,6 +61,7 @@ COPY server/ server/
 COPY batcher/ batcher/
 COPY clients/ clients/
 COPY bench/ bench/
+COPY models/ models/
 RUN pip install --no-cache-dir -c constraints.txt ".[server,gpu]" \
     && batchgate serve --help > /dev/null \
     && python -I -c "import batchgate.server.app, grpc_health.v1.health_pb2" \

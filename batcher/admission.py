@@ -15,8 +15,7 @@ of ``max_batch_size``; the request rides in the last one, so the batches before 
 it. Under FIFO the samples ahead are those queued at its priority level or above; under the
 deadline policy, those at higher levels and, at its own, those due no later than it
 (``ModelQueue.samples_ahead``): a request with a tight deadline overtakes the loose ones queued
-before it, and counting them refused it although it would have made it (simulated, deadlines
-of 100 and 300 ms mixed: 89 % attainment with them counted, 99 % without, at 0.3 × capacity).
+before it, and counting them would refuse it although it would make it.
 
 Batches already taken from the queue (assembling, waiting for the device, or running) are ahead
 of every queued request; the caller passes the work they have left (``in_flight_s``, see
@@ -26,8 +25,8 @@ one has already run.
 The completion is held against the time left before the deadline less the profile's response
 margin (``LatencyProfile.margin``: the answer still has to reach its client), under every
 policy: a request whose batch would end after its deadline is answered DEADLINE_EXCEEDED anyway,
-after spending its whole deadline and a share of a batch (measured: with the start held against
-the deadline instead, a 5x overload admitted requests that all expired in their batch).
+after spending its whole deadline and a share of a batch (holding only the batch's start against
+the deadline lets in, under overload, requests that then expire in their batch).
 
 - Under ``fifo`` a batch takes everything queued when it starts, so the request's own batch
   is what is queued ahead of it in that batch, itself, and the samples expected to arrive
@@ -35,15 +34,9 @@ the deadline instead, a 5x overload admitted requests that all expired in their 
   at most a full batch (behind a queue it is full). And the completion is held at its p99,
   not its mean: the means plus 3 deviations of their sum (``in_flight_var``: the squared
   deviations of the batches taken; deviations of independent batch times add in squares).
-  Without either (each batch taken by its own size, its own batch at its current size, means)
-  fifo admission let in, under bursts at 1.5 x capacity, requests that then expired (79 % ->
-  54 % attainment through the server); the guard before this one counted every batch taken as
-  a whole full batch and refused, with deadlines of 100 and 300 ms mixed, 24-29 % of the
-  requests at 0.3-0.35 x capacity, where without admission 0.1-7 % expired (through the
-  server, ``bench/deadline.py``). Simulated (``bench/deadline_sim.py``, seeds 1-3, 40 s),
-  against that guard: 100/300 ms mixed at 0.3 / 0.37 / 0.6 / 1.5 x capacity, 87-89 / 84-85
-  / 72-73 / 50 % -> 97-98 / 93-94 / 79 / 55 %; one 150 ms deadline at 0.45 / 0.6 / 1.5 / 5
-  x, 93-94 / 82 / 54-55 / 19.5-19.8 % -> 93 / 81-82 / 54-55 / 19.8-19.9 %.
+  Without either, fifo admission lets in under bursts requests that then expire; counting
+  every batch taken as a whole full batch instead refuses many that would have made it
+  (docs/decisions/0003-fifo-admission-at-the-p99.md has the figures).
 - Under ``deadline`` the completion is the means (its own batch at its own size: under EDF a
   later arrival with a later deadline does not join ahead of it), and a request that cannot
   finish in time even on an empty queue is refused as *infeasible*: DEADLINE_EXCEEDED, not

@@ -10,7 +10,7 @@ a batch.
 
 1. the precision check (``batcher/precision.py``): the model in its precision against fp32 on
    seeded inputs; fp16 weights are converted here;
-2. the memory plan (``batcher/pool.py``): per instance, an input buffer per batch in flight and,
+2. the memory plan (``batcher/memory_plan.py``): per instance, an input buffer per batch in flight and,
    with CUDA graphs, each bucket's fixed buffers, and room for the staged inputs, in an arena
    of the device's pool reserved for the model at exactly that size (``batcher/memory.py``),
    all or nothing, else ``ResourceExhausted`` naming the bytes needed and free;
@@ -75,11 +75,11 @@ from batchgate.batcher.forward import unpack_outputs
 from batchgate.batcher.tensors import TORCH_DTYPES, to_torch
 from batchgate.batcher.memory import DevicePools
 from batchgate.batcher.metrics import BatcherMetrics, ModelMetrics
+from batchgate.batcher.memory_plan import model_plan
 from batchgate.batcher.pool import (
     DEFAULT_POOL_ALIGNMENT,
     DevicePool,
     ModelReservation,
-    model_plan,
     unpooled_reservation,
 )
 from batchgate.batcher.profile import LatencyProfile

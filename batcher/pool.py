@@ -1,55 +1,21 @@
 """Reserved device arenas, carved into tensors by the gateway's own allocator.
 
-Memory fragmentation: when models of different sizes share a GPU, only 35-50 % of
-device memory typically holds live data. ``DevicePool`` reserves one ``uint8`` buffer
-(``torch.empty`` on ``cuda:N``, or on ``cpu`` where tests and CI run; the server reserves one
-per model, at exactly its plan's size: ``batcher/memory.py``) and hands out typed views into
-it. It does not bring an allocator of its own: it reuses ``batchgate.batcher.arena``'s
-``ArenaAllocator``: best fit over an address- and size-ordered free list with immediate
-coalescing, sizes rounded only to ``alignment`` (no power-of-two classes wasting up to half of
-each block), and each block placed in its hole by expected lifetime. Every allocation here says
-which it is: a request's staged inputs are ``"short"``-lived (freed when the batch has run), a
-model's plan buffers ``"long"``-lived (held until it unloads); the trace's inputs are short and
-its outputs long. A long-lived block takes the top of its hole; a short-lived one goes against
-whichever neighbour will be freed later, so its leftover merges with the neighbour freed first.
+When models of different sizes share a GPU, fragmentation leaves much of device memory holding
+no live data. ``DevicePool`` reserves one ``uint8`` buffer (``torch.empty`` on ``cuda:N``, or on
+``cpu`` where tests and CI run; the server reserves one per model, at exactly its plan's size:
+``batcher/memory.py``) and hands out typed views into it. It brings no allocator of its own: it
+reuses ``batchgate.batcher.arena_allocator``'s ``ArenaAllocator`` (best fit with immediate
+coalescing, sizes rounded only to ``alignment``, each block placed in its hole by expected
+lifetime). Every allocation here says which it is: a request's staged inputs are
+``"short"``-lived (freed when the batch has run), a model's plan buffers ``"long"``-lived (held
+until it unloads). Why placement matters, and the figures on a mixed-size trace
+(``batchgate.batcher.allocation_trace``): docs/decisions/0012-arena-blocks-placed-by-lifetime.md.
 
-Why placement matters on a mixed-size trace: with plain best fit (every block at the low end of
-the smallest hole that fits) a model's large input buffers, each alive a step or two, land just
-above one another, and when the older one is freed its space and the leftover above the newer
-one are two holes split by it, each too small for the next: the pool must be far larger than
-what is live. ``bench/gpu_check`` (section b) replays ``mixed_trace`` (four models whose
-per-sample sizes differ by orders of magnitude, random batch sizes, inputs freed 1-2 steps
-later, outputs 1-6, so lifetimes interleave) in the smallest pool that serves each seed without
-a refusal and reports peak bytes in use / bytes reserved, mean and worst over the seeds:
-
-- ``.venv/bin/python -m batchgate.bench.gpu_check --cpu --sections b`` (seeds 0-7): plain best fit
-  84.6 % / 70.0 %, this scheme **95.2 % / 87.2 %**;
-- held-out seeds (``.venv/bin/python -c "from batchgate.bench.gpu_check import pool_trace_figure as f;
-  r = [f('cpu', s)['peak_in_use_fraction'] for s in range(8, 40)]; print(sum(r) / len(r),
-  min(r))"``): 8-39 plain best fit 84.7 % / 68.2 %, this scheme **90.5 % / 74.4 %**; 40-231
-  84.6 % / 63.1 % and **90.8 % / 73.0 %**.
-
-These figures are of this arena alone on a synthetic trace: they do not say what the server
-holds on a GPU, where weights, activations and graphs live in each model's own allocator pool
-(``batcher/gpu.py``); ``bench/gpu_check``'s server trace measures that, device-wide.
-Seeds 0-7 happen to favour the scheme; the held-out figures are the ones to expect. Schemes
-were compared on means over whole seed sets, never tuned per seed. Others tried, in an offset
-simulator, mean on seeds 0-7 / 8-39: address-ordered first fit 79.4 % / 83.5 %; large blocks
-from the top 85.1 % / 83.6 %; short-lived first fit from the bottom and long-lived last fit from
-the top 89.8 % / 87.0 % (88.1 % / 88.1 % with short-lived best fit); the neighbour rule for
-long-lived blocks too 89.7 % / 90.2 %. Segregating lifetimes by end alone helps less than
-placing each short-lived block against its longer-lived neighbour.
-
-``tests/test_pool.py`` replays ``mixed_trace`` through a pool reserved at 1.5x the trace's peak
-*live* bytes, on several seeds: no allocation is refused, and the peak bytes the allocator holds
-stay within 2 % of the peak live bytes (alignment is the only overhead). ``bench/gpu_check``
-compares the peak in-use / reserved ratio with PyTorch's caching allocator on the same traces
-(on a GPU).
-
-Models reserve everything they need at load (``DevicePool.admit``): an input and an output
-buffer per batch bucket plus an activation pool, all or nothing. The capacity check runs on a
-copy of the free list before anything is allocated, so a refused model changes nothing and the
-refusal (``ResourceExhausted``) names the model, the bytes it needs and the bytes free.
+Models reserve everything they need at load (``DevicePool.admit``): what their
+``MemoryPlan`` (``batchgate.batcher.memory_plan``) lists plus an activation pool, all or
+nothing. The capacity check runs on a copy of the free list before anything is allocated, so a
+refused model changes nothing and the refusal (``ResourceExhausted``) names the model, the bytes
+it needs and the bytes free.
 
 ``fraction_of_free`` sizes the reservation from ``torch.cuda.mem_get_info`` on a CUDA device.
 On the CPU it is refused with a ValueError: host memory "free" is not a budget the gateway
@@ -62,135 +28,17 @@ import bisect
 import contextlib
 import dataclasses
 import math
-import random
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from batchgate.batcher.arena import ArenaAllocator
+from batchgate.batcher.arena_allocator import ArenaAllocator
 from batchgate.batcher.buckets import bucket_for, default_buckets  # noqa: F401 (part of this API)
 from batchgate.batcher.errors import ResourceExhausted
+from batchgate.batcher.memory_plan import BUFFER_KINDS, MemoryPlan, PlannedBuffer
 
 DEFAULT_POOL_ALIGNMENT = 512
-
-
-BUFFER_KINDS = ("input", "output", "batch")
-
-
-@dataclasses.dataclass(frozen=True)
-class PlannedBuffer:
-    """One buffer of a ``MemoryPlan``: the ``index``-th input or output at batch ``bucket``.
-
-    Kind ``batch`` is a forming batch's input buffer (``bucket`` rows, the largest batch) of
-    in-flight ``slot``; ``input``/``output`` are a bucket's fixed buffers (a CUDA graph's).
-    """
-
-    kind: str  # one of BUFFER_KINDS
-    bucket: int
-    index: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    slot: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryPlan:
-    """What a model reserves at load: its per-bucket I/O buffers plus an activation pool."""
-
-    buffers: tuple[PlannedBuffer, ...]
-    activation_bytes: int = 0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.activation_bytes, int) or self.activation_bytes < 0:
-            raise ValueError(
-                f"activation_bytes must be an int >= 0, got {self.activation_bytes!r}"
-            )
-        for buffer in self.buffers:
-            if buffer.kind not in BUFFER_KINDS:
-                raise ValueError(f"buffer kind must be one of {BUFFER_KINDS}, got {buffer.kind!r}")
-
-    @property
-    def buckets(self) -> tuple[int, ...]:
-        """The buckets with fixed input/output buffers."""
-        return tuple(sorted({b.bucket for b in self.buffers if b.kind != "batch"}))
-
-    @property
-    def slots(self) -> int:
-        return len({b.slot for b in self.buffers if b.kind == "batch"})
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes asked for, before rounding to the pool's alignment."""
-        return sum(buffer.nbytes for buffer in self.buffers) + self.activation_bytes
-
-    def describe(self) -> str:
-        fixed = [b for b in self.buffers if b.kind != "batch"]
-        batch = [b for b in self.buffers if b.kind == "batch"]
-        parts = []
-        if batch:
-            parts.append(f"{len(batch)} batch input buffers for {self.slots} batches in flight "
-                         f"({sum(b.nbytes for b in batch)} bytes)")
-        if fixed or not batch:
-            parts.append(f"{len(fixed)} input/output buffers over buckets {self.buckets} "
-                         f"({sum(b.nbytes for b in fixed)} bytes)")
-        return " + ".join(parts) + f" + {self.activation_bytes} bytes of activations"
-
-
-Spec = tuple[tuple[int, ...], torch.dtype]
-
-
-def plan_for(
-    input_specs: Iterable[Spec],
-    output_specs: Iterable[Spec],
-    buckets: Sequence[int],
-    activation_bytes: int,
-) -> MemoryPlan:
-    """A plan from per-sample ``(dims, dtype)`` specs: one buffer ``(bucket, *dims)`` each."""
-    inputs, outputs = list(input_specs), list(output_specs)
-    if not buckets:
-        raise ValueError("buckets must not be empty")
-    for bucket in buckets:
-        if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
-            raise ValueError(f"buckets must be ints >= 1, got {bucket!r}")
-    for dims, dtype in inputs + outputs:
-        if not isinstance(dtype, torch.dtype) or any(d < 0 for d in dims):
-            raise ValueError(f"a spec is (dims >= 0, torch.dtype), got {(dims, dtype)!r}")
-    buffers = []
-    for bucket in sorted(set(buckets)):
-        for kind, specs in (("input", inputs), ("output", outputs)):
-            for index, (dims, dtype) in enumerate(specs):
-                buffers.append(PlannedBuffer(kind, bucket, index, (bucket, *dims), dtype))
-    return MemoryPlan(tuple(buffers), activation_bytes)
-
-
-def model_plan(
-    input_specs: Iterable[Spec],
-    output_specs: Iterable[Spec],
-    *,
-    max_rows: int | None,
-    slots: int,
-    graph_buckets: Sequence[int] = (),
-) -> MemoryPlan:
-    """A served model's plan: per batch in flight (``slots``), one input buffer per input of
-    ``max_rows`` rows (None: the model does not batch, a buffer is one sample), where requests'
-    rows are gathered; and per CUDA-graph bucket the graph's fixed input and output buffers."""
-    inputs, outputs = list(input_specs), list(output_specs)
-    if slots < 1:
-        raise ValueError(f"slots must be >= 1, got {slots}")
-    lead = () if max_rows is None else (max_rows,)
-    buffers = [
-        PlannedBuffer("batch", max_rows or 1, index, (*lead, *dims), dtype, slot)
-        for slot in range(slots)
-        for index, (dims, dtype) in enumerate(inputs)
-    ]
-    if graph_buckets:
-        buffers.extend(plan_for(inputs, outputs, graph_buckets, 0).buffers)
-    return MemoryPlan(tuple(buffers), 0)
 
 
 class PoolTensor:
@@ -481,103 +329,3 @@ class DevicePool:
             f"DevicePool(device={str(self.device)!r}, bytes_reserved={self.bytes_reserved}, "
             f"bytes_in_use={self.bytes_in_use}, fallbacks={self.fallbacks})"
         )
-
-
-# --- traces -----------------------------------------------------------------------------------
-
-Event = tuple  # ("alloc", id, nbytes, lifetime) or ("free", id)
-
-
-def mixed_trace(seed: int, models: int = 4, steps: int = 2000) -> list[Event]:
-    """A multi-model allocation trace: each step one model's batch allocates its input and
-    output buffers (per-sample sizes differ by model, batch sizes are random); the input is
-    freed 1-2 steps later (compute done), the output 1-6 steps later (response sent), so inputs
-    are allocated ``"short"``-lived and outputs ``"long"``-lived. Every allocation is freed by
-    the end."""
-    if models < 1 or steps < 0:
-        raise ValueError(f"need models >= 1 and steps >= 0, got {models}, {steps}")
-    rng = random.Random(seed)
-    profiles = []
-    for _ in range(models):
-        scale = rng.choice([1, 4, 16, 64])  # models differ by orders of magnitude
-        profiles.append((
-            rng.randint(256, 4096) * scale,  # input bytes per sample
-            rng.randint(16, 1024) * scale,  # output bytes per sample
-            rng.choice([4, 8, 16, 32]),  # max batch
-        ))
-    trace: list[Event] = []
-    due: dict[int, list[str]] = {}
-    for step in range(steps):
-        for ident in due.pop(step, []):
-            trace.append(("free", ident))
-        model = rng.randrange(models)
-        in_per_sample, out_per_sample, max_batch = profiles[model]
-        batch = rng.randint(1, max_batch)
-        for kind, per_sample, steps_held, lifetime in (
-                ("in", in_per_sample, rng.randint(1, 2), "short"),
-                ("out", out_per_sample, rng.randint(1, 6), "long")):
-            ident = f"m{model}.s{step}.{kind}"
-            trace.append(("alloc", ident, batch * per_sample, lifetime))
-            due.setdefault(step + steps_held, []).append(ident)
-    for step in sorted(due):
-        trace.extend(("free", ident) for ident in due[step])
-    return trace
-
-
-def peak_live_bytes(trace: Sequence[Event]) -> int:
-    """The most bytes the trace holds live at once (what a perfect allocator would need)."""
-    live: dict[str, int] = {}
-    current = peak = 0
-    for event in trace:
-        if event[0] == "alloc":
-            live[event[1]] = event[2]
-            current += event[2]
-            peak = max(peak, current)
-        else:
-            current -= live.pop(event[1], 0)
-    return peak
-
-
-def replay_trace(pool_factory: Callable[[], DevicePool], trace: Sequence[Event]) -> dict:
-    """Replay ``trace`` through a fresh pool; frees of refused allocations are skipped.
-
-    Returns ``peak_bytes_in_use`` (aligned bytes the allocator held), ``peak_live_bytes``
-    (bytes the trace asked for), ``bytes_reserved``, ``peak_in_use_fraction`` (peak in use /
-    reserved), ``allocations``, ``refused`` and ``fallbacks``. What the trace leaves live is
-    freed at the end, and ``bytes_in_use_after`` says what the pool then holds (0).
-    """
-    pool = pool_factory()
-    live: dict[str, PoolTensor] = {}
-    live_bytes = peak_live = peak_in_use = allocations = refused = 0
-    for event in trace:
-        if event[0] == "alloc":
-            _, ident, nbytes, lifetime = event
-            allocations += 1
-            handle = pool.allocate((nbytes,), torch.uint8, lifetime=lifetime)
-            if handle is None:
-                refused += 1
-                continue
-            live[ident] = handle
-            live_bytes += nbytes
-            peak_live = max(peak_live, live_bytes)
-            peak_in_use = max(peak_in_use, pool.bytes_in_use)
-        elif event[0] == "free":
-            handle = live.pop(event[1], None)
-            if handle is not None:
-                live_bytes -= handle.nbytes
-                handle.release()
-        else:
-            raise ValueError(f"unknown trace event {event!r}")
-    for handle in live.values():
-        handle.release()
-    return {
-        "device": str(pool.device),
-        "bytes_reserved": pool.bytes_reserved,
-        "peak_bytes_in_use": peak_in_use,
-        "peak_live_bytes": peak_live,
-        "peak_in_use_fraction": peak_in_use / pool.bytes_reserved,
-        "allocations": allocations,
-        "refused": refused,
-        "fallbacks": pool.fallbacks,
-        "bytes_in_use_after": pool.bytes_in_use,
-    }

@@ -18,14 +18,11 @@ Size classes follow how the model runs a batch:
   around n. So a warm-up that timed only the smallest and the largest batch already predicts
   every size in between for a model whose time is affine in the batch size (most are), and
   the deadline policy, which weighs the classes as batch sizes, can pick a batch of 21 where
-  power-of-two classes offered only 16 or 32. Simulated (``bench/deadline_sim.py``, 100/300
-  ms mixed, a batch of n taking 20 + 1.5 n ms, 0.4 x capacity, seeds 1-4): 96.8 % on time
-  with power-of-two classes and a bucket's time for every size in it (as before), 96.6 %
-  interpolating them, 97.7 % with classes 1/4 apart from 8, 98.3 % with these, 98.2 % with
-  every size; finer classes cost more per decision for large batches. A class that spans
-  several sizes (19-21) takes its deviation from the line through its measured neighbours at
-  each batch's own size, so the 3 ms between a batch of 19 and one of 21 is not counted as
-  spread (it had lifted that class's p99 by ~3 ms over its neighbours' on the synthetic model).
+  power-of-two classes offered only 16 or 32; classes finer than these cost more per decision
+  for large batches and gain nothing (docs/decisions/0002-deadline-policy-variants-not-kept.md).
+  A class that spans several sizes (19-21) takes its deviation from the line through its
+  measured neighbours at each batch's own size, so the time between a batch of 19 and one of
+  21 is not counted as spread (it would lift that class's p99 above its neighbours').
 
 Three estimates come out of it, used for different decisions:
 

@@ -22,6 +22,9 @@ from pathlib import Path
 
 # Repository folders, each installed as batchgate.<folder> with its sub-packages.
 FOLDERS = ("server", "batcher", "clients", "bench", "protos")
+# The example model repository: installed as data in batchgate/models/, beside the folders, so
+# that a path relative to a folder's parent finds it in a checkout and in an install alike.
+EXAMPLE_MODELS = "models"
 
 
 class CheckoutFinder(importlib.abc.MetaPathFinder):

@@ -48,9 +48,9 @@ import numpy as np
 from batchgate.bench.output import emit, progress
 from batchgate.bench.serving import RUN_ERRORS, machine
 from batchgate.protos import inference_pb2 as pb
-from tests.support.harness import RunningServer, start_process
-from tests.support.memory import PeakGrowth
-from tests.support.repository import model_config, tensor, write_model
+from batchgate.bench.harness.server import RunningServer, start_process
+from batchgate.bench.harness.memory import PeakGrowth
+from batchgate.bench.harness.repository import model_config, tensor, write_model
 
 MIB = 1 << 20
 GROW_FACTOR = 16

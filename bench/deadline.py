@@ -57,8 +57,8 @@ from batchgate.bench.serving import (
     start_server,
     window_goodput,
 )
-from tests.support.harness import RunningServer
-from tests.support.repository import (
+from batchgate.bench.harness.server import RunningServer
+from batchgate.bench.harness.repository import (
     copy_model,
     model_config,
     read_config,

@@ -71,8 +71,8 @@ from batchgate.bench._perf_analyzer import (
 from batchgate.protos import inference_pb2, inference_pb2_grpc
 from batchgate.server import native
 from batchgate.server.settings import cpu_list, cpus_text, usable_cpus
-from tests.support.harness import MODES, RunningServer, ServerError, start_process
-from tests.support.repository import copy_model
+from batchgate.bench.harness.server import MODES, RunningServer, ServerError, start_process
+from batchgate.bench.harness.repository import copy_model
 
 __all__ = ["PerfRow", "main", "parse_metrics", "parse_perf_analyzer_csv"]
 
@@ -483,10 +483,9 @@ def closed_loop_capacity(step: dict[str, Any], concurrency: int, seconds: float)
 
     The step counts every call started in its window, and each client's last one ends after
     the window: the answers within the window are the calls less one per client. Not ``ok``
-    over the window (it counted those last calls with none of their time: +13/s at c=64 over
-    5 s), nor bench's ``throughput_per_s`` (its window runs on to the last answer, a tail in
-    which no client sends: measured 113/s where ok less one call per client gave 122/s and
-    the same server's goodput under overload was 118/s)."""
+    over the window (it counts those last calls with none of their time), nor bench's
+    ``throughput_per_s`` (its window runs on to the last answer, a tail in which no client
+    sends, and so understates what the server carries)."""
     return max(step["ok"] - concurrency, 0) / seconds
 
 

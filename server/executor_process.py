@@ -58,7 +58,8 @@ import numpy as np
 import structlog
 
 from batchgate.batcher import gpu, gpu_env
-from batchgate.batcher.arena import ArenaAllocator, ArenaLayout, SharedArena
+from batchgate.batcher.arena import ArenaLayout, SharedArena
+from batchgate.batcher.arena_allocator import ArenaAllocator
 from batchgate.batcher.errors import BatchgateError, ModelExecutionError
 from batchgate.batcher.memory import DevicePools, PoolSettings
 from batchgate.batcher.metrics import BatcherMetrics

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from batchgate.protos import inference_pb2_grpc
-from tests.support.harness import RunningServer
+from batchgate.bench.harness.server import RunningServer
 from tests.support.models import Gate, write_test_repository
 from tests.support.pki import make_pki
 from tests.support.servers import SERVER_MODES, start_in_mode

@@ -1,5 +1,5 @@
-"""batchgate.batcher.arena on the CPU: the allocator as a data structure, the shared mapping across real
-processes, the layout, and (on a machine with CUDA) pinning."""
+"""batchgate.batcher.arena and arena_allocator on the CPU: the allocator as a data structure, the
+shared mapping across real processes, the layout, and (on a machine with CUDA) pinning."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from batchgate.batcher.arena import LIFETIMES, PAGE_SIZE, ArenaAllocator, ArenaLayout, SharedArena
+from batchgate.batcher.arena import PAGE_SIZE, ArenaLayout, SharedArena
+from batchgate.batcher.arena_allocator import LIFETIMES, ArenaAllocator
 
 REPO = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
@@ -664,7 +665,8 @@ class Forbid(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, Forbid())
-from batchgate.batcher.arena import ArenaAllocator, ArenaLayout, SharedArena
+from batchgate.batcher.arena import ArenaLayout, SharedArena
+from batchgate.batcher.arena_allocator import ArenaAllocator
 
 with SharedArena.create(1 << 20) as arena:
     layout = ArenaLayout(arena.size, slots=2)

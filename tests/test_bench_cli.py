@@ -22,9 +22,9 @@ import pytest
 
 from batchgate.bench.loadgen import arrivals, cli, driver, plan, scrape, workload
 from batchgate.bench.loadgen.report import LAYOUT, layout_problems
+from batchgate.bench.harness.repository import model_config, tensor, write_model
 from tests.support import EXAMPLE_MODELS
 from tests.support.models import FAILING_CONFIG, FAILING_MODEL
-from tests.support.repository import model_config, tensor, write_model
 from tests.support.servers import start_server
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from batchgate.bench import floor
+from batchgate.bench.harness.repository import model_config, tensor, write_model
 from tests.support.models import xy_config
-from tests.support.repository import model_config, tensor, write_model
 
 # y = x @ W.T + b with fixed weights: the answer is known in closed form.
 WEIGHT = np.array([[1.0, 2.0], [3.0, -1.0]], dtype=np.float32)

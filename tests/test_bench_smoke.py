@@ -19,8 +19,8 @@ import pytest
 from batchgate.bench import inprocess, serving
 from batchgate.bench._perf_analyzer import PerfRun, run_perf_analyzer
 from batchgate.bench.serving import PerfRow, Step, parse_metrics, parse_perf_analyzer_csv
+from batchgate.bench.harness.repository import write_model
 from tests.support.models import xy_config
-from tests.support.repository import write_model
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 

@@ -35,7 +35,7 @@ from batchgate.batcher.spec import BatchingConfig, ModelSpec, TensorSpec
 from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import inference_pb2_grpc
 from batchgate.server.codec import bytes_encoding, bytes_row_offsets
-from tests.support.repository import model_config, renamed, tensor, write_config
+from batchgate.bench.harness.repository import model_config, renamed, tensor, write_config
 
 OUTPUTS = ("UPPER", "SWAPPED", "JOINED", "LENGTH")
 FAULTS = ("int", "float", "short", "unbatched", "object")

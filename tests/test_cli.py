@@ -13,7 +13,7 @@ import numpy as np
 
 from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import inference_pb2_grpc
-from tests.support.harness import ServeProcess
+from batchgate.bench.harness.server import ServeProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 

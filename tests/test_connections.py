@@ -28,7 +28,10 @@ from batchgate.protos import inference_pb2 as pb
 from batchgate.server.metrics import UNKNOWN_MODEL_LABEL
 from batchgate.server.request_limits import wire_limits
 from batchgate.server.settings import Settings
-from tests.support.harness import start_process
+from batchgate.bench.harness.server import start_process
+from batchgate.bench.harness.memory import PeakGrowth
+from batchgate.bench.harness.metrics import parse_samples
+from batchgate.bench.harness.repository import model_config, tensor, write_model
 from tests.support.http2 import (
     ENHANCE_YOUR_CALM,
     GOAWAY,
@@ -37,10 +40,7 @@ from tests.support.http2 import (
     SETTINGS_MAX_CONCURRENT_STREAMS,
     Http2Connection,
 )
-from tests.support.memory import PeakGrowth
-from tests.support.metrics import parse_samples
 from tests.support.polling import poll
-from tests.support.repository import model_config, tensor, write_model
 from tests.support.servers import start_multiprocess_server
 
 MODES = ("native", "single")

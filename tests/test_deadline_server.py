@@ -25,10 +25,10 @@ from batchgate.clients import BatchgateError, Client, RetryPolicy
 from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import inference_pb2_grpc
 from batchgate.protos.model_config_pb2 import ModelConfig
+from batchgate.bench.harness.repository import write_model
 from tests.support.messages import infer_request, output
 from tests.support.models import Gate, xy_config
 from tests.support.polling import poll
-from tests.support.repository import write_model
 
 BATCH_S = 0.1
 

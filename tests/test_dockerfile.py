@@ -288,8 +288,9 @@ def test_builder_copies_everything_pip_install_needs(parsed):
     builder_sources = {src.rstrip("/") for kw, rest in parsed[0] if kw == "COPY"
                        for src in copy_sources(rest)[1]}
     needed = {"pyproject.toml", "setup.py", "constraints.txt", project["project"]["readme"]}
-    # setup.py's layout: batchgate/ and the folders installed as batchgate.<folder>.
-    _, package_dir = runpy.run_path(str(ROOT / "setup.py"), run_name="layout")["layout"]()
+    # setup.py's layout: batchgate/, the folders installed as batchgate.<folder>, the example
+    # repository installed as data.
+    _, package_dir, _ = runpy.run_path(str(ROOT / "setup.py"), run_name="layout")["layout"]()
     needed |= set(package_dir.values())
     assert needed <= builder_sources, f"the builder does not COPY {needed - builder_sources}"
     installs = [rest for kw, rest in parsed[0] if kw == "RUN" and "pip install" in rest]

@@ -164,3 +164,68 @@ def test_no_docstring_or_comment_carries_a_date():
                 if re.search(r"\b20\d\d-\d\d-\d\d\b", line):
                     dated.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not dated, "dated lines:\n" + "\n".join(dated)
+
+
+BENCHMARKS = ROOT / "docs" / "benchmarks.md"
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+
+
+def benchmark_sections() -> dict[str, list[str]]:
+    """docs/benchmarks.md's ``## `` sections: heading -> its lines (fenced blocks included)."""
+    sections: dict[str, list[str]] = {}
+    heading, in_code = None, False
+    for line in BENCHMARKS.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        if not in_code and line.startswith("## "):
+            heading = line[3:]
+            sections[heading] = []
+        elif heading is not None:
+            sections[heading].append(line)
+    return sections
+
+
+def runnable_benchmarks() -> list[str]:
+    """The command of every benchmark in bench/: ``python -m batchgate.bench.NAME`` for each
+    module or package that runs as a program, ``batchgate bench`` for the load generator."""
+    bench = ROOT / "bench"
+    names = [p.stem for p in sorted(bench.glob("*.py"))
+             if 'if __name__ == "__main__"' in p.read_text()]
+    names += [p.parent.name for p in sorted(bench.glob("*/__main__.py"))]
+    return sorted("batchgate bench" if name == "loadgen" else f"python -m batchgate.bench.{name}"
+                  for name in names)
+
+
+def test_every_benchmark_has_a_section_with_its_command():
+    sections = benchmark_sections()
+    commands = runnable_benchmarks()
+    assert "python -m batchgate.bench.serving" in commands and "batchgate bench" in commands
+    missing = [c for c in commands if not any(h.startswith(f"`{c}`") for h in sections)]
+    assert not missing, f"benchmarks without a section in docs/benchmarks.md: {missing}"
+    for heading, lines in sections.items():
+        command = heading.split("`")[1]
+        blocks = re.findall(r"```.*?```", "\n".join(lines), flags=re.S)
+        shown = command.replace("python -m ", "")
+        assert any(shown in block or "gpu-check.sh" in block for block in blocks), \
+            f"{heading}: no code block gives its command"
+
+
+def test_each_benchmark_keeps_one_latest_run_dated_on_a_named_machine():
+    """The page is a manual: per benchmark one latest run, with its date and machine, and at
+    most one table of figures; no dated figures elsewhere (earlier runs live in git)."""
+    for heading, lines in benchmark_sections().items():
+        subsections = [i for i, line in enumerate(lines) if line.startswith("### ")]
+        latest = [i for i in subsections if lines[i] == "### Latest run"]
+        assert len(latest) == 1, f"{heading}: {len(latest)} '### Latest run' subsections"
+        start = latest[0]
+        end = next((i for i in subsections if i > start), len(lines))
+        run, rest = lines[start + 1:end], lines[:start] + lines[end:]
+        text = "\n".join(run)
+        assert DATE.search(text), f"{heading}: its latest run has no date"
+        assert re.search(r"\bVM\b|GPU", text), f"{heading}: its latest run names no machine"
+        outside_fences = re.sub(r"```.*?```", "", text, flags=re.S)
+        tables = len(re.findall(r"^\|[-| :]+\|$", outside_fences, flags=re.M))
+        assert tables <= 1, f"{heading}: {tables} tables in its latest run"
+        assert tables == 1 or "```" in text, f"{heading}: its latest run has no figures"
+        dated = [line for line in rest if DATE.search(line)]
+        assert not dated, f"{heading}: dated lines outside its latest run: {dated}"

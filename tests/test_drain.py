@@ -17,12 +17,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from batchgate.protos import inference_pb2_grpc
+from batchgate.bench.harness.server import RunningServer, ServeProcess, mode_args
+from batchgate.bench.harness.repository import with_parameters, write_model
 from tests.support import EXAMPLE_MODELS, ROOT
-from tests.support.harness import RunningServer, ServeProcess, mode_args
 from tests.support.messages import infer_request
 from tests.support.models import GATED_CONFIG, GATED_MODEL
 from tests.support.polling import poll
-from tests.support.repository import with_parameters, write_model
 from tests.support.servers import SERVER_MODES, native_or_skip, start_in_mode
 
 

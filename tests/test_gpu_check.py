@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -28,16 +29,18 @@ def check_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_check(*args: str, timeout_s: float, bare: bool = False) -> subprocess.CompletedProcess:
-    """The check as a process from the repository root; ``bare``: as a checkout that is not
-    installed (site-packages on the path without their .pth files, so no editable finder)."""
+def run_check(*args: str, timeout_s: float, bare: bool = False,
+              root: Path = ROOT) -> subprocess.CompletedProcess:
+    """The check as a process from the repository root (``root``: another checkout's); ``bare``:
+    as a checkout that is not installed (site-packages on the path without their .pth files, so
+    no editable finder)."""
     python = [sys.executable]
     env = check_env()
     if bare:
         python.append("-S")
         env["PYTHONPATH"] = os.pathsep.join(
             dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib")))
-    return subprocess.run([*python, "-m", "batchgate.bench.gpu_check", *args], cwd=ROOT,
+    return subprocess.run([*python, "-m", "batchgate.bench.gpu_check", *args], cwd=root,
                           env=env, capture_output=True, text=True, timeout=timeout_s)
 
 
@@ -114,7 +117,7 @@ def limits_plan_bytes(seed: int, steps: int) -> int:
     """What the server would reserve for mixed_trace(seed)'s models, worked out here: per
     model, 2 inputs and 6 outputs at its largest, each aligned, plus one alignment."""
     from batchgate.batcher.pool import DEFAULT_POOL_ALIGNMENT as align
-    from batchgate.batcher.pool import mixed_trace
+    from batchgate.batcher.allocation_trace import mixed_trace
 
     largest: dict[tuple[str, str], int] = {}
     for event in mixed_trace(seed, steps=steps):
@@ -170,6 +173,30 @@ def test_cpu_mode_runs_the_gateway_throughput_harness(tmp_path):
     assert gateway["data"]["requests_ok"] > 0
     assert gateway["data"]["ratio_vs_inprocess"] > 0
     assert rows["encoder in-process b8 amp-bf16+graphs"]["status"] == "SKIP"
+
+
+@pytest.mark.slow
+def test_a_checkout_without_its_test_tree_runs_the_gateway_harness(tmp_path):
+    # A GPU machine may get the package's folders and no tests/: section (c) still starts the
+    # shared harness's server, and the pytest section says why it has nothing to run.
+    from batchgate._checkout import EXAMPLE_MODELS, FOLDERS
+
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    shutil.copy2(ROOT / "setup.py", checkout / "setup.py")
+    for folder in ("batchgate", *FOLDERS, EXAMPLE_MODELS):
+        shutil.copytree(ROOT / folder, checkout / folder,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "out.json"
+    result = run_check("--cpu", "--sections", "c", "--pytest", "--json", str(out),
+                       timeout_s=150, bare=True, root=checkout)
+
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {row["check"]: row for row in json.loads(out.read_text())["rows"]}
+    gateway = rows["encoder gateway amp-bf16 c8"]
+    assert gateway["status"] == "INFO" and gateway["data"]["requests_ok"] > 0, gateway
+    assert rows["pytest -m cuda"]["status"] == "SKIP"
+    assert "no test tree" in rows["pytest -m cuda"]["result"], rows["pytest -m cuda"]
 
 
 # --- scripts/gpu-check.sh: the one command a GPU machine runs ---------------------------------

@@ -28,14 +28,14 @@ from batchgate.batcher.metrics import BatcherMetrics
 from batchgate.batcher.model import ServedModel
 from batchgate.batcher.spec import BatchingConfig, ModelSpec, TensorSpec
 from batchgate.clients import BatchgateError, Client
+from batchgate.bench.harness.server import ServeProcess
+from batchgate.protos.model_config_pb2 import ModelConfig
+from batchgate.bench.harness.metrics import sample, scrape
+from batchgate.bench.harness.repository import copy_model, write_model
 from tests.support import EXAMPLE_MODELS
 from tests.support.batching import infer_x, unit_spec
-from tests.support.harness import ServeProcess
-from batchgate.protos.model_config_pb2 import ModelConfig
-from tests.support.metrics import sample, scrape
 from tests.support.models import reference, xy_config
 from tests.support.polling import poll
-from tests.support.repository import copy_model, write_model
 from tests.support.servers import (
     SERVER_MODES,
     native_or_skip,

@@ -23,7 +23,7 @@ from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import inference_pb2_grpc
 from batchgate.server.codec import RequestLimits, decode_request, encode_outputs
 from batchgate.server.errors import MAX_MESSAGE_BYTES, status_of
-from tests.support.repository import model_config, tensor, write_model
+from batchgate.bench.harness.repository import model_config, tensor, write_model
 from tests.support.servers import SERVER_MODES, start_multiprocess_server, start_server
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -27,8 +27,8 @@ from batchgate.batcher.arena import ArenaLayout, SharedArena
 from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import wire_pb2
 from batchgate.server import wire
+from batchgate.bench.harness.repository import with_parameters, write_model
 from tests.support.models import GATED_CONFIG, GATED_MODEL, Gate
-from tests.support.repository import with_parameters, write_model
 from tests.support.wire_peers import ExecutorProcess, FakeFrontEnd
 
 ROOT = str(Path(__file__).resolve().parent.parent)

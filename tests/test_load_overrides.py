@@ -19,8 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import inference_pb2_grpc
+from batchgate.bench.harness.repository import write_model
 from tests.support.models import xy_config
-from tests.support.repository import write_model
 from tests.support.servers import SERVER_MODES, start_in_mode
 
 MAX_FILES_BYTES = 4096

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-from tests.support.harness import ROOT
+from batchgate.bench.harness.server import ROOT
 
 # Every kind of writer a server process has, from many threads at once, with a switch
 # interval short enough that a thread is often preempted in the middle of a line.

@@ -26,7 +26,7 @@ import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from batchgate._checkout import FOLDERS
+from batchgate._checkout import EXAMPLE_MODELS, FOLDERS
 from batchgate.protos import inference_pb2, model_config_pb2, registry, wire_pb2
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,7 +99,7 @@ def test_a_checkout_that_is_not_installed_imports_from_its_folders(tmp_path):
     # install's finder is absent and only the checkout itself can map batchgate.<folder>.
     site = os.pathsep.join(dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib")))
     script = IMPORT_CHECK + textwrap.dedent("""
-        import batchgate.bench.gpu_check.run, tests.support.harness
+        import batchgate.bench.gpu_check.run, batchgate.bench.harness.server
         print(sorted(m for m in sys.modules if m.partition(".")[0] in {folders!r}))
         """).format(folders=FOLDERS)
     env = {**os.environ, "PYTHONPATH": site}
@@ -148,7 +148,7 @@ def _copy_sources(destination: Path) -> None:
     """What the wheel is built from, copied so that building writes nothing into the checkout."""
     for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy2(REPO / name, destination / name)
-    for folder in ("batchgate", *FOLDERS):
+    for folder in ("batchgate", *FOLDERS, EXAMPLE_MODELS):
         shutil.copytree(REPO / folder, destination / folder,
                         ignore=shutil.ignore_patterns("__pycache__", "native", "*.egg-info"))
 
@@ -252,6 +252,83 @@ def test_wheel_console_script_without_the_server_extra(wheel_env, tmp_path):
     assert done.returncode == 2, done.stdout + done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "pip install 'batchgate[server]'" in lines[0], done.stderr
+
+
+# What `pip install 'batchgate[server]'` gives: the wheel, and the server's dependencies from this
+# interpreter's site-packages as plain path entries (their .pth files unread: no editable
+# finder, so nothing of the checkout), run away from the checkout.
+WITH_THE_SERVER_EXTRA = """
+import importlib, pkgutil, sys
+import numpy as np
+
+try:
+    import tests
+except ModuleNotFoundError:
+    pass
+else:
+    raise SystemExit(f"a test tree is importable: {tests.__file__}")
+import batchgate, batchgate.bench
+from batchgate import Client
+from batchgate.bench import floor, inprocess, serving
+from batchgate.bench.harness.server import start_process
+from batchgate.server.settings import DEFAULT_REPOSITORY
+
+assert batchgate.__file__.startswith(sys.prefix), batchgate.__file__
+names = [m.name for m in pkgutil.walk_packages(batchgate.bench.__path__, "batchgate.bench.")
+         if m.name.rpartition(".")[2] != "__main__"]
+for name in names:
+    importlib.import_module(name)
+# The benchmarks' default repository is the server's: the example models, installed.
+assert serving.DEFAULT_REPOSITORY.resolve() == DEFAULT_REPOSITORY.resolve()
+assert str(DEFAULT_REPOSITORY.resolve()).startswith(sys.prefix), DEFAULT_REPOSITORY
+assert floor.SOURCE.is_file() and all(p.is_file() for p in floor._inputs())
+measured = inprocess.measure(serving.DEFAULT_REPOSITORY / "mlp", batch_size=2, seconds=0.1)
+assert measured["calls"] >= 1, measured
+with start_process(DEFAULT_REPOSITORY, "single", models=["mlp"]) as server:
+    with Client(server.address, timeout_s=30) as client:
+        x = np.ones((1, 512), np.float32)
+        assert client.infer("mlp", {"INPUT__0": x})["OUTPUT__0"].shape == (1, 512)
+print(len(names), "modules")
+"""
+
+
+@pytest.fixture(scope="module")
+def server_wheel_python(wheel_env, tmp_path_factory):
+    wheel, _ = wheel_env
+    venv = tmp_path_factory.mktemp("server-wheel") / "venv"
+    made = _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
+    assert made.returncode == 0, made.stderr
+    python = venv / "bin" / "python"
+    installed = _run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q",
+                      "--no-deps", "--no-index", str(wheel)])
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    venv_site = Path(_run([str(python), "-c", "import sysconfig; "
+                           "print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
+    here = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
+    (venv_site / "server_dependencies.pth").write_text("".join(f"{d}\n" for d in here))
+    return python
+
+
+@pytest.mark.slow
+def test_the_wheel_with_the_server_extra_runs_the_benchmarks_without_a_test_tree(
+        server_wheel_python, tmp_path):
+    # Every benchmark module imports; the in-process loop measures the installed mlp, and the
+    # shared harness starts a server of the installed example repository that answers.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    done = _run([str(server_wheel_python), "-c", WITH_THE_SERVER_EXTRA], cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    count, _ = done.stdout.splitlines()[-1].split()
+    assert int(count) > 20, done.stdout
+
+
+def test_wheel_holds_the_example_repository_and_the_floors_source(wheel_env):
+    wheel, _ = wheel_env
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+    for model in ("mlp", "cnn", "encoder"):
+        assert f"batchgate/models/{model}/config.pbtxt" in names, model
+        assert f"batchgate/models/{model}/1/model.py" in names, model
+    assert "batchgate/bench/floor/server.cc" in names
 
 
 # --- the private descriptor pool, and reflection serving it ------------------------------------

@@ -27,10 +27,10 @@ import pytest
 import yaml
 
 from batchgate.clients import BatchgateError, Client, RetryPolicy
+from batchgate.bench.harness.server import ServeProcess
+from batchgate.bench.harness.metrics import metrics_url, scrape, total
 from tests.support import EXAMPLE_MODELS, ROOT
-from tests.support.harness import ServeProcess
 from tests.support.load import Load
-from tests.support.metrics import metrics_url, scrape, total
 from tests.support.polling import poll
 
 # The SDK's retries carry what a stopping or killed replica had in flight to the other one.

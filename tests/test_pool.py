@@ -10,18 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchgate.batcher.errors import ResourceExhausted
-from batchgate.batcher.pool import (
-    DevicePool,
-    MemoryPlan,
-    bucket_for,
-    default_buckets,
-    mixed_trace,
-    model_plan,
-    peak_live_bytes,
-    plan_for,
-    replay_trace,
-    unpooled_reservation,
-)
+from batchgate.batcher.allocation_trace import mixed_trace, peak_live_bytes, replay_trace
+from batchgate.batcher.memory_plan import MemoryPlan, model_plan, plan_for
+from batchgate.batcher.pool import DevicePool, bucket_for, default_buckets, unpooled_reservation
 
 CUDA = torch.cuda.is_available()
 MIB = 1 << 20

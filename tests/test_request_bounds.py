@@ -20,9 +20,9 @@ import pytest
 from batchgate.protos import inference_pb2 as pb
 from batchgate.server.request_limits import wire_limits
 from batchgate.server.settings import Settings
-from tests.support.harness import start_process
-from tests.support.memory import PeakGrowth
-from tests.support.repository import model_config, tensor, write_model
+from batchgate.bench.harness.server import start_process
+from batchgate.bench.harness.memory import PeakGrowth
+from batchgate.bench.harness.repository import model_config, tensor, write_model
 from tests.support.servers import start_multiprocess_server
 
 MODES = ("native", "single")

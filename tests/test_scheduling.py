@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from batchgate.clients import Client
-from tests.support.harness import start_process
-from tests.support.repository import model_config, tensor, write_model
+from batchgate.bench.harness.server import start_process
+from batchgate.bench.harness.repository import model_config, tensor, write_model
 from tests.support.servers import SERVER_MODES, native_or_skip, threads
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling only")

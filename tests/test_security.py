@@ -31,10 +31,10 @@ from batchgate.protos import inference_pb2_grpc, wire_pb2
 from batchgate.server.auth import accepted_tokens, bearer_token
 from batchgate.server.repository import ModelRepository
 from batchgate.server.settings import Settings
+from batchgate.bench.harness.server import ServeProcess, start_process
+from batchgate.bench.harness.repository import renamed, write_model
 from tests.support import EXAMPLE_MODELS
-from tests.support.harness import ServeProcess, start_process
 from tests.support.models import FAILING_CONFIG, FAILING_MODEL, reference
-from tests.support.repository import renamed, write_model
 from tests.support.servers import SERVER_MODES, native_or_skip, start_server
 
 ADMIN_TOKEN = secrets.token_hex(20)

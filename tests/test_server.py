@@ -17,8 +17,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import inference_pb2_grpc
+from batchgate.bench.harness.metrics import scrape as scrape_url
 from tests.support.messages import infer_request, output
-from tests.support.metrics import scrape as scrape_url
 from tests.support.models import NUMERIC_TYPES, reference
 from tests.support.polling import poll
 

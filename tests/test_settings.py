@@ -31,11 +31,11 @@ from batchgate.clients import BatchgateError, Client, RetryPolicy
 from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import inference_pb2_grpc
 from batchgate.server import cli
+from batchgate.bench.harness.server import ServeProcess
+from batchgate.bench.harness.metrics import metrics_url, read_metrics, scrape
+from batchgate.bench.harness.repository import model_config, tensor, with_parameters, write_model
 from tests.support import http2
-from tests.support.harness import ServeProcess
 from tests.support.http2 import Http2Connection
-from tests.support.metrics import metrics_url, read_metrics, scrape
-from tests.support.repository import model_config, tensor, with_parameters, write_model
 from tests.support.servers import SERVER_MODES, native_or_skip, threads
 
 ROOT = Path(__file__).resolve().parent.parent

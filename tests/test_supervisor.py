@@ -34,10 +34,10 @@ from batchgate.server.settings import TOKEN_ENV, fields_for
 from batchgate.server.metrics import ServerMetrics
 from batchgate.server.multiproc_metrics import PREFIX, remove_abandoned
 from batchgate.server.supervisor import RestartPolicy, Supervisor, SupervisorError
-from tests.support.metrics import Samples, metrics_url
+from batchgate.bench.harness.metrics import Samples, metrics_url
+from batchgate.bench.harness.metrics import scrape as scrape_url
 from tests.support.polling import poll
 from tests.support.servers import native_or_skip
-from tests.support.metrics import scrape as scrape_url
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from batchgate.protos import inference_pb2 as pb
-from tests.support.harness import ServerError, start_process
+from batchgate.bench.harness.server import ServerError, start_process
+from batchgate.bench.harness.repository import (config_text, model_config, read_config, tensor,
+                                                write_model)
 from tests.support.polling import apoll, poll
-from tests.support.repository import config_text, model_config, read_config, tensor, write_model
 
 
 def test_poll_returns_the_first_truthy_value_and_runs_the_step_between_tries():
@@ -93,10 +94,25 @@ def imported_test_modules(source: str) -> list[tuple[int, str]]:
 def test_test_modules_take_their_helpers_from_tests_support_only():
     """Not from conftest (fixtures only) nor from one another."""
     assert imported_test_modules("from tests import conftest\nimport tests.test_sdk\n"
-                                 "from tests.support.harness import ServeProcess") == [
-        (1, "tests.conftest"), (2, "tests.test_sdk"), (3, "tests.support.harness")]
+                                 "from tests.support.polling import poll") == [
+        (1, "tests.conftest"), (2, "tests.test_sdk"), (3, "tests.support.polling")]
     offenders = [f"{path.name}:{line} {name}"
                  for path in sorted(Path(__file__).parent.glob("test_*.py"))
                  for line, name in imported_test_modules(path.read_text(encoding="utf-8"))
                  if name != "tests.support" and not name.startswith("tests.support.")]
+    assert not offenders, offenders
+
+
+def test_nothing_installed_imports_the_test_tree():
+    """The package's folders (``batchgate.*``: benchmarks and gpu_check included) run where
+    there is no ``tests/``: an installed ``batchgate[server]``, or a bare checkout on a GPU
+    machine. What they share with the tests lives in ``batchgate.bench.harness``."""
+    from batchgate._checkout import FOLDERS
+
+    root = Path(__file__).resolve().parents[1]
+    sources = [path for folder in ("batchgate", *FOLDERS) for path in (root / folder).rglob("*.py")
+               if "__pycache__" not in path.parts]
+    assert any(path.parts[-3:] == ("bench", "harness", "server.py") for path in sources)
+    offenders = [f"{path.relative_to(root)}:{line} {name}" for path in sources
+                 for line, name in imported_test_modules(path.read_text(encoding="utf-8"))]
     assert not offenders, offenders

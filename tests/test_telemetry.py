@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchgate.batcher.telemetry import GpuTelemetry
+from batchgate.bench.harness.server import ServeProcess
 from tests.support import EXAMPLE_MODELS
-from tests.support.harness import ServeProcess
 
 CUDA = torch.cuda.is_available()
 GPU_FAMILIES = ("batchgate_gpu_utilization_ratio", "batchgate_gpu_memory_used_bytes",

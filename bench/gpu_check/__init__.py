@@ -17,7 +17,7 @@ figure there too:
     convolutions while ``torch.backends.cudnn.allow_tf32`` is on, torch's default, and for
     every model if matmuls may use TF32: TF32's 10-bit mantissa puts the max error near 5e-4),
     fp16 2e-2 (autocast and weights), bf16 5e-2 (8-bit mantissa).
-(b) memory. First ``batchgate.batcher.pool.mixed_trace`` (several models, random batch sizes,
+(b) memory. First ``batchgate.batcher.allocation_trace.mixed_trace`` (several models, random batch sizes,
     interleaved lifetimes; ``POOL_TRACE_SEEDS``): a synthetic trace through our arenas, one per
     model reserved up front at its plan as the server reserves it (``pool_trace``: from each
     model's limits, never from the trace's own peak), and through PyTorch's caching allocator
@@ -35,8 +35,8 @@ figure there too:
     ResNet-50 (if torchvision imports; random weights), fp32, amp-fp16 and amp-fp16 replayed as
     one CUDA graph in a tight in-process loop at batch ``THROUGHPUT_BATCH``, then amp-fp16
     eager and amp-fp16 with CUDA graphs per bucket through the whole gateway (the harness's
-    in-thread server, ``tests.support.harness.start_in_thread``, on port 0 over a temporary
-    model repository; ``batchgate.bench.loadgen``'s closed loop from ``LOAD_PROCESSES``
+    in-thread server, ``batchgate.bench.harness.server.start_in_thread``, on port 0 over a
+    temporary model repository; ``batchgate.bench.loadgen``'s closed loop from ``LOAD_PROCESSES``
     spawned workers at ``LOAD_CONCURRENCY`` requests in flight in all, one sample per request,
     after
     ``LOAD_WARMUP_S`` of warm-up): gateway samples/s / in-process samples/s of the same path.
@@ -90,7 +90,8 @@ torch API that torch 2.11 (the GPU machines') and 2.13 (CI) both have.
 
 The modules, one a section: ``correctness`` (a); ``memory``, ``pool_trace`` and
 ``server_trace`` (b); ``throughput``, ``workloads``, ``inprocess`` and ``load`` (c: the
-server is ``tests.support.harness``'s in-thread one, the load ``batchgate.bench.loadgen``'s);
+server is ``batchgate.bench.harness.server``'s in-thread one, the load
+``batchgate.bench.loadgen``'s);
 ``nvml`` (e); ``h2d``, ``gather`` and ``copy_events`` (d); ``cuda_tests`` (t); ``targets``.
 Shared: ``report`` (rows, the table, budgets), ``machine`` (what the run was on),
 ``children`` (child processes), ``samples`` (inputs and model helpers); ``run`` ties them

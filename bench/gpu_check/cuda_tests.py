@@ -17,6 +17,10 @@ def section_pytest(report: Report, budget: Budget) -> None:
     if importlib.util.find_spec("pytest") is None:
         report.add("t", "pytest -m cuda", "pytest is not installed here (carry its wheels)", SKIP)
         return
+    if not (ROOT / "tests").is_dir():
+        report.add("t", "pytest -m cuda", f"no test tree in {ROOT} (an installed batchgate, or "
+                   "a checkout without tests/)", SKIP)
+        return
     timeout = budget.left()
     # The test that runs this check is left out: it would run this section again.
     # Only the files that hold cuda tests: the others need packages the machine may lack.

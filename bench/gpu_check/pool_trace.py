@@ -1,4 +1,4 @@
-"""(b) the synthetic allocation trace: ``batchgate.batcher.pool.mixed_trace`` through arenas
+"""(b) the synthetic allocation trace: ``batchgate.batcher.allocation_trace.mixed_trace`` through arenas
 sized as the server sizes them, and (in a child process per allocator setting) through
 PyTorch's caching allocator.
 
@@ -50,7 +50,8 @@ def pool_trace_figure(device: str, seed: int) -> dict[str, Any]:
     fragments refuses what its plan says fits)."""
     import torch
 
-    from batchgate.batcher.pool import DevicePool, mixed_trace
+    from batchgate.batcher.allocation_trace import mixed_trace
+    from batchgate.batcher.pool import DevicePool
 
     trace = mixed_trace(seed, steps=POOL_TRACE_STEPS)
     limits = model_limits(trace)
@@ -91,7 +92,7 @@ def alloc_replay_main(allocator: dict[str, Any]) -> int:
     the process was started with (``allocator``: them, as in force)."""
     import torch
 
-    from batchgate.batcher.pool import mixed_trace, peak_live_bytes
+    from batchgate.batcher.allocation_trace import mixed_trace, peak_live_bytes
 
     torch.cuda.init()
     seeds = []

@@ -21,7 +21,7 @@ from batchgate.bench.gpu_check.workloads import (ThroughputModel, ThroughputSett
                                                  throughput_models, write_model)
 
 if TYPE_CHECKING:
-    from tests.support.harness import RunningServer
+    from batchgate.bench.harness.server import RunningServer
 
 
 def section_throughput(report: Report, budget: Budget, settings: ThroughputSettings) -> None:
@@ -114,7 +114,7 @@ def section_throughput(report: Report, budget: Budget, settings: ThroughputSetti
 def gateway_load(report: Report, budget: Budget, settings: ThroughputSettings, repository: Path,
                  served: list[tuple[ThroughputModel, str, float]],
                  nvml: NvmlSampler | None) -> None:
-    from tests.support.harness import start_in_thread
+    from batchgate.bench.harness.server import start_in_thread
 
     # The whole server (``batchgate.server.app.Gateway``) on a thread here: its models'
     # statistics and load reports are read directly, the load comes from other processes.

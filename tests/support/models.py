@@ -12,10 +12,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tests.support import EXAMPLE_MODELS
 from batchgate.protos.model_config_pb2 import ModelConfig
+from batchgate.bench.harness.repository import (model_config, renamed, tensor, with_parameters,
+                                                write_model)
+from tests.support import EXAMPLE_MODELS
 from tests.support.polling import poll
-from tests.support.repository import model_config, renamed, tensor, with_parameters, write_model
 
 def xy_config(name: str, *, max_batch_size: int = 8, dynamic=None, kind: str | None = "KIND_CPU",
               parameters=None) -> ModelConfig:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.harness import RunningServer, start_in_thread, start_process
+from batchgate.bench.harness.server import RunningServer, start_in_thread, start_process
 
 SERVER_MODES = ("single", "native")
 

@@ -29,12 +29,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.support import ROOT
-from tests.support.metrics import Samples, parse_samples, read_metrics, total
+import batchgate
+from batchgate import _checkout
+from batchgate.bench.harness.metrics import Samples, parse_samples, read_metrics, total
 
 MODES = ("native", "single")
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 60.0
+# A checkout that is not installed imports batchgate from its root (the working directory of
+# `python -m`): the server runs from there too. Installed, it finds batchgate wherever it is.
+_PACKAGE = Path(batchgate.__file__).resolve().parent
+SERVER_CWD = _PACKAGE.parent if _checkout.is_checkout(_PACKAGE) else None
 
 
 class ServerError(RuntimeError):
@@ -59,7 +64,7 @@ class ServeProcess:
                  tail_lines: int = 200) -> None:
         self.command = [sys.executable, "-m", "batchgate.server.cli", *args]
         self.proc = subprocess.Popen(
-            self.command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            self.command, cwd=SERVER_CWD, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, env=env,
         )
         self.events: list[dict] = []
