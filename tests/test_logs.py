@@ -6,8 +6,9 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
-from batchgate.bench.harness.server import ROOT
+ROOT = Path(__file__).resolve().parent.parent
 
 # Every kind of writer a server process has, from many threads at once, with a switch
 # interval short enough that a thread is often preempted in the middle of a line.
