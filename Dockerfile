@@ -64,7 +64,7 @@ COPY bench/ bench/
 COPY models/ models/
 RUN pip install --no-cache-dir -c constraints.txt ".[server,gpu]" \
     && batchgate serve --help > /dev/null \
-    && python -I -c "import batchgate.server.app, grpc_health.v1.health_pb2" \
+    && python -I -c "import batchgate.server.frontend.app, grpc_health.v1.health_pb2" \
     && python server/native/describe_health.py /src/health.binpb \
     && python server/native/generate_rules.py /src/rules.h
 

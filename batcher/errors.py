@@ -1,6 +1,6 @@
 """The one error hierarchy of the serving path.
 
-Everything below the transport raises one of these; ``server/errors.py`` maps each class to a
+Everything below the transport raises one of these; ``server/frontend/errors.py`` maps each class to a
 gRPC status code in a single table. Messages are written for the person who sent the request:
 they say what was wrong and, where it helps, what was expected. Internal details (tracebacks,
 exception reprs of a model) never go into a message that reaches a client.

@@ -90,7 +90,7 @@ class BatcherMetrics:
             "batchgate_batches", "Batches dispatched, by the reason they were dispatched.",
             ["model", "reason"], registry=r,
         )
-        # With several processes (server/multiproc_metrics.py) a gauge is summed over the live
+        # With several processes (server/supervisor/multiproc_metrics.py) a gauge is summed over the live
         # ones: a dead process's queue is gone. One process ignores multiprocess_mode.
         self.queue_depth = Gauge(
             "batchgate_queue_depth", "Requests waiting in the model's queue.",

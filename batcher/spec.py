@@ -1,6 +1,6 @@
 """What the batcher knows about a model: its tensors, its batching and queue settings, its device.
 
-These are plain dataclasses, free of protobuf and gRPC: ``server/repository.py`` builds them from a
+These are plain dataclasses, free of protobuf and gRPC: ``server/executor/repository.py`` builds them from a
 ``config.pbtxt``; tests build them directly. Datatypes use the KServe v2 strings ("FP32", "BF16",
 ...) of ``protos/datatypes.py``. BF16 has no numpy type, so a BF16 tensor travels through the
 batcher as ``uint16`` holding the raw bfloat16 bits and becomes ``torch.bfloat16`` only at the

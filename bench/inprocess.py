@@ -44,8 +44,8 @@ from batchgate.batcher import precision as precisions
 from batchgate.batcher.loading import cuda_available, latest_version, load_module
 from batchgate.batcher.spec import NUMPY_DTYPES, ModelSpec
 from batchgate.server.logs import configure_logging
-from batchgate.server.model_config import read_model_config
-from batchgate.server.model_spec import model_spec_from_config
+from batchgate.server.config.model_config import read_model_config
+from batchgate.server.config.model_spec import model_spec_from_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_REPOSITORY = ROOT / "models"

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from batchgate.batcher.arena import ArenaLayout, SharedArena
+from batchgate.server.ipc.arena import ArenaLayout, SharedArena
 from batchgate.batcher.metrics import BatcherMetrics
 from batchgate.batcher.model import ServedModel
 from batchgate.batcher.spec import BatchingConfig, ModelSpec, TensorSpec

@@ -69,8 +69,8 @@ from batchgate.bench._perf_analyzer import (
     run_perf_analyzer,
 )
 from batchgate.protos import inference_pb2, inference_pb2_grpc
-from batchgate.server import native
-from batchgate.server.settings import cpu_list, cpus_text, usable_cpus
+from batchgate.server.supervisor import native_binary as native
+from batchgate.server.config.settings import cpu_list, cpus_text, usable_cpus
 from batchgate.bench.harness.server import MODES, RunningServer, ServerError, start_process
 from batchgate.bench.harness.repository import copy_model
 

@@ -23,7 +23,7 @@ from typing import Any
 from batchgate.bench.output import emit, progress
 from batchgate.bench._perf_analyzer import DEFAULT_PERF_ANALYZER
 from batchgate.bench.serving import MODES, Step, _choices, load_step, machine, start_server
-from batchgate.server import native
+from batchgate.server.supervisor import native_binary as native
 from batchgate.bench.harness.repository import model_config, tensor, write_model
 
 MODEL = "image"

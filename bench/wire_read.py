@@ -29,7 +29,7 @@ from typing import Any
 from batchgate.bench.loadgen.cli import machine
 from batchgate.bench.output import emit, progress
 from batchgate.protos import wire_pb2
-from batchgate.server import wire
+from batchgate.server.ipc import wire
 
 say = progress("batchgate.bench.wire_read")
 READERS = ("FrameReader", "Link.receive")

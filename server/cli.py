@@ -1,6 +1,6 @@
 """The ``batchgate`` command: ``serve`` (the default) runs the server, ``bench`` load-tests one.
 
-``serve``'s flags are generated from ``batchgate.server.settings.Settings``, where each setting is
+``serve``'s flags are generated from ``batchgate.server.config.settings.Settings``, where each setting is
 declared once with its help. They follow Triton's names and defaults where Triton has one
 (``--grpc-port 8001``, ``--metrics-port 8002``, ``--model-repository``), so users' habits carry
 over.
@@ -29,11 +29,11 @@ from pathlib import Path
 import structlog
 
 from batchgate.batcher import gpu_env
-from batchgate.server import native
+from batchgate.server.supervisor import native_binary as native
 from batchgate.server.logs import configure_logging
-from batchgate.server.posix import schedule_request_path
-from batchgate.server.settings import RETIRED_FLAGS, TOKEN_ENV, Settings, check_devices
-from batchgate.server.supervisor import Supervisor
+from batchgate.server.supervisor.posix import schedule_request_path
+from batchgate.server.config.settings import RETIRED_FLAGS, TOKEN_ENV, Settings, check_devices
+from batchgate.server.supervisor.supervisor import Supervisor
 
 log = structlog.get_logger(__name__)
 
@@ -150,7 +150,7 @@ def resolve_mode(settings: Settings) -> tuple[str, str | None]:
 
 
 async def serve(settings: Settings) -> None:
-    from batchgate.server.app import Gateway  # torch and grpc: only the process that serves needs them
+    from batchgate.server.frontend.app import Gateway  # torch and grpc: only the process that serves needs them
 
     gateway = Gateway(settings)
     loop = asyncio.get_running_loop()

@@ -2,7 +2,7 @@
 
 The native front end decodes and checks each request, writes its tensors into its region
 of the shared arena and sends a descriptor over the wire (``protos/wire.proto``,
-``server/wire.py``). A read's descriptors are taken in one pass: each becomes a request whose
+``server/ipc/wire.py``). A read's descriptors are taken in one pass: each becomes a request whose
 arrays are views of the arena, so the batcher reads them without another copy, and each model's
 requests of the read join its queue together (one admission bound, one taking of the queue's
 lock, one wake-up of its executors). A finished
@@ -35,7 +35,7 @@ wrote is not reused while it may still be in use, or one client could get anothe
 
     python -m batchgate.server.executor_process < handover.json
 
-The supervisor writes the handover (``server/supervisor.py``): the arena, the socket's name,
+The supervisor writes the handover (``server/supervisor/supervisor.py``): the arena, the socket's name,
 and the settings this process acts on.
 """
 
@@ -58,8 +58,8 @@ import numpy as np
 import structlog
 
 from batchgate.batcher import gpu, gpu_env
-from batchgate.batcher.arena import ArenaLayout, SharedArena
-from batchgate.batcher.arena_allocator import ArenaAllocator
+from batchgate.server.ipc.arena import ArenaLayout, SharedArena
+from batchgate.server.ipc.arena_allocator import ArenaAllocator
 from batchgate.batcher.errors import BatchgateError, ModelExecutionError
 from batchgate.batcher.memory import DevicePools, PoolSettings
 from batchgate.batcher.metrics import BatcherMetrics
@@ -67,16 +67,16 @@ from batchgate.batcher.model import ServedModel
 from batchgate.batcher.request import InferenceRequest
 from batchgate.batcher.spec import NUMPY_DTYPES, ModelSpec
 from batchgate.protos import wire_pb2
-from batchgate.server import wire
-from batchgate.server.codec import bytes_array, bytes_encoding, bytes_row_offsets
-from batchgate.server.control import ControlPlane
+from batchgate.server.ipc import wire
+from batchgate.server.frontend.codec import bytes_array, bytes_encoding, bytes_row_offsets
+from batchgate.server.executor.control import ControlPlane
 from batchgate.server.logs import announce, configure_logging, runtime_facts
-from batchgate.server.multiproc_metrics import read_pid_once
-from batchgate.server.posix import schedule_request_path
-from batchgate.server.repository import READY, ModelIndexEntry, ModelRepository
-from batchgate.server.settings import Settings, check_devices, read_handover
-from batchgate.server.shared_memory import Placement, SharedMemoryRegistry
-from batchgate.server.status import INTERNAL_MESSAGE, Code, status_of
+from batchgate.server.supervisor.multiproc_metrics import read_pid_once
+from batchgate.server.supervisor.posix import schedule_request_path
+from batchgate.server.executor.repository import READY, ModelIndexEntry, ModelRepository
+from batchgate.server.config.settings import Settings, check_devices, read_handover
+from batchgate.server.executor.shared_memory import Placement, SharedMemoryRegistry
+from batchgate.server.rules.status import INTERNAL_MESSAGE, Code, status_of
 
 log = structlog.get_logger(__name__)
 

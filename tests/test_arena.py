@@ -1,4 +1,4 @@
-"""batchgate.batcher.arena and arena_allocator on the CPU: the allocator as a data structure, the
+"""batchgate.server.ipc.arena and arena_allocator on the CPU: the allocator as a data structure, the
 shared mapping across real processes, the layout, and (on a machine with CUDA) pinning."""
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from batchgate.batcher.arena import PAGE_SIZE, ArenaLayout, SharedArena
-from batchgate.batcher.arena_allocator import LIFETIMES, ArenaAllocator
+from batchgate.server.ipc.arena import PAGE_SIZE, ArenaLayout, SharedArena
+from batchgate.server.ipc.arena_allocator import LIFETIMES, ArenaAllocator
 
 REPO = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
@@ -514,7 +514,7 @@ from pathlib import Path
 
 import numpy as np
 
-from batchgate.batcher.arena import SharedArena
+from batchgate.server.ipc.arena import SharedArena
 
 
 def arena_mappings():
@@ -577,7 +577,7 @@ def test_attach_refuses_more_bytes_than_the_descriptor_holds():
 CHILD_REPLIES = """
 import sys
 import numpy as np
-from batchgate.batcher.arena import SharedArena
+from batchgate.server.ipc.arena import SharedArena
 
 arena = SharedArena.attach(int(sys.argv[1]), int(sys.argv[2]))
 request = arena.array(0, np.float32, (4, 4))
@@ -616,7 +616,7 @@ def test_the_descriptor_does_not_leak_into_children_not_given_it():
 
 CHILD_WAITS = """
 import sys, time
-from batchgate.batcher.arena import SharedArena
+from batchgate.server.ipc.arena import SharedArena
 
 arena = SharedArena.attach(int(sys.argv[1]), int(sys.argv[2]))
 arena.write(100, b"child was here")
@@ -665,8 +665,8 @@ class Forbid(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, Forbid())
-from batchgate.batcher.arena import ArenaLayout, SharedArena
-from batchgate.batcher.arena_allocator import ArenaAllocator
+from batchgate.server.ipc.arena import ArenaLayout, SharedArena
+from batchgate.server.ipc.arena_allocator import ArenaAllocator
 
 with SharedArena.create(1 << 20) as arena:
     layout = ArenaLayout(arena.size, slots=2)

@@ -34,7 +34,7 @@ from batchgate.batcher.request import InferenceRequest
 from batchgate.batcher.spec import BatchingConfig, ModelSpec, TensorSpec
 from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import inference_pb2_grpc
-from batchgate.server.codec import bytes_encoding, bytes_row_offsets
+from batchgate.server.frontend.codec import bytes_encoding, bytes_row_offsets
 from batchgate.bench.harness.repository import model_config, renamed, tensor, write_config
 
 OUTPUTS = ("UPPER", "SWAPPED", "JOINED", "LENGTH")

@@ -58,9 +58,9 @@ def test_bad_setting_is_refused_with_the_value():
 def test_auto_is_native_where_built_else_one_process(model_repository, monkeypatch, tmp_path):
     import pytest
 
-    from batchgate.server import native
+    from batchgate.server.supervisor import native_binary as native
     from batchgate.server.cli import resolve_mode
-    from batchgate.server.settings import Settings
+    from batchgate.server.config.settings import Settings
 
     settings = lambda **kw: Settings(model_repository=model_repository, **kw)  # noqa: E731
     monkeypatch.setenv(native.ENV_VAR, sys.executable)  # an executable: what "built" is checked by
@@ -80,7 +80,7 @@ def test_serve_without_the_native_build_says_it_falls_back_to_one_process(tmp_pa
     why and what the mode is for; ``--frontend single`` says what it is for too."""
     import shutil
 
-    from batchgate.server import native
+    from batchgate.server.supervisor import native_binary as native
     from tests.support import EXAMPLE_MODELS
 
     shutil.copytree(EXAMPLE_MODELS / "mlp", tmp_path / "models" / "mlp",

@@ -1,7 +1,7 @@
 """What a front-end process allows all its clients together, in each front end (the native one;
 one Python process), each server a process of its own so that ``/proc`` reads it alone:
 
-- the connection policy (``server/connections.py``) as a bare HTTP/2 connection sees it: the
+- the connection policy (``server/rules/connections.py``) as a bare HTTP/2 connection sees it: the
   streams per connection in the server's SETTINGS, its keepalive PINGs, a GOAWAY for a
   connection left idle and for one that pings too often; a stream cut once its connection's
   age and grace have passed, and the channel serving on;
@@ -26,8 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from batchgate.protos import inference_pb2 as pb
 from batchgate.server.metrics import UNKNOWN_MODEL_LABEL
-from batchgate.server.request_limits import wire_limits
-from batchgate.server.settings import Settings
+from batchgate.server.rules.request_limits import wire_limits
+from batchgate.server.config.settings import Settings
 from batchgate.bench.harness.server import start_process
 from batchgate.bench.harness.memory import PeakGrowth
 from batchgate.bench.harness.metrics import parse_samples

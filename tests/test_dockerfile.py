@@ -170,7 +170,7 @@ def test_dockerignore_matcher_follows_docker_rules():
     assert dockerignored("bench/out/run.json", patterns)
     assert dockerignored("batchgate.egg-info/PKG-INFO", patterns)
     assert not dockerignored("bench/serving.py", patterns)
-    assert not dockerignored("server/app.py", patterns)
+    assert not dockerignored("server/frontend/app.py", patterns)
     assert not dockerignored("x/.venv", patterns)
     assert not dockerignored("tests/a.py", patterns + ["tests", "!tests/a.py"])
 

@@ -1,7 +1,7 @@
 """The docs hold together: the reference tables equal their definitions, every link resolves.
 
 The flag and parameter tables of docs/configuration.md are generated (``python -m
-batchgate.server.reference --write``); a flag or key added without regenerating them fails here. Every
+batchgate.server.config.reference --write``); a flag or key added without regenerating them fails here. Every
 relative link of the Markdown files points at a file (and heading) that exists, every ``.md``
 path the code names exists, and no docstring carries a dated measurement.
 """
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from batchgate.server import reference
-from batchgate.server.model_parameters import PARAMETERS, TRITON_PARAMETERS
+from batchgate.server.config import reference
+from batchgate.server.config.model_parameters import PARAMETERS, TRITON_PARAMETERS
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -48,7 +48,7 @@ def test_the_reference_tables_are_generated_from_their_definitions(table):
     assert documented is not None, f"docs/configuration.md lacks the {table} table's markers"
     assert documented == reference.generated(table), (
         f"docs/configuration.md's {table} table differs from its definition: run "
-        "python -m batchgate.server.reference --write")
+        "python -m batchgate.server.config.reference --write")
 
 
 def test_the_tables_name_every_flag_and_key():

@@ -142,7 +142,7 @@ def test_sigterm_amid_arriving_requests_answers_every_one(mlp_only, mode):
     """SIGTERM while 64 clients send, in several rounds: every call that reached the server is
     answered OK or UNAVAILABLE, none CANCELLED, and the server exits 0. gRPC's shutdown cancels
     the calls it holds unhandled and those arriving before their client heard the GOAWAY
-    (server/drain.py): before the drain parked them, every round lost some."""
+    (server/frontend/drain.py): before the drain parked them, every round lost some."""
     if mode == "native":
         native_or_skip()
     clients = subprocess.Popen([sys.executable, "-c", TRITONCLIENT_BURST], cwd=ROOT,

@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from batchgate.batcher.arena import ArenaLayout, SharedArena
+from batchgate.server.ipc.arena import ArenaLayout, SharedArena
 from batchgate.protos import wire_pb2
 from batchgate.server import executor_process as ep
-from batchgate.server import wire
+from batchgate.server.ipc import wire
 
 
 @pytest.fixture

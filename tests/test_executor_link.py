@@ -15,10 +15,10 @@ import grpc
 import numpy as np
 import pytest
 
-from batchgate.batcher.arena import ArenaLayout, SharedArena
+from batchgate.server.ipc.arena import ArenaLayout, SharedArena
 from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import inference_pb2_grpc, wire_pb2
-from batchgate.server import wire
+from batchgate.server.ipc import wire
 from tests.support.sanitizers import SANITIZED, SANITIZER_ENV, SANITIZER_REPORTS
 from tests.support.servers import native_or_skip
 from tests.support.wire_peers import FakeExecutor, NativeFrontEnd, model_state

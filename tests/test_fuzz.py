@@ -33,7 +33,7 @@ from grpc_health.v1 import health_pb2
 from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import inference_pb2_grpc
 from batchgate.batcher.errors import quoted
-from batchgate.server.errors import INTERNAL_MESSAGE
+from batchgate.server.frontend.errors import INTERNAL_MESSAGE
 from batchgate.server.metrics import UNKNOWN_MODEL_LABEL
 from tests.support.load import Load
 from tests.support.models import NUMERIC_TYPES
@@ -237,7 +237,7 @@ def empty(draw, request):
     request.model_name = keep
 
 
-# Around the wire limits (server/request_limits.py, at their defaults): counts just under and
+# Around the wire limits (server/rules/request_limits.py, at their defaults): counts just under and
 # just over each bound.
 def many_outputs(draw, request):
     name = draw(st.sampled_from(["OUTPUT__0", "LENGTH", "OUT_FP32", "x"]))

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from batchgate.batcher.arena import ArenaLayout, SharedArena
+from batchgate.server.ipc.arena import ArenaLayout, SharedArena
 from batchgate.batcher.errors import AdmissionRefused, InvalidRequest, ModelUnavailable, QueueFull
 from batchgate.batcher.metrics import BatcherMetrics
 from batchgate.batcher.model import ServedModel
@@ -24,7 +24,7 @@ from batchgate.batcher.request import NEW, QUEUED
 from batchgate.batcher.spec import BatchingConfig, QueuePolicy
 from batchgate.protos import wire_pb2
 from batchgate.server import executor_process as ep
-from batchgate.server.status import Code
+from batchgate.server.rules.status import Code
 from tests.support.batching import RecordingModel, hold_executor, make_spec, request
 from tests.support.polling import apoll
 

@@ -20,10 +20,10 @@ from yamllint.config import YamlLintConfig
 
 from batchgate.batcher.telemetry import FAMILIES as GPU_FAMILIES
 from batchgate.server import cli
-from batchgate.server.app import SERVICE_NAME
+from batchgate.server.frontend.app import SERVICE_NAME
 from batchgate.server.metrics import ServerMetrics
-from batchgate.server.multiproc_metrics import _RestartCollector
-from batchgate.server.supervisor import EXECUTOR_MIN_GRACE_S, LAST_LINES_S
+from batchgate.server.supervisor.multiproc_metrics import _RestartCollector
+from batchgate.server.supervisor.supervisor import EXECUTOR_MIN_GRACE_S, LAST_LINES_S
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 YAML_FILES = sorted(K8S.glob("*.yaml")) + sorted(K8S.glob("*.yml"))
@@ -38,7 +38,7 @@ rules:
   comments: {min-spaces-from-content: 1}
 """)
 
-# Health services the server registers for the whole server (server/app.py); one more per model.
+# Health services the server registers for the whole server (server/frontend/app.py); one more per model.
 SERVER_HEALTH_SERVICES = {"", SERVICE_NAME}
 
 # Metric names the dashboard may use before the server exports them: the GPU figures come from

@@ -21,8 +21,8 @@ from batchgate.batcher.errors import InvalidRequest, ResourceExhausted
 from batchgate.batcher.spec import BatchingConfig, ModelSpec, TensorSpec
 from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import inference_pb2_grpc
-from batchgate.server.codec import RequestLimits, decode_request, encode_outputs
-from batchgate.server.errors import MAX_MESSAGE_BYTES, status_of
+from batchgate.server.frontend.codec import RequestLimits, decode_request, encode_outputs
+from batchgate.server.frontend.errors import MAX_MESSAGE_BYTES, status_of
 from batchgate.bench.harness.repository import model_config, tensor, write_model
 from tests.support.servers import SERVER_MODES, start_multiprocess_server, start_server
 

@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from batchgate.batcher.arena import ArenaLayout, SharedArena
+from batchgate.server.ipc.arena import ArenaLayout, SharedArena
 from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import wire_pb2
-from batchgate.server import wire
+from batchgate.server.ipc import wire
 from batchgate.bench.harness.repository import with_parameters, write_model
 from tests.support.models import GATED_CONFIG, GATED_MODEL, Gate
 from tests.support.wire_peers import ExecutorProcess, FakeFrontEnd

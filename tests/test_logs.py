@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WRITERS = textwrap.dedent("""
     import io, logging, sys, threading
     import structlog
-    from batchgate.server.child_logs import ChildLogs
+    from batchgate.server.supervisor.child_logs import ChildLogs
     from batchgate.server.logs import announce, configure_logging
 
     sys.setswitchinterval(1e-6)

@@ -13,16 +13,16 @@ import pytest
 from batchgate.batcher.errors import InvalidRequest, LoadError, ModelNotFound
 from batchgate.batcher.spec import NUMPY_DTYPES, QueuePolicy
 from batchgate.protos import model_config_pb2
-from batchgate.server.model_config import (
+from batchgate.server.config.model_config import (
     config_from_json,
     datatype_from_proto,
     datatype_to_proto,
     read_model_config,
 )
-from batchgate.server.model_parameters import PARAMETERS, TRITON_PARAMETERS
-from batchgate.server.model_spec import effective_config, model_spec_from_config
-from batchgate.server.warmup import warmup_inputs
-from batchgate.server.repository import ModelRepository
+from batchgate.server.config.model_parameters import PARAMETERS, TRITON_PARAMETERS
+from batchgate.server.config.model_spec import effective_config, model_spec_from_config
+from batchgate.server.executor.warmup import warmup_inputs
+from batchgate.server.executor.repository import ModelRepository
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "models"
 

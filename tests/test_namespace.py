@@ -74,9 +74,9 @@ def _run(args, **kwargs) -> subprocess.CompletedProcess:
 
 IMPORT_CHECK = f"""
 import sys
-import batchgate.server.app
+import batchgate.server.frontend.app
 import batchgate.clients
-print(batchgate.server.app.__file__)
+print(batchgate.server.frontend.app.__file__)
 print(sorted(m for m in sys.modules if m.partition(".")[0] in {FOLDERS!r}))
 """
 
@@ -89,7 +89,7 @@ def test_installed_package_maps_to_the_folders(cwd, tmp_path):
     assert done.returncode == 0, done.stderr
     app_file, top_level = done.stdout.splitlines()
     # The suite runs on the editable install (`make install`): the checkout's own files.
-    assert Path(app_file).samefile(REPO / "server" / "app.py")
+    assert Path(app_file).samefile(REPO / "server" / "frontend" / "app.py")
     assert top_level == "[]"
 
 
@@ -106,7 +106,7 @@ def test_a_checkout_that_is_not_installed_imports_from_its_folders(tmp_path):
     done = _run([sys.executable, "-S", "-c", script], cwd=REPO, env=env)
     assert done.returncode == 0, done.stderr
     app_file, top_level, after_bench = done.stdout.splitlines()
-    assert Path(app_file).samefile(REPO / "server" / "app.py")
+    assert Path(app_file).samefile(REPO / "server" / "frontend" / "app.py")
     assert top_level == after_bench == "[]"
     # The same process without the checkout's finder: nothing else would have found them.
     bare = _run([sys.executable, "-S", "-c", "import sys, batchgate; "
@@ -197,7 +197,7 @@ def test_wheel_holds_only_the_batchgate_namespace(wheel_env):
     tops = {line.split(",")[0].split("/")[0] for line in record.splitlines() if line}
     assert tops - {info} == {"batchgate"}
     assert top_level == ["batchgate"]
-    for path in ("batchgate/__init__.py", "batchgate/server/app.py", "batchgate/clients/__init__.py",
+    for path in ("batchgate/__init__.py", "batchgate/server/frontend/app.py", "batchgate/clients/__init__.py",
                  "batchgate/bench/loadgen/__init__.py", "batchgate/protos/inference_pb2.py",
                  "batchgate/protos/inference.proto", "batchgate/protos/registry.py"):
         assert path in names, path
@@ -271,7 +271,7 @@ import batchgate, batchgate.bench
 from batchgate import Client
 from batchgate.bench import floor, inprocess, serving
 from batchgate.bench.harness.server import start_process
-from batchgate.server.settings import DEFAULT_REPOSITORY
+from batchgate.server.config.settings import DEFAULT_REPOSITORY
 
 assert batchgate.__file__.startswith(sys.prefix), batchgate.__file__
 names = [m.name for m in pkgutil.walk_packages(batchgate.bench.__path__, "batchgate.bench.")

@@ -31,8 +31,8 @@ from grpc_health.v1 import health_pb2
 
 from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import inference_pb2_grpc
-from batchgate.server import native
-from batchgate.server.shared_memory import OFF_MESSAGE
+from batchgate.server.supervisor import native_binary as native
+from batchgate.server.executor.shared_memory import OFF_MESSAGE
 from tests.support.load import Load
 from tests.support.models import NUMERIC_TYPES
 from tests.support.raw_http2 import unary_call
@@ -540,7 +540,7 @@ def raw_answer(call, data: bytes) -> tuple[str, str]:
 @pytest.mark.parametrize("what, data", WIRE_CASES, ids=[c[0] for c in WIRE_CASES])
 def test_request_bytes_are_answered_alike(raw_calls, what, data):
     """What the wire scans count and refuse, in each front end: the same status and message
-    (each the rule's refusal of server/request_limits.py), unary and in a stream."""
+    (each the rule's refusal of server/rules/request_limits.py), unary and in a stream."""
     answers = [raw_answer(unary, data) for unary, _ in raw_calls]
     assert (answers[0][0] == "OK") == (what in AT_A_BOUND), answers[0]
     assert answers[1:] == answers[:1] * (len(raw_calls) - 1), dict(zip(MODES, answers))
@@ -641,7 +641,7 @@ def test_shared_memory_replies_are_alike(stubs, regions):
 def test_shared_memory_off_is_answered_with_the_python_message(server):
     """Without --shared-memory (the session's servers): a request naming a region, for an
     input or an output, and each registration RPC, get UNIMPLEMENTED with the message of
-    server/shared_memory.py."""
+    server/executor/shared_memory.py."""
     request = mlp(raw=b"")
     del request.raw_input_contents[:]
     request.inputs[0].parameters["shared_memory_region"].string_param = IN_REGION

@@ -1,6 +1,6 @@
 """Each rule both front ends apply is written once: its words and numbers appear in its one
-definition (``server/messages.py``, ``server/request_limits.py``, ``protos/datatypes.py``,
-``server/rpc_access.py``, ``batcher/metric_families.py``, ``protos/wire.proto``) and nowhere
+definition (``server/rules/messages.py``, ``server/rules/request_limits.py``, ``protos/datatypes.py``,
+``server/rules/rpc_access.py``, ``batcher/metric_families.py``, ``protos/wire.proto``) and nowhere
 else in the C++ or Python sources; the native build generates its copy (``rules.h``) from them.
 
 Sources are read as their string literals (Python through ``ast``, adjacent C++ literals joined
@@ -18,12 +18,14 @@ import pytest
 
 from batchgate.batcher import metric_families
 from batchgate.protos import datatypes, wire_pb2
-from batchgate.server import messages, request_limits, rpc_access
+from batchgate.server.rules import messages
+from batchgate.server.rules import request_limits
+from batchgate.server.rules import rpc_access
 
 ROOT = Path(__file__).resolve().parents[1]
 NATIVE = ROOT / "server" / "native"
-DEFINITIONS = {ROOT / "server" / "messages.py", ROOT / "server" / "request_limits.py",
-               ROOT / "protos" / "datatypes.py", ROOT / "server" / "rpc_access.py",
+DEFINITIONS = {ROOT / "server" / "rules" / "messages.py", ROOT / "server" / "rules" / "request_limits.py",
+               ROOT / "protos" / "datatypes.py", ROOT / "server" / "rules" / "rpc_access.py",
                ROOT / "batcher" / "metric_families.py"}
 # Words shorter than this are common English ("model '", " bytes, got "), not a rule's.
 SHORTEST_PIECE = 12
@@ -82,9 +84,9 @@ def _defined_words() -> dict[str, str]:
     for name, template in messages.templates().items():
         for literal, _ in template.pieces():
             if len(literal.strip()) >= SHORTEST_PIECE:
-                words[literal.strip()] = f"server/messages.py {name}"
+                words[literal.strip()] = f"server/rules/messages.py {name}"
     for rule in request_limits.RULES:
-        words[rule.refused] = f"server/request_limits.py {rule.key}"
+        words[rule.refused] = f"server/rules/request_limits.py {rule.key}"
     for family in metric_families.NATIVE_FAMILIES:
         words[family.help] = f"batcher/metric_families.py {family.name}"
         words[family.name] = f"batcher/metric_families.py {family.name}"
@@ -109,12 +111,12 @@ def test_the_check_is_not_blind(literals):
     assert any("is not a serialized batchgate.handover.FrontendHandover" in literal
                for literal in literals[NATIVE / "src" / "handover.cc"])
     assert any("the buffer is not a BYTES tensor of shape" in literal
-               for literal in literals[ROOT / "server" / "codec.py"])
+               for literal in literals[ROOT / "server" / "frontend" / "codec.py"])
 
 
 def test_token_guarded_methods_are_named_once(literals):
     methods = rpc_access.ADMIN_METHODS | rpc_access.OPEN_METHODS
-    for path in (ROOT / "server" / "auth.py", NATIVE / "src" / "auth.cc"):
+    for path in (ROOT / "server" / "frontend" / "auth.py", NATIVE / "src" / "auth.cc"):
         assert not methods & set(literals[path]), path
         assert rpc_access.METADATA_KEY not in literals[path], path
 
@@ -152,13 +154,13 @@ def _cpp_numbers(path: Path) -> set[int]:
 
 def test_the_limits_are_written_once():
     assert wire_pb2.MAX_FRAME_BYTES == _SIXTY_FOUR_MIB  # what the scan below looks for
-    from batchgate.server.settings import Settings
+    from batchgate.server.config.settings import Settings
 
     defaults = {f.name: f.default for f in Settings.__dataclass_fields__.values()}
     assert defaults["max_message_bytes"] == defaults["max_tensor_elements"] == _SIXTY_FOUR_MIB
-    request_path = [ROOT / "server" / name for name in
-                    ("codec.py", "request_scan.py", "request_limits.py", "wire.py", "service.py",
-                     "messages.py", "supervisor.py")]
+    # Every server module but the settings, where the defaults are declared.
+    request_path = [path for path in _python_sources() + sorted(DEFINITIONS)
+                    if path.parts[-3:] != ("server", "config", "settings.py")]
     copies = [str(path.relative_to(ROOT)) for path in request_path
               if _SIXTY_FOUR_MIB in _python_numbers(path)]
     copies += [str(path.relative_to(ROOT)) for path in _cpp_sources()

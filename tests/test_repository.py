@@ -14,13 +14,13 @@ import pytest
 import torch
 from google.protobuf import text_format
 
-import batchgate.server.repository as repository_module
+import batchgate.server.executor.repository as repository_module
 from batchgate.batcher import loading
 from batchgate.batcher.errors import InvalidRequest, LoadError, ModelNotFound, ModelUnavailable
 from batchgate.batcher.request import InferenceRequest
 from batchgate.protos import model_config_pb2
-from batchgate.server.load_override import LoadOverride, file_path
-from batchgate.server.repository import ModelRepository
+from batchgate.server.executor.load_override import LoadOverride, file_path
+from batchgate.server.executor.repository import ModelRepository
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "models"
 WAIT_S = 30.0  # upper bound for a thread to reach a gate; never reached when things work

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from batchgate.protos import inference_pb2 as pb
-from batchgate.server.request_limits import wire_limits
-from batchgate.server.settings import Settings
+from batchgate.server.rules.request_limits import wire_limits
+from batchgate.server.config.settings import Settings
 from batchgate.bench.harness.server import start_process
 from batchgate.bench.harness.memory import PeakGrowth
 from batchgate.bench.harness.repository import model_config, tensor, write_model

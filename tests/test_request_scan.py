@@ -1,4 +1,4 @@
-"""The wire scan of a ModelInferRequest (``server/request_scan.py``) on its own: each rule
+"""The wire scan of a ModelInferRequest (``server/frontend/request_scan.py``) on its own: each rule
 counted exactly and refused one past its bound, in wire order; and what it calls malformed is
 what protobuf's parser refuses, checked against the parser over hand-written cases, over every
 cut of a valid request, and over byte strings hypothesis builds from the wire grammar (unknown
@@ -19,15 +19,15 @@ from hypothesis import strategies as st
 
 from batchgate.batcher.errors import ResourceExhausted
 from batchgate.protos import inference_pb2 as pb
-from batchgate.server import request_limits
-from batchgate.server.request_limits import RULE_KEYS, RULES
-from batchgate.server.request_scan import (
+from batchgate.server.rules import request_limits
+from batchgate.server.rules.request_limits import RULE_KEYS, RULES
+from batchgate.server.frontend.request_scan import (
     DEFAULT_WIRE_LIMITS,
     MalformedRequest,
     WireLimits,
     scan_infer_request,
 )
-from batchgate.server.settings import Settings
+from batchgate.server.config.settings import Settings
 
 EXAMPLES = int(os.environ.get("BATCHGATE_FUZZ_EXAMPLES", "300"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,

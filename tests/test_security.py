@@ -28,9 +28,9 @@ from batchgate.batcher.errors import InvalidRequest, ModelNotFound
 from batchgate.clients import AsyncClient, BatchgateError, Client, RetryPolicy
 from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import inference_pb2_grpc, wire_pb2
-from batchgate.server.auth import accepted_tokens, bearer_token
-from batchgate.server.repository import ModelRepository
-from batchgate.server.settings import Settings
+from batchgate.server.frontend.auth import accepted_tokens, bearer_token
+from batchgate.server.executor.repository import ModelRepository
+from batchgate.server.config.settings import Settings
 from batchgate.bench.harness.server import ServeProcess, start_process
 from batchgate.bench.harness.repository import renamed, write_model
 from tests.support import EXAMPLE_MODELS

@@ -433,7 +433,7 @@ def test_bytes_input_reaches_a_model_that_declares_it(stub):
 def test_known_model_names_share_the_unknown_label_past_the_bound(server, stub, monkeypatch):
     if server.mode != "single":
         pytest.skip("the bound is patched in this process: only the single-process server runs here")
-    import batchgate.server.service as service_module
+    import batchgate.server.frontend.service as service_module
     from batchgate.server.metrics import UNKNOWN_MODEL_LABEL
 
     counters = server.gateway.service._status_counters

@@ -27,7 +27,7 @@ def bench_modules():
 
 
 modules = sorted(info.name for info in pkgutil.walk_packages(server.__path__, "batchgate.server."))
-assert "batchgate.server.cli" in modules and "batchgate.server.supervisor" in modules, modules
+assert "batchgate.server.cli" in modules and "batchgate.server.supervisor.supervisor" in modules, modules
 for name in modules:
     importlib.import_module(name)
 assert not bench_modules(), bench_modules()

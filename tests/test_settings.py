@@ -48,7 +48,7 @@ MAX_ELEMENTS = 4096
 WIRE = {"--max-tensor-dimensions": 5, "--max-request-inputs": 3, "--max-request-outputs": 2,
         "--max-request-parameters": 4, "--max-request-string-elements": 6,
         "--max-request-name-bytes": 100, "--max-request-unknown-fields": 1}
-# The connection policy (server/connections.py), each away from its default.
+# The connection policy (server/rules/connections.py), each away from its default.
 STREAMS_PER_CONNECTION = 5
 KEEPALIVE_S, KEEPALIVE_TIMEOUT_S = 1, 2
 PING_INTERVAL_S, PING_STRIKES = 0.2, 1
@@ -405,7 +405,7 @@ def test_the_connection_flags(running):
 
 
 def test_the_connection_settings_are_checked():
-    from batchgate.server.settings import Settings
+    from batchgate.server.config.settings import Settings
 
     assert Settings().grpc_memory_limit >= 4 * Settings().max_message_bytes
     for name, value, message in (
@@ -422,7 +422,7 @@ def test_the_connection_settings_are_checked():
 
 
 def test_the_wire_limits_are_checked():
-    from batchgate.server.settings import Settings
+    from batchgate.server.config.settings import Settings
 
     for name in ("max_tensor_dimensions", "max_request_inputs", "max_request_outputs",
                  "max_request_parameters", "max_request_name_bytes"):
@@ -537,7 +537,7 @@ def test_the_model_cpus_flag(running):
 
 
 def test_cpu_lists_are_read_as_taskset_writes_them_and_checked():
-    from batchgate.server.settings import Settings, cpu_list
+    from batchgate.server.config.settings import Settings, cpu_list
 
     assert cpu_list("1") == (1,)
     assert cpu_list("4-6,1, 5") == (1, 4, 5, 6)
@@ -643,7 +643,7 @@ def _scrape(running: Running) -> dict:
     return scrape(metrics_url(running.metrics_port))
 
 def test_the_device_pool_has_no_cap_by_default_and_a_cap_below_a_page_is_refused():
-    from batchgate.server.settings import Settings
+    from batchgate.server.config.settings import Settings
 
     assert Settings().device_pool_bytes is None  # nothing reserved up front, nothing capped
     assert Settings(device_pool_bytes=4096).device_pool_bytes == 4096

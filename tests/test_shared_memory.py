@@ -494,7 +494,7 @@ CUDA_CLIENT_SCRIPT = textwrap.dedent("""
     import ctypes, json, sys
     import grpc, numpy as np, torch
     from batchgate.protos import inference_pb2 as pb, inference_pb2_grpc
-    from batchgate.server.cuda_ipc import runtime_soname
+    from batchgate.server.executor.cuda_ipc import runtime_soname
 
     REGION, IN_AT, OUT_AT = 1024, 256, 512
     torch.cuda.init()  # loads torch's CUDA runtime: the soname below is that library
@@ -566,8 +566,8 @@ def test_cuda_shared_memory_inputs_and_outputs(shm_server):
 
 
 def test_the_cuda_runtime_is_the_one_of_the_cuda_torch_was_built_for():
-    from batchgate.server.cuda_ipc import runtime_soname
-    from batchgate.server.status import Code, StatusError
+    from batchgate.server.executor.cuda_ipc import runtime_soname
+    from batchgate.server.rules.status import Code, StatusError
 
     assert runtime_soname("13.0") == "libcudart.so.13"
     assert runtime_soname("12.8") == "libcudart.so.12"
@@ -581,7 +581,7 @@ def test_the_cuda_runtime_is_the_one_of_the_cuda_torch_was_built_for():
 # -- the registry itself, without a server --------------------------------------------------------
 
 def _registry():
-    from batchgate.server.shared_memory import SharedMemoryRegistry
+    from batchgate.server.executor.shared_memory import SharedMemoryRegistry
 
     return SharedMemoryRegistry(True)
 
@@ -595,7 +595,7 @@ def _register(registry, name, key, byte_size, offset=0):
 
 def _status_error(call):
     from batchgate.batcher.errors import BatchgateError
-    from batchgate.server.status import status_of
+    from batchgate.server.rules.status import status_of
 
     with pytest.raises(BatchgateError) as info:
         call()
@@ -603,7 +603,7 @@ def _status_error(call):
 
 
 def test_keys_that_leave_dev_shm_or_are_links_are_refused():
-    from batchgate.server.status import Code
+    from batchgate.server.rules.status import Code
 
     registry = _registry()
     target = Region(64)
@@ -625,7 +625,7 @@ def test_keys_that_leave_dev_shm_or_are_links_are_refused():
 def test_a_request_in_flight_keeps_reading_a_region_unregistered_meanwhile():
     import asyncio
 
-    from batchgate.server.shared_memory import Placement
+    from batchgate.server.executor.shared_memory import Placement
 
     registry = _registry()
     region = Region(64)
@@ -652,7 +652,7 @@ def test_a_request_in_flight_keeps_reading_a_region_unregistered_meanwhile():
 
 def test_bool_inputs_in_shared_memory_hold_only_0_and_1():
     from batchgate.batcher.errors import InvalidRequest
-    from batchgate.server.shared_memory import Placement
+    from batchgate.server.executor.shared_memory import Placement
 
     registry = _registry()
     region = Region(64)

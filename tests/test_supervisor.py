@@ -29,11 +29,12 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from batchgate.server.app import Settings
-from batchgate.server.settings import TOKEN_ENV, fields_for
+from batchgate.protos import handover_pb2
+from batchgate.server.frontend.app import Settings
+from batchgate.server.config.settings import TOKEN_ENV, fields_for
 from batchgate.server.metrics import ServerMetrics
-from batchgate.server.multiproc_metrics import PREFIX, remove_abandoned
-from batchgate.server.supervisor import RestartPolicy, Supervisor, SupervisorError
+from batchgate.server.supervisor.multiproc_metrics import PREFIX, remove_abandoned
+from batchgate.server.supervisor.supervisor import RestartPolicy, Supervisor, SupervisorError
 from batchgate.bench.harness.metrics import Samples, metrics_url
 from batchgate.bench.harness.metrics import scrape as scrape_url
 from tests.support.polling import poll
@@ -51,7 +52,16 @@ STANDIN = textwrap.dedent('''
     signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGTERM}})
 
     LEVELS = {{"debug": 10, "info": 20, "warning": 30, "error": 40}}
-    handover = json.load(sys.stdin)
+    if ROLE == "frontend":  # the native front end's handover: protos/handover.proto
+        from google.protobuf.json_format import MessageToDict
+        from batchgate.protos import handover_pb2
+        message = handover_pb2.FrontendHandover.FromString(sys.stdin.buffer.read())
+        handover = MessageToDict(message, preserving_proto_field_name=True,
+                                 always_print_fields_with_no_presence=True)
+        handover.update(role=ROLE, arena_fd=message.arena_fd, arena_bytes=message.arena_bytes,
+                        grpc_port=message.grpc_port, slot=message.slot)
+    else:
+        handover = json.load(sys.stdin)
     settings = handover["settings"]
 
     def say(event, level="info", **fields):
@@ -115,8 +125,8 @@ DRIVER = textwrap.dedent('''
 
     sys.path.insert(0, {root!r})
     from batchgate.server.logs import configure_logging
-    from batchgate.server.settings import Settings
-    from batchgate.server.supervisor import RestartPolicy, Supervisor
+    from batchgate.server.config.settings import Settings
+    from batchgate.server.supervisor.supervisor import RestartPolicy, Supervisor
 
     configure_logging("info", "json")
     print(json.dumps(dict(event="driver_modules", torch="torch" in sys.modules,
@@ -248,8 +258,12 @@ def test_starts_the_executor_first_then_the_front_end_and_forwards_their_lines(m
     # the front end, in the handover, never in an environment.
     assert executor_ready["settings"] == sorted(fields_for("executor"))
     assert "model_repository" in executor_ready["settings"]
-    for event in ready:
-        assert event["settings"] == sorted(fields_for("frontend"))
+    # The native front end's settings message carries what it acts on by name; the gRPC
+    # connection policy and the wire limits travel in fields of their own.
+    native_fields = sorted(f.name for f in handover_pb2.FrontendSettings.DESCRIPTOR.fields)
+    assert set(native_fields) <= set(fields_for("frontend"))
+    for event in ready:  # (a setting with presence that is None is not set)
+        assert set(event["settings"]) <= set(native_fields)
         assert "admin_token" in event["settings"]
     for event in [executor_ready, *ready]:
         assert not set(event["environ"]) & set(TOKEN_ENV.values())

@@ -1,4 +1,4 @@
-"""The Python end of the executor wire (server/wire.py) over a real abstract Unix socket: frames
+"""The Python end of the executor wire (server/ipc/wire.py) over a real abstract Unix socket: frames
 cut anywhere by reads, several in one read, a large one in many reads, and a peer that breaks
 the framing, which ends the connection and nothing else."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from batchgate.protos import wire_pb2
-from batchgate.server import wire
+from batchgate.server.ipc import wire
 
 
 def _name() -> str:
@@ -206,7 +206,7 @@ def _answer_batch(rows: list[int], released: bool, wants: dict[int, tuple[int, .
     """What a front end reads of one batch of requests of ``rows`` each (``wants``: rid -> the
     outputs it names; every output otherwise): per rid, its outputs' bytes and shapes, read from
     the arena as a front end copies them; the frame's Batch count; the references it holds."""
-    from batchgate.batcher.arena import ArenaLayout, SharedArena
+    from batchgate.server.ipc.arena import ArenaLayout, SharedArena
     from batchgate.batcher.request import DONE, TAKEN, InferenceRequest
     from batchgate.batcher.spec import BatchingConfig, ModelSpec, TensorSpec
     from batchgate.server import executor_process as ep
@@ -284,7 +284,7 @@ async def test_the_executor_splits_answers_across_frames_and_fails_alone_one_no_
     RESOURCE_EXHAUSTED, and its neighbours are answered. The limit is read where it is used:
     lowered to 64 KiB here, the front end's reader refuses any frame past it, as the native
     front end does at the real limit."""
-    from batchgate.batcher.arena import ArenaLayout, SharedArena
+    from batchgate.server.ipc.arena import ArenaLayout, SharedArena
     from batchgate.batcher.request import DONE, InferenceRequest
     from batchgate.batcher.spec import BatchingConfig, ModelSpec, TensorSpec
     from batchgate.server import executor_process as ep

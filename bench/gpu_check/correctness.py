@@ -58,8 +58,8 @@ def section_correctness(report: Report, budget: Budget, device: str,
     from batchgate.batcher.buckets import default_buckets
     from batchgate.batcher.loading import find_artifact, load_module
     from batchgate.batcher.memory import DevicePools, PoolSettings
-    from batchgate.server.model_config import read_model_config
-    from batchgate.server.model_spec import model_spec_from_config
+    from batchgate.server.config.model_config import read_model_config
+    from batchgate.server.config.model_spec import model_spec_from_config
 
     cuda = device.startswith("cuda")
     pools = DevicePools(PoolSettings(POOL_BYTES_A))

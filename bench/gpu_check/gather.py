@@ -29,7 +29,7 @@ def section_gather(report: Report, budget: Budget) -> None:
     pinned, as the executor process pins it (multi-process mode), and what pinning costs."""
     import torch
 
-    from batchgate.batcher.arena import SharedArena
+    from batchgate.server.ipc.arena import SharedArena
     from batchgate.batcher.metrics import BatcherMetrics
     from batchgate.batcher.model import ServedModel
     from batchgate.batcher.request import InferenceRequest

@@ -80,8 +80,8 @@ def ensure_structlog() -> str:
 def project_imports() -> dict[str, str]:
     """Which parts of the project import here: 'ok' or the error."""
     found = {}
-    for module in ("batchgate.batcher.model", "batchgate.server.model_config",
-                   "batchgate.server.app", "batchgate.clients"):
+    for module in ("batchgate.batcher.model", "batchgate.server.config.model_config",
+                   "batchgate.server.frontend.app", "batchgate.clients"):
         try:
             importlib.import_module(module)
             found[module] = "ok"

@@ -116,7 +116,7 @@ def gateway_load(report: Report, budget: Budget, settings: ThroughputSettings, r
                  nvml: NvmlSampler | None) -> None:
     from batchgate.bench.harness.server import start_in_thread
 
-    # The whole server (``batchgate.server.app.Gateway``) on a thread here: its models'
+    # The whole server (``batchgate.server.frontend.app.Gateway``) on a thread here: its models'
     # statistics and load reports are read directly, the load comes from other processes.
     running = start_in_thread(repository, timeout_s=max(budget.left(), 10), metrics_port=None,
                               gc_freeze=True)

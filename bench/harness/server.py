@@ -4,7 +4,7 @@
   mode "native" (the supervisor, an executor process and the native front end), "single"
   (one process, ``--frontend single``) or "auto" (the server's own choice: no mode flags); its
   JSON log lines are parsed on a thread.
-- ``start_in_thread(repository)``: ``batchgate.server.app.Gateway`` on a thread of this process, on its
+- ``start_in_thread(repository)``: ``batchgate.server.frontend.app.Gateway`` on a thread of this process, on its
   own event loop (settings overridable); what ``--frontend single`` runs, without a process.
 
 Both return a ``RunningServer``: its ports, ``address`` (``host:port``, what the SDK and
@@ -159,7 +159,7 @@ class RunningServer:
         self.metrics_port = metrics_port
         self.supervisor = supervisor
         self.check_exit = check_exit
-        self.gateway: Any = None  # thread only: batchgate.server.app.Gateway
+        self.gateway: Any = None  # thread only: batchgate.server.frontend.app.Gateway
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread: threading.Thread | None = None
         self.gate: Any = None  # what a test attaches to drive its models
@@ -276,10 +276,10 @@ def start_process(repository: Path, mode: str = "auto", *, extra_args: Sequence[
 
 def start_in_thread(repository: Path, *, timeout_s: float = START_TIMEOUT_S,
                     **settings: Any) -> RunningServer:
-    """``batchgate.server.app.Gateway`` of ``repository`` on a thread of this process, on loopback, port
-    0; ``settings``: further ``batchgate.server.app.Settings`` fields (``metrics_port=None``: none).
+    """``batchgate.server.frontend.app.Gateway`` of ``repository`` on a thread of this process, on loopback, port
+    0; ``settings``: further ``batchgate.server.frontend.app.Settings`` fields (``metrics_port=None``: none).
     Returns once it serves; what it raised while starting is raised here."""
-    from batchgate.server.app import Gateway, Settings
+    from batchgate.server.frontend.app import Gateway, Settings
 
     config = Settings(**{"host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0,
                          "model_repository": repository, "gc_freeze": False, **settings})

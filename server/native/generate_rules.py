@@ -1,7 +1,7 @@
 """Writes ``rules.h``, the native front end's copy of every rule the Python modules define once:
-the refusals' words (``server/messages.py``), the request limits' rules
-(``server/request_limits.py``), the datatypes (``protos/datatypes.py``), the token-guarded RPCs
-(``server/rpc_access.py``) and the shared metric families (``batcher/metric_families.py``).
+the refusals' words (``server/rules/messages.py``), the request limits' rules
+(``server/rules/request_limits.py``), the datatypes (``protos/datatypes.py``), the token-guarded RPCs
+(``server/rules/rpc_access.py``) and the shared metric families (``batcher/metric_families.py``).
 
 CMake runs it at build time (``python generate_rules.py OUT``); the header lives in the build
 folder and is never committed, so C++ cannot drift from Python. It imports only those
@@ -20,7 +20,9 @@ def _import():
     sys.path.insert(0, str(ROOT))  # a checkout: batchgate.<folder> is the folder
     from batchgate.batcher import metric_families
     from batchgate.protos import datatypes
-    from batchgate.server import messages, request_limits, rpc_access
+    from batchgate.server.rules import messages
+    from batchgate.server.rules import request_limits
+    from batchgate.server.rules import rpc_access
 
     return messages, request_limits, datatypes, rpc_access, metric_families
 
@@ -72,7 +74,7 @@ def generate() -> str:
         "",
         "namespace batchgate::rules {",
         "",
-        "// -- server/messages.py " + "-" * 70,
+        "// -- server/rules/messages.py " + "-" * 70,
         f"inline constexpr uint64_t kMaxMessageBytes = {messages.MAX_MESSAGE_BYTES};",
         f"inline constexpr int kShownDimensions = {messages.SHOWN_DIMENSIONS};",
     ]
@@ -80,7 +82,7 @@ def generate() -> str:
         out += _template(name, template)
 
     rules = request_limits.RULES
-    out += ["", "// -- server/request_limits.py " + "-" * 64,
+    out += ["", "// -- server/rules/request_limits.py " + "-" * 64,
             "enum class WireRule : int {",
             "  " + ", ".join(f"k{camel(rule.key)}" for rule in rules) + ",",
             "};",
@@ -113,7 +115,7 @@ def generate() -> str:
                    f"{cpp_string(field)}}},")
     out += ["};"]
 
-    out += ["", "// -- server/rpc_access.py " + "-" * 68,
+    out += ["", "// -- server/rules/rpc_access.py " + "-" * 68,
             f"inline constexpr char kTokenMetadataKey[] = {cpp_string(rpc_access.METADATA_KEY)};",
             "inline constexpr std::string_view kAdminMethods[] = {"]
     out += [f"    {cpp_string(m)}," for m in sorted(rpc_access.ADMIN_METHODS)]

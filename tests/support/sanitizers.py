@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from batchgate.server import native
+from batchgate.server.supervisor import native_binary as native
 
 SANITIZED = native.ROOT / "build" / "native-asan" / "batchgate-frontend"
 # A report stops the process (the supervisor would restart it: the test sees the report in the

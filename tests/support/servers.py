@@ -16,7 +16,7 @@ SERVER_MODES = ("single", "native")
 def native_or_skip() -> None:
     """Skip the test, saying why, when the native front end is not built; fail instead where
     it must be ($BATCHGATE_REQUIRE_NATIVE, which CI sets: a broken build must not pass)."""
-    from batchgate.server import native
+    from batchgate.server.supervisor import native_binary as native
 
     reason = native.unavailable_reason()
     if reason is None:

@@ -1,7 +1,7 @@
 """A real process on one end of the executor wire (``protos/wire.proto``), the test on the other.
 
 ``NativeFrontEnd`` starts the native front end's binary with the handover the supervisor would
-write (``server/supervisor.py``), connected to a ``FakeExecutor`` the test plays: it listens on
+write (``server/supervisor/supervisor.py``), connected to a ``FakeExecutor`` the test plays: it listens on
 the abstract socket, reads the front end's frames and writes what an executor would (or what
 no executor should). ``ExecutorProcess`` starts the real executor process, for tests that play
 a front end with ``FakeFrontEnd``. The test owns the arena in both cases, so it reads and writes
@@ -20,12 +20,14 @@ import threading
 import time
 from pathlib import Path
 
-from batchgate.batcher.arena import ArenaLayout, SharedArena
+from batchgate.server.ipc.arena import ArenaLayout, SharedArena
 from batchgate.protos import model_config_pb2, wire_pb2
-from batchgate.server import native, server_extensions, wire
-from batchgate.server.posix import hand_over, reserve_port
-from batchgate.server.settings import EXECUTOR, FRONTEND, Settings
-from batchgate.server.supervisor import frontend_handover
+from batchgate.server import server_extensions
+from batchgate.server.supervisor import native_binary as native
+from batchgate.server.ipc import wire
+from batchgate.server.supervisor.posix import hand_over, reserve_port
+from batchgate.server.config.settings import EXECUTOR, FRONTEND, Settings
+from batchgate.server.supervisor.supervisor import frontend_handover
 
 READ_TIMEOUT_S = 30.0
 

@@ -9,7 +9,7 @@
 namespace batchgate {
 namespace {
 
-// server/rpc_access.py's sets (rules.h).
+// server/rules/rpc_access.py's sets (rules.h).
 template <size_t N>
 bool IsIn(const std::string_view (&methods)[N], std::string_view method) {
   return std::find(std::begin(methods), std::end(methods), method) != std::end(methods);

@@ -1,4 +1,4 @@
-// Bearer tokens on the inference service, as server/auth.py checks them.
+// Bearer tokens on the inference service, as server/frontend/auth.py checks them.
 //
 // The admin token guards the RPCs that change or reveal what is served (RepositoryModelLoad,
 // RepositoryModelUnload, RepositoryIndex, LogSettings, TraceSetting) and the six shared-memory
@@ -20,7 +20,7 @@
 namespace batchgate {
 
 // The token of the first `authorization` entry: "" when that entry holds no bearer token,
-// nullopt when there is no such entry (server/auth.py bearer_token()).
+// nullopt when there is no such entry (server/frontend/auth.py bearer_token()).
 std::optional<std::string_view> BearerToken(
     const std::multimap<grpc::string_ref, grpc::string_ref>& metadata);
 

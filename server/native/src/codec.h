@@ -1,5 +1,5 @@
 // ModelInferRequest checked against a model's state, and ModelInferResponse built from a Result:
-// server/codec.py's decode_request() and encode_outputs(), for the native front end. The checks
+// server/frontend/codec.py's decode_request() and encode_outputs(), for the native front end. The checks
 // are request_checks.cc, writing the inputs into the arena input_writer.cc, the reply reply.cc.
 //
 // The checks, their order and their messages are decode_request()'s, so that the same mistake

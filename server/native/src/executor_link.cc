@@ -245,7 +245,7 @@ void AppendToGroup(const wire::Infer& infer, wire::InferGroup& group) {
 }
 
 grpc::StatusCode CodeOf(uint32_t number) {
-  // Numbers gRPC does not define are UNKNOWN (server/errors.py grpc_code()); so is 0, which no
+  // Numbers gRPC does not define are UNKNOWN (server/frontend/errors.py grpc_code()); so is 0, which no
   // failure can carry.
   return number >= 1 && number <= 16 ? static_cast<grpc::StatusCode>(number)
                                      : grpc::StatusCode::UNKNOWN;

@@ -312,7 +312,7 @@ bool Frontend::Start(std::string* error) {
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 1);
   builder.SetMaxReceiveMessageSize(static_cast<int>(h.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(h.max_message_bytes));
-  // Streams per connection, keepalive and connection age (server/connections.py); memory and
+  // Streams per connection, keepalive and connection age (server/rules/connections.py); memory and
   // threads for all connections together.
   for (const auto& [name, value] : h.grpc_arguments) builder.AddChannelArgument(name, value);
   grpc::ResourceQuota quota("batchgate-frontend");
@@ -454,7 +454,7 @@ void Frontend::NoteArrival() {
 }
 
 void Frontend::Drain() {
-  // server/app.py Gateway.stop(): NOT_SERVING first, new requests UNAVAILABLE, those in flight
+  // server/frontend/app.py Gateway.stop(): NOT_SERVING first, new requests UNAVAILABLE, those in flight
   // finish (bounded), then the server stops.
   using Clock = std::chrono::steady_clock;
   draining_.store(true, std::memory_order_release);

@@ -1,6 +1,6 @@
 // The front-end process as a whole: the gRPC server and its workers, the executor link, the
 // model table, the input region, the metrics endpoint, and the order they start and drain in
-// (server/app.py Gateway, server/frontend.py).
+// (server/frontend/app.py Gateway, server/frontend.py).
 #pragma once
 
 #include <grpcpp/server.h>
@@ -45,7 +45,7 @@ struct RpcInfo {
 };
 
 // Every method of the service served with raw payloads: each call's bytes reach our code
-// unparsed, so that the token check comes before parsing (server/auth.py never reads a refused
+// unparsed, so that the token check comes before parsing (server/frontend/auth.py never reads a refused
 // call's request), and a request that does not parse gets the one-process server's answer.
 class RawInferenceService final : public inference::GRPCInferenceService::Service {
  public:

@@ -1,5 +1,5 @@
 // What the supervisor tells the front end on its stdin: a FrontendHandover (protos/handover.proto,
-// written by server/supervisor.py frontend_handover()), as the request path reads it.
+// written by server/supervisor/supervisor.py frontend_handover()), as the request path reads it.
 #pragma once
 
 #include <cstdint>
@@ -28,7 +28,7 @@ struct Handover {
   // What a request's wire bytes may hold: each rule's bound (handed over) and refusal (its
   // words from rules.h, with the bound).
   WireLimits wire_limits;
-  // gRPC server arguments, each added to the builder as it is (server/connections.py).
+  // gRPC server arguments, each added to the builder as it is (server/rules/connections.py).
   std::vector<std::pair<std::string, int>> grpc_arguments;
   // The label requests for models the executor does not know count under (server/metrics.py).
   std::string unknown_model_label;
@@ -42,7 +42,7 @@ struct Handover {
   int grpc_max_threads = 0;       // and its threads
   int64_t max_stream_backlog_bytes = 0;
   // Requests at the executor plus replies not yet written past which a stream stops reading
-  // (server/connections.py STREAM_BACKLOG_MESSAGES).
+  // (server/rules/connections.py STREAM_BACKLOG_MESSAGES).
   int64_t max_stream_backlog_messages = 0;
   double drain_timeout_s = 0;
   bool reflection = true;

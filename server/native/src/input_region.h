@@ -1,6 +1,6 @@
 // This front end's input region of the shared arena, and the allocator of its blocks.
 //
-// The arena (batcher/arena.py) is one memfd mapping shared by every process: each front end
+// The arena (server/ipc/arena.py) is one memfd mapping shared by every process: each front end
 // writes request inputs into its own region, the executor reads them in place and says when it
 // is done (Result.released / ToFrontend.released). Only this process allocates here, so the
 // lock is for its own threads: the gRPC workers allocate, the executor link's reader frees.

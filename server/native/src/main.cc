@@ -1,6 +1,6 @@
 // batchgate-frontend: the native front end of `batchgate serve --frontend native`.
 //
-// Started by the supervisor (server/supervisor.py) with the handover, a serialized
+// Started by the supervisor (server/supervisor/supervisor.py) with the handover, a serialized
 // FrontendHandover (protos/handover.proto), on stdin. Reports `frontend_ready` on stderr once the executor has
 // welcomed it; drains and exits 0 on SIGTERM or SIGINT; exits 1, with one log line saying why,
 // when it cannot start.

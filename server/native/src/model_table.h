@@ -77,7 +77,7 @@ class ModelTable {
   std::shared_ptr<const ModelSnapshot> Current() const;
 
   // The READY model `name` (of `version`, when not empty), or the status ModelRepository.get()
-  // raises for it (server/repository.py), message not yet bounded.
+  // raises for it (server/executor/repository.py), message not yet bounded.
   static grpc::Status Lookup(const ModelSnapshot& snapshot, const std::string& name,
                              const std::string& version,
                              std::shared_ptr<const ModelState>* model);

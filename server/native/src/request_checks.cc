@@ -1,5 +1,5 @@
-// The request checks: server/codec.py's decode_request(), for the native front end (codec.h).
-// Every message is a template of server/messages.py, rendered by rules.h's functions.
+// The request checks: server/frontend/codec.py's decode_request(), for the native front end (codec.h).
+// Every message is a template of server/rules/messages.py, rendered by rules.h's functions.
 #include <cstring>
 
 #include "codec.h"

@@ -61,7 +61,7 @@ void StreamInferCall::Serve() {
   registered_ = true;
   const grpc::Status refusal = worker_.frontend().auth().Check(rpc_.index, context_);
   if (!refusal.ok()) {
-    // Refused without reading a message, as server/auth.py's refusal handlers are.
+    // Refused without reading a message, as server/frontend/auth.py's refusal handlers are.
     end_status_ = refusal;
     no_more_requests_ = true;
     MaybeFinish();

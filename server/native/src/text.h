@@ -38,7 +38,7 @@ std::string QuotedList(const Names& names) {
 }
 
 // A status message cut to at most 1024 bytes of UTF-8, at a character boundary, with
-// " ... (message cut)" appended when cut (server/errors.py bounded()).
+// " ... (message cut)" appended when cut (server/frontend/errors.py bounded()).
 std::string Bounded(std::string message);
 inline constexpr size_t kMaxMessageBytes = rules::kMaxMessageBytes;
 
@@ -46,7 +46,7 @@ inline constexpr size_t kMaxMessageBytes = rules::kMaxMessageBytes;
 std::string ShapeList(const google::protobuf::RepeatedField<int64_t>& shape);
 
 // A shape quoted in a message: the list for up to 8 dimensions, else the first 8 and a count
-// (server/codec.py _shape_text()).
+// (server/frontend/codec.py _shape_text()).
 std::string ShapeText(const google::protobuf::RepeatedField<int64_t>& shape);
 
 // Python's repr() of a float: the shortest text that reads back as `value`, in Python's choice

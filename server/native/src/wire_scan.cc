@@ -17,7 +17,7 @@ constexpr int kMaxDepth = 100;  // protobuf's recursion limit
 // What one value of InferTensorContents' numeric fields (1-7) takes parsed, by field number.
 constexpr uint64_t kParsedWidth[8] = {0, 1, 4, 8, 4, 8, 4, 8};
 // A run of unpacked values that mixes fields counts this many bytes parsed per byte sent
-// (server/request_scan.py _MIXED_RUN_FACTOR).
+// (server/frontend/request_scan.py _MIXED_RUN_FACTOR).
 constexpr uint64_t kMixedRunFactor = 4;
 
 // The tags of numeric values sent one field each, in one byte (request_scan.py _UNPACKED_TAGS).
@@ -171,7 +171,7 @@ class Scan {
   }
 
   // A run of numeric values sent one field each (single-byte tags, one after the other), as
-  // server/request_scan.py matches one: counted when it ends.
+  // server/frontend/request_scan.py matches one: counted when it ends.
   struct UnpackedRun {
     bool active = false;
     bool mixed = false;   // of more than one field

@@ -1,11 +1,11 @@
 // A ModelInferRequest's wire bytes counted against the request limits before it is parsed:
-// server/request_scan.py's scan_infer_request(), for the native front end.
+// server/frontend/request_scan.py's scan_infer_request(), for the native front end.
 //
 // Parsed, a repeated field costs far more than on the wire (an empty `outputs` entry: 2 bytes
 // sent, a heap object here), so a request is scanned first: the protobuf wire format walked
 // over the message's slices as gRPC received them, nothing allocated per field, every count
 // given up as soon as it passes its bound. The rules and their refusals' words come
-// from server/request_limits.py RULES (rules.h), their bounds from the handover.
+// from server/rules/request_limits.py RULES (rules.h), their bounds from the handover.
 #pragma once
 
 #include <cstddef>
@@ -17,7 +17,7 @@
 
 namespace batchgate {
 
-// server/request_limits.py RULES, in their order (rules.h).
+// server/rules/request_limits.py RULES, in their order (rules.h).
 using rules::kWireRules;
 using rules::WireRule;
 
@@ -48,7 +48,7 @@ struct ScanResult {
 };
 
 // Scans the ModelInferRequest made of `spans`, one after the other. What is malformed is what
-// server/request_scan.py says is: a varint or length cut short, a length past its message's
+// server/frontend/request_scan.py says is: a varint or length cut short, a length past its message's
 // end, field number 0, wire types 4 (outside a group), 6 and 7, a group that does not end as
 // it began, nesting past 100, a tag or length in more than five bytes.
 ScanResult ScanInferRequest(const std::vector<WireSpan>& spans, const WireLimits& limits);

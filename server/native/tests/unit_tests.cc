@@ -385,7 +385,7 @@ void TestDecode() {
                        "this server allows (--max-tensor-elements 1000)"));
 }
 
-// What the one-process server (server/codec.py) answers for the shared-memory cases of
+// What the one-process server (server/frontend/codec.py) answers for the shared-memory cases of
 // TestSharedMemoryDecode.
 #define SHM_RAW_COUNT_MESSAGE                                                                  \
   "model 'pair': 2 raw_input_contents for 1 inputs; send one raw buffer per input that is not " \
@@ -674,7 +674,7 @@ void TestPlacedOutputReply() {
 }
 
 // The handover (protos/handover.proto): settings.shared_memory and the rest read from it; the wire
-// limits' bounds from it, their refusals' words from rules.h (server/request_limits.py).
+// limits' bounds from it, their refusals' words from rules.h (server/rules/request_limits.py).
 batchgate::handover::FrontendHandover ValidHandover() {
   batchgate::handover::FrontendHandover in;
   in.set_arena_fd(3);

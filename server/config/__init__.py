@@ -1,0 +1,1 @@
+"""Settings and model configuration: every flag's one declaration, config.pbtxt and load parameters, and the generated reference tables."""
