@@ -32,7 +32,8 @@ from batchgate.batcher import gpu_env
 from batchgate.server.supervisor import native_binary as native
 from batchgate.server.logs import configure_logging
 from batchgate.server.supervisor.posix import schedule_request_path
-from batchgate.server.config.settings import RETIRED_FLAGS, TOKEN_ENV, Settings, check_devices
+from batchgate.server.config.settings import TOKEN_ENV, Settings, check_devices
+from batchgate.server.config.values import RETIRED_FLAGS
 from batchgate.server.supervisor.supervisor import Supervisor
 
 log = structlog.get_logger(__name__)

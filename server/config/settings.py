@@ -7,7 +7,7 @@ child what it acts on (``handover``) as JSON on its standard input; children —
 and the native front end — never parse flags of their own. So a setting that a process does
 not act on never reaches it, a setting the chosen mode does not act on at all is refused
 (``check_mode``), and a flag that is gone is refused naming what replaced it
-(``RETIRED_FLAGS``), never silently accepted.
+(``RETIRED_FLAGS``, in ``server/config/values.py`` with how a flag's text is parsed), never silently accepted.
 
 Importable without torch or grpc (the supervisor uses it). Tokens are values here, never paths
 or flags: the CLI reads them from a file or the environment so that they do not show in
@@ -20,9 +20,19 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+
+from batchgate.server.config.values import (
+    RETIRED_FRONTENDS,
+    cpu_list,
+    cpus_text,
+    frontend_mode,
+    optional_port,
+    optional_seconds,
+    setting,
+    usable_cpus,
+)
 
 DEFAULT_REPOSITORY = Path(__file__).resolve().parents[2] / "models"
 MIN_DEVICE_POOL_BYTES = 4096  # batchgate.batcher.memory.MIN_CAP_BYTES (no torch here)
@@ -53,89 +63,6 @@ EXECUTOR = "executor"
 ROLES = (SUPERVISOR, FRONTEND, EXECUTOR)
 
 
-def setting(default: Any = dataclasses.MISSING, *, help: str, roles: Iterable[str],
-            flag: str | None = "", parse: Callable[[str], Any] | None = None,
-            action: str | None = None, choices: Iterable[str] | None = None,
-            default_text: str | None = None, env: str | None = None,
-            repr: bool = True) -> Any:
-    """A ``Settings`` field: its ``help`` (one line, what it does, with units in its name),
-    the ``roles`` of the processes that act on it, and its command-line flag (``""``: from the
-    field's name; ``None``: none). ``parse`` turns the flag's text into the value; ``action``
-    is argparse's for a boolean switch; ``env`` names an environment variable that supplies
-    the default; ``default_text`` says the default in ``--help`` where the value would not."""
-    metadata = {"help": help, "roles": frozenset(roles), "flag": flag, "parse": parse,
-                "action": action, "choices": tuple(choices) if choices else None,
-                "default_text": default_text, "env": env}
-    factory = dataclasses.MISSING
-    if env is not None:
-        fallback = default
-
-        def factory() -> Any:
-            text = os.environ.get(env)
-            return fallback if text is None else (parse or str)(text)
-        default = dataclasses.MISSING
-    return dataclasses.field(default=default, default_factory=factory, metadata=metadata,
-                             repr=repr)
-
-
-def _optional_seconds(text: str) -> float | None:
-    """Seconds, or -1 (any negative value) for none."""
-    value = float(text)
-    return None if value < 0 else value
-
-
-def _optional_port(text: str) -> int | None:
-    value = int(text)
-    return None if value < 0 else value
-
-
-# Flags that served once and are gone, with what replaces them: the CLI refuses each with its
-# text, so that a deployment upgraded with its old command line fails at start, saying what to
-# pass, instead of serving in a mode nobody chose.
-RETIRED_FLAGS = {
-    "--frontends": (
-        "--frontends was removed with the Python front-end processes: more than one process "
-        "serves through the native front end (--frontend native; one process using every "
-        "core, --frontend-threads sizes it), and --frontend single replaces --frontends 0"),
-}
-RETIRED_FRONTENDS = {
-    "python": (
-        "--frontend python (Python front-end processes) was removed: use --frontend native "
-        "(the C++ front end, built by make native) or --frontend single (one Python process, "
-        "for debugging)"),
-}
-
-
-def _frontend_mode(text: str) -> str:
-    if text in RETIRED_FRONTENDS:
-        raise ValueError(f"{RETIRED_FRONTENDS[text]}, got --frontend {text}")
-    return text
-
-
-def cpu_list(text: str) -> tuple[int, ...]:
-    """A CPU list as ``taskset -c`` and ``/proc/<pid>/status`` write it ("1", "2-7,9"): the
-    CPUs, sorted, each once."""
-    cpus: set[int] = set()
-    try:
-        for part in text.split(","):
-            first, _, last = part.strip().partition("-")
-            low, high = int(first), int(last) if last else int(first)
-            if low < 0 or high < low:
-                raise ValueError
-            cpus.update(range(low, high + 1))
-    except ValueError:
-        raise ValueError(f"model_cpus must be a CPU list such as 1 or 2-7,9, got {text!r}"
-                         ) from None
-    return tuple(sorted(cpus))
-
-
-def usable_cpus() -> frozenset[int] | None:
-    """The CPUs this process may run on, where the system says (Linux)."""
-    if not hasattr(os, "sched_getaffinity"):
-        return None
-    return frozenset(os.sched_getaffinity(0))
-
-
 ALL = ROLES
 SERVING = (FRONTEND, EXECUTOR)
 
@@ -151,7 +78,7 @@ class Settings:
         8001, env="BATCHGATE_GRPC_PORT", parse=int, roles=(SUPERVISOR,),
         help="gRPC port, 0 for any free port", default_text="$BATCHGATE_GRPC_PORT, else 8001")
     metrics_port: int | None = setting(
-        8002, parse=_optional_port, roles=(SUPERVISOR,), default_text="8002",
+        8002, parse=optional_port, roles=(SUPERVISOR,), default_text="8002",
         help="Prometheus /metrics port, -1 to disable")
     max_message_bytes: int = setting(
         64 * 1024 * 1024, parse=int, roles=(FRONTEND,),
@@ -226,15 +153,15 @@ class Settings:
         help="pings too soon after another that a connection may send before it is closed "
              "(GOAWAY too_many_pings); 0: any number")
     grpc_max_connection_idle_s: float | None = setting(
-        3600.0, parse=_optional_seconds, roles=(FRONTEND,),
+        3600.0, parse=optional_seconds, roles=(FRONTEND,),
         help="seconds a connection with no call open is kept before the server closes it "
              "gracefully (GOAWAY); -1: kept")
     grpc_max_connection_age_s: float | None = setting(
-        1800.0, parse=_optional_seconds, roles=(FRONTEND,),
+        1800.0, parse=optional_seconds, roles=(FRONTEND,),
         help="seconds after which a connection is told to go (GOAWAY, so clients reconnect "
              "and spread over replicas); its open calls go on; -1: never")
     grpc_max_connection_age_grace_s: float | None = setting(
-        None, parse=_optional_seconds, roles=(FRONTEND,), default_text="-1",
+        None, parse=optional_seconds, roles=(FRONTEND,), default_text="-1",
         help="seconds the calls of a connection told to go may still take before it is "
              "closed; -1: until they end (long streams are not cut)")
     max_stream_backlog_bytes: int = setting(
@@ -293,7 +220,7 @@ class Settings:
 
     # -- processes -----------------------------------------------------------------------------
     frontend: str = setting(
-        "auto", parse=_frontend_mode, choices=FRONTENDS, roles=(SUPERVISOR,),
+        "auto", parse=frontend_mode, choices=FRONTENDS, roles=(SUPERVISOR,),
         help="the gRPC edge: native (the C++ front end, one process using every core, over an "
              "executor process), single (one Python process, for debugging or where the native "
              "one cannot be built), or auto: native where it is built, else single with a warning")
@@ -566,17 +493,6 @@ def check_devices(settings: Settings) -> None:
 def fields_for(role: str) -> list[str]:
     """The names of the settings a ``role`` process acts on."""
     return [f.name for f in dataclasses.fields(Settings) if role in f.metadata["roles"]]
-
-
-def cpus_text(cpus: Iterable[int]) -> str:
-    """CPUs as a list in ranges ("0-3,6"), the way ``cpu_list`` reads them."""
-    ranges: list[list[int]] = []
-    for cpu in sorted(cpus):
-        if ranges and cpu == ranges[-1][1] + 1:
-            ranges[-1][1] = cpu
-        else:
-            ranges.append([cpu, cpu])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
 
 
 def _check_token(name: str, token: str | None) -> None:

@@ -9,10 +9,10 @@ restarted, binds the same one (SO_REUSEPORT), starts the executor and waits for 
 each line to the supervisor's stderr as it comes, so the server's log stays one stream
 (``server/supervisor/child_logs.py``).
 
-Each child gets what it needs as one JSON object on its standard input (``handover``): its
-place (role, arena slot, sockets, the reserved port; an executor, the pid of the front end
-alive, whose reads of the arena it must let end) and the settings it acts on, resolved
-here once (``Settings.handover``). No child parses flags, and none is handed a setting it does
+Each child gets what it needs on its standard input (``server/supervisor/handover.py``): its
+place (arena, sockets, the reserved port; an executor, the pid of the front end alive, whose
+reads of the arena it must let end) and the settings it acts on, resolved here once
+(``Settings.handover``). No child parses flags, and none is handed a setting it does
 not act on. Bearer tokens travel only to the front end, this way: never on a command line, which
 ``ps`` shows to every user, nor in an environment another process could inherit.
 
@@ -31,9 +31,7 @@ which is why one supervisor thread spawns every child and outlives them all
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
 import os
 import queue
 import secrets
@@ -43,22 +41,18 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, BinaryIO
 
 import structlog
 
 from batchgate.server.ipc.arena import ArenaLayout, SharedArena
-from batchgate.batcher.metrics import SECONDS_BUCKETS
-from batchgate.protos import handover_pb2
-from batchgate.server import __version__, server_extensions
-from batchgate.server.rules import connections
+from batchgate.server import server_extensions
 from batchgate.server.supervisor import native_binary as native
-from batchgate.server.rules import request_limits
 from batchgate.server.supervisor.child_logs import ChildLogs
+from batchgate.server.supervisor.children import Child, ChildInfo, RestartPolicy
+from batchgate.server.supervisor.handover import executor_handover, frontend_handover
 from batchgate.server.frontend.drain import GOAWAY_PROPAGATION_S, LAST_ANSWERS_S
-from batchgate.server.metrics import UNKNOWN_MODEL_LABEL
 from batchgate.server.supervisor.multiproc_metrics import MultiProcessMetrics
 from batchgate.server.supervisor.posix import describe_exit, die_with_parent, exit_fields, hand_over, reserve_port
 from batchgate.server.config.settings import EXECUTOR, FRONTEND, TOKEN_ENV
@@ -82,103 +76,8 @@ FRONTEND_SHUTDOWN_S = GOAWAY_PROPAGATION_S + LAST_ANSWERS_S
 
 
 
-def frontend_handover(settings: Settings, values: dict, *, slot: int, arena_fd: int,
-                      arena_bytes: int, input_region: tuple[int, int],
-                      executor_socket: str, metrics_socket: str, grpc_port: int,
-                      extensions: Iterable[str]) -> handover_pb2.FrontendHandover:
-    """What a native front end is handed (``protos/handover.proto``, which
-    ``server/native/src/handover.cc`` reads): ``values``, the settings it acts on
-    (``Settings.handover``), and what it is to serve with. The one place it is built, for the
-    supervisor and the tests' own front ends."""
-    offset, size = input_region
-    handover = handover_pb2.FrontendHandover(
-        slot=slot, arena_fd=arena_fd, arena_bytes=arena_bytes, input_region_offset=offset,
-        input_region_bytes=size, executor_socket=executor_socket, metrics_socket=metrics_socket,
-        grpc_port=grpc_port, version=__version__, extensions=list(extensions),
-        seconds_buckets=list(SECONDS_BUCKETS), wire_limits=request_limits.bounds_of(settings),
-        grpc_arguments=[handover_pb2.GrpcArgument(name=name, value=value)
-                        for name, value in connections.server_arguments(settings)],
-        unknown_model_label=UNKNOWN_MODEL_LABEL,
-        max_stream_backlog_messages=connections.STREAM_BACKLOG_MESSAGES)
-    # By name: every field of FrontendSettings is a setting of the front end's role.
-    for field in handover.settings.DESCRIPTOR.fields:
-        value = values[field.name]
-        if value is None:
-            continue
-        if field.label == field.LABEL_REPEATED:
-            getattr(handover.settings, field.name).extend(value)
-        else:
-            setattr(handover.settings, field.name, value)
-    return handover
-
-
 class SupervisorError(RuntimeError):
     """The server could not start: a child failed before it was ready."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RestartPolicy:
-    """When a child that exited is started again, and when the supervisor stops trying."""
-
-    backoff_s: float = 0.5
-    """Delay before the first restart; it doubles with each crash inside ``window_s``."""
-    max_backoff_s: float = 10.0
-    """Longest delay before a restart."""
-    max_crashes: int = 5
-    """One child exiting this many times within ``window_s`` makes the supervisor give up."""
-    window_s: float = 60.0
-    """The window, in seconds, in which crashes are counted."""
-
-    def __post_init__(self) -> None:
-        if self.backoff_s < 0:
-            raise ValueError(f"backoff_s must be >= 0, got {self.backoff_s}")
-        if self.max_backoff_s < self.backoff_s:
-            raise ValueError(f"max_backoff_s must be >= backoff_s, got {self.max_backoff_s}")
-        if self.max_crashes < 1:
-            raise ValueError(f"max_crashes must be >= 1, got {self.max_crashes}")
-        if self.window_s <= 0:
-            raise ValueError(f"window_s must be > 0, got {self.window_s}")
-
-    def delay_s(self, recent_crashes: int) -> float:
-        return min(self.max_backoff_s, self.backoff_s * 2 ** max(0, recent_crashes - 1))
-
-
-@dataclasses.dataclass(frozen=True)
-class ChildInfo:
-    """A snapshot of one child: ``pid`` is None while it waits to be restarted."""
-
-    role: str  # "executor" or "frontend"
-    slot: int | None  # the front end's arena slot; None for the executor
-    pid: int | None
-    ready: bool
-    starts: int
-
-
-class _Child:
-    """One child's place: its command line and handover, and the process currently filling it.
-    ``handover()`` makes the handover at each start: a front end's carries what the executor
-    that is ready then said of itself."""
-
-    def __init__(self, role: str, slot: int | None, argv: list[str],
-                 handover: Callable[[], bytes]) -> None:
-        self.role = role
-        self.slot = slot
-        self.argv = argv
-        self.handover = handover
-        self.proc: subprocess.Popen | None = None
-        self.ready = False
-        self.starts = 0
-        self.ready_deadline: float | None = None
-        self.restart_at: float | None = None
-        self.crashes: deque[float] = deque()
-
-    @property
-    def name(self) -> str:
-        return self.role if self.slot is None else f"{self.role} {self.slot}"
-
-    def fields(self, proc: subprocess.Popen | None = None) -> dict:
-        proc = proc or self.proc
-        return {"role": self.role, "slot": self.slot, "pid": proc.pid if proc else None}
 
 
 class _StartupFailed(Exception):
@@ -232,7 +131,7 @@ class Supervisor:
         self.exit_code: int | None = None
 
         self._events: queue.SimpleQueue = queue.SimpleQueue()
-        self._children: list[_Child] = []
+        self._children: list[Child] = []
         self._restarts = {"executor": 0, "frontend": 0}
         self._phase = "idle"
         self._stop_requested = False
@@ -274,9 +173,9 @@ class Supervisor:
         # Tokens reach the front end in its handover only.
         self._env = {k: v for k, v in {**os.environ, **self._metrics.child_env()}.items()
                      if k not in TOKEN_ENV.values()}
-        self._children = [_Child("executor", None, self.executor_command,
+        self._children = [Child("executor", None, self.executor_command,
                                  self._handover_of_executor)]
-        self._children.append(_Child("frontend", FRONTEND_SLOT, self.frontend_command,
+        self._children.append(Child("frontend", FRONTEND_SLOT, self.frontend_command,
                                      functools.partial(self._handover_of_frontend, FRONTEND_SLOT)))
         self._thread = threading.Thread(target=self._supervise, name="batchgate-supervisor",
                                         daemon=True)
@@ -447,7 +346,7 @@ class Supervisor:
                 )
             self._crashed(child)
 
-    def _crashed(self, child: _Child) -> None:
+    def _crashed(self, child: Child) -> None:
         now = time.monotonic()
         child.crashes.append(now)
         while child.crashes and child.crashes[0] <= now - self.policy.window_s:
@@ -477,7 +376,7 @@ class Supervisor:
             grace_s = max(deadline - time.monotonic(), min(timeout_s, EXECUTOR_MIN_GRACE_S))
             self._terminate([executor], time.monotonic() + grace_s)
 
-    def _terminate(self, children: list[_Child], deadline: float) -> None:
+    def _terminate(self, children: list[Child], deadline: float) -> None:
         """SIGTERM ``children``, wait for them until ``deadline``, SIGKILL the rest."""
         for child in children:
             child.proc.send_signal(signal.SIGTERM)
@@ -488,7 +387,7 @@ class Supervisor:
                 child.proc.kill()
         self._wait_for_exits(children, None)
 
-    def _wait_for_exits(self, children: list[_Child], deadline: float | None) -> None:
+    def _wait_for_exits(self, children: list[Child], deadline: float | None) -> None:
         while any(c.proc is not None for c in children):
             timeout = None if deadline is None else deadline - time.monotonic()
             if timeout is not None and timeout <= 0:
@@ -526,10 +425,9 @@ class Supervisor:
         # (wire.proto's Restarts).
         frontend_pids = {str(c.slot): c.proc.pid for c in self._children[1:]
                          if c.proc is not None and c.proc.poll() is None}
-        return _json({
-            "role": EXECUTOR, **self._arena_fields(), "socket": self.socket_name,
-            "frontend_pids": frontend_pids, "settings": self._settings_for(EXECUTOR),
-        })
+        return executor_handover(arena_fd=self._arena.fd, arena_bytes=self.arena_bytes,
+                                 socket=self.socket_name, frontend_pids=frontend_pids,
+                                 settings=self._settings_for(EXECUTOR))
 
     def _handover_of_frontend(self, slot: int) -> bytes:
         offset, size = ArenaLayout(self.arena_bytes, 1).input_region(slot)
@@ -547,13 +445,10 @@ class Supervisor:
         values["log_level"] = self._logs.child_log_level
         return values
 
-    def _arena_fields(self) -> dict:
-        return {"arena_fd": self._arena.fd, "arena_bytes": self.arena_bytes, "slots": 1}
-
     def _metrics_socket(self, slot: int) -> str:
         return f"{self.socket_name}-metrics-{slot}"
 
-    def _spawn(self, child: _Child) -> None:
+    def _spawn(self, child: Child) -> None:
         try:
             proc = subprocess.Popen(
                 child.argv, stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=self._env,
@@ -582,15 +477,13 @@ class Supervisor:
         threading.Thread(target=self._reap, args=(child, proc, reader), daemon=True,
                          name=f"batchgate-wait-{proc.pid}").start()
 
-    def _read(self, child: _Child, proc: subprocess.Popen) -> None:
+    def _read(self, child: Child, proc: subprocess.Popen) -> None:
         self._logs.read(proc.stderr, f"{child.role}_ready",
                         lambda event: self._events.put(("ready", child, proc, event)))
 
-    def _reap(self, child: _Child, proc: subprocess.Popen, reader: threading.Thread) -> None:
+    def _reap(self, child: Child, proc: subprocess.Popen, reader: threading.Thread) -> None:
         returncode = proc.wait()
         reader.join(LAST_LINES_S)
         self._events.put(("exit", child, proc, returncode))
 
 
-def _json(value: dict) -> bytes:
-    return json.dumps(value).encode()

@@ -27,7 +27,7 @@ from batchgate.server.supervisor import native_binary as native
 from batchgate.server.ipc import wire
 from batchgate.server.supervisor.posix import hand_over, reserve_port
 from batchgate.server.config.settings import EXECUTOR, FRONTEND, Settings
-from batchgate.server.supervisor.supervisor import frontend_handover
+from batchgate.server.supervisor.handover import frontend_handover
 
 READ_TIMEOUT_S = 30.0
 
