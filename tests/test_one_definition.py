@@ -103,6 +103,28 @@ def test_every_rules_words_are_written_once(literals):
     assert not copies, "written again outside its definition:\n" + "\n".join(copies)
 
 
+# A C++ literal this long with a space in it is prose a person reads (a message, a log line's
+# words), not a name or a key: if Python writes the same words, one of them is a second copy.
+_PROSE_CHARS = 20
+
+
+def _prose(literal: str) -> list[str]:
+    return [piece.strip() for piece in literal.split("%s")
+            if len(piece.strip()) >= _PROSE_CHARS and " " in piece.strip()]
+
+
+def test_no_prose_is_written_in_both_languages(literals):
+    python = [literal for path, found in literals.items() if path.suffix == ".py"
+              for literal in found]
+    python += [literal for path in sorted(DEFINITIONS) for literal in _python_literals(path)]
+    copies = sorted({f"{path.relative_to(ROOT)}: {piece!r}"
+                     for path, found in literals.items() if path.suffix in (".cc", ".h")
+                     for literal in found for piece in _prose(literal)
+                     if any(piece in other for other in python)})
+    assert not copies, ("written in C++ and in Python (define it once in "
+                        "server/rules/messages.py):\n" + "\n".join(copies))
+
+
 def test_the_check_is_not_blind(literals):
     # Each kind of source is read: a Python message and a C++ message of the front ends'
     # own (not rules) are found, split over lines as they are.

@@ -33,6 +33,7 @@ from batchgate.server.config.values import (
     setting,
     usable_cpus,
 )
+from batchgate.server.rules import messages
 
 DEFAULT_REPOSITORY = Path(__file__).resolve().parents[2] / "models"
 MIN_DEVICE_POOL_BYTES = 4096  # batchgate.batcher.memory.MIN_CAP_BYTES (no torch here)
@@ -387,7 +388,7 @@ class Settings:
                 + ("tls_cert" if self.tls_key is None else "tls_key")
             )
         if self.tls_client_ca is not None and self.tls_cert is None:
-            raise ValueError("tls_client_ca needs tls_cert and tls_key, got neither")
+            raise ValueError(f"tls_client_ca {messages.TLS_CLIENT_CA_NEEDS()}, got neither")
 
     # -- derived -------------------------------------------------------------------------------
 

@@ -58,6 +58,7 @@ from batchgate.batcher.spec import ModelSpec
 from batchgate.protos import model_config_pb2
 from batchgate.server.config import model_config
 from batchgate.server.config import model_spec
+from batchgate.server.rules import messages
 from batchgate.server.executor.warmup import warmup_inputs
 from batchgate.server.executor.load_override import MAX_NAME_BYTES, LoadOverride, as_sent, write_files
 
@@ -189,16 +190,15 @@ class ModelRepository:
         if slot is None:
             model_dir = self._root / name
             if self._is_plain_name(name) and self._has_config(model_dir):
-                raise ModelUnavailable(f"model {quoted(name)} is not available: not loaded")
-            raise ModelNotFound(f"unknown model {quoted(name)}")
+                raise ModelUnavailable(messages.MODEL_NOT_AVAILABLE(model=quoted(name),
+                                                                     reason="not loaded"))
+            raise ModelNotFound(messages.MODEL_UNKNOWN(model=quoted(name)))
         loaded = slot.loaded
         if slot.state != READY or loaded is None:
             raise ModelUnavailable(self._unavailable_message(slot))
         if version and version != loaded.version:
-            raise ModelNotFound(
-                f"model {quoted(name)} has no version {quoted(version)} being served "
-                f"(serving version {loaded.version})"
-            )
+            raise ModelNotFound(messages.MODEL_NO_VERSION(
+                model=quoted(name), version=quoted(version), serving=loaded.version))
         return loaded
 
     @staticmethod
@@ -207,7 +207,7 @@ class ModelRepository:
             return f"model {quoted(slot.name)} is loading; retry when it is ready"
         if slot.state == UNLOADING:
             return f"model {quoted(slot.name)} is unloading and takes no new requests"
-        return f"model {quoted(slot.name)} is not available: {slot.reason}"
+        return messages.MODEL_NOT_AVAILABLE(model=quoted(slot.name), reason=slot.reason)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -237,14 +237,13 @@ class ModelRepository:
         elif override.config is not None:
             if not self._is_folder(model_dir):
                 raise ModelNotFound(
-                    f"unknown model {quoted(name)}: no folder of that name in the model "
-                    "repository (a load whose config replaces its config.pbtxt reads the rest "
-                    "of the folder)")
+                    f"{messages.MODEL_UNKNOWN(model=quoted(name))}: no folder of that name in "
+                    "the model repository (a load whose config replaces its config.pbtxt reads "
+                    "the rest of the folder)")
         elif not self._has_config(model_dir):
             raise ModelNotFound(
-                f"unknown model {quoted(name)}: no {model_config.CONFIG_FILENAME} in its folder "
-                "of the model repository"
-            )
+                f"{messages.MODEL_UNKNOWN(model=quoted(name))}: no "
+                f"{model_config.CONFIG_FILENAME} in its folder of the model repository")
         slot = self._slot(name)
         async with slot.lock:
             previous = slot.loaded if slot.state == READY else None
@@ -293,7 +292,7 @@ class ModelRepository:
         slot = self._slots.get(name)
         if slot is None:
             if not self._is_folder(model_dir):
-                raise ModelNotFound(f"unknown model {quoted(name)}")
+                raise ModelNotFound(messages.MODEL_UNKNOWN(model=quoted(name)))
             return  # never loaded: nothing to do
         async with slot.lock:
             loaded = slot.loaded

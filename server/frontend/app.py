@@ -36,6 +36,7 @@ from batchgate.server.frontend.request_scan import WireLimits
 from batchgate.server.frontend.service import SHUTTING_DOWN_MESSAGE, InferenceService
 from batchgate.server.executor.shared_memory import SharedMemoryRegistry
 from batchgate.server.config.settings import DEFAULT_REPOSITORY, Settings  # noqa: F401 (re-exported)
+from batchgate.server.rules import messages
 
 log = structlog.get_logger(__name__)
 
@@ -147,7 +148,7 @@ class Gateway:
         address = f"{s.host}:{s.grpc_port}" if ":" not in s.host else f"[{s.host}]:{s.grpc_port}"
         self.grpc_port = tls.bind(server, address, s)
         if self.grpc_port == 0:
-            raise OSError(f"could not bind the gRPC port {address}")
+            raise OSError(messages.BIND_FAILED(address=address))
         self._server = server
         await self.health.set("", NOT_SERVING)
         await self.health.set(SERVICE_NAME, NOT_SERVING)

@@ -38,6 +38,7 @@ from batchgate.server.frontend.codec import (
 from batchgate.server.executor.control import ControlPlane
 from batchgate.server.frontend.drain import DrainGate
 from batchgate.server.frontend.errors import status_of
+from batchgate.server.rules import messages
 from batchgate.server.rules.connections import STREAM_BACKLOG_MESSAGES
 from batchgate.server.metrics import UNKNOWN_MODEL_LABEL, ServerMetrics
 from batchgate.server.frontend.request_scan import (
@@ -56,7 +57,7 @@ log = structlog.get_logger(__name__)
 MAX_LABELLED_COUNTERS = 4096
 
 _END_OF_STREAM = object()
-SHUTTING_DOWN_MESSAGE = "the server is shutting down; retry on another replica"
+SHUTTING_DOWN_MESSAGE = messages.SHUTTING_DOWN()
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 # Their requests reach the handlers as bytes, scanned against the wire limits before parsing.
 UNPARSED_REQUESTS = frozenset({"ModelInfer", "ModelStreamInfer"})
@@ -383,12 +384,12 @@ class InferenceService(inference_pb2_grpc.GRPCInferenceServiceServicer):
     # -- not provided ------------------------------------------------------------------------
 
     async def TraceSetting(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "tracing is not supported by this server")
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, messages.TRACING_UNSUPPORTED())
 
     async def LogSettings(self, request, context):
         await context.abort(
             grpc.StatusCode.UNIMPLEMENTED,
-            "log settings are fixed at start-up (--log-level, --log-format)",
+            messages.LOG_SETTINGS_FIXED(),
         )
 
     # -- helpers -----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 
 from batchgate.server.config.settings import Settings
+from batchgate.server.rules import messages
 
 
 def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
@@ -38,8 +39,4 @@ def bind(server: grpc.aio.Server, address: str, settings: Settings) -> int:
     try:
         return server.add_secure_port(address, credentials)
     except RuntimeError as exc:
-        raise OSError(
-            f"could not serve TLS on {address}: {exc} If the port is free, the certificate "
-            "or key is the cause (--tls-cert, --tls-key: a certificate chain and its own "
-            "private key, PEM); gRPC's log lines above say which"
-        ) from exc
+        raise OSError(messages.TLS_BIND_FAILED(address=address, detail=f" ({exc})")) from exc

@@ -147,6 +147,34 @@ REPLY_TOO_LARGE = Template(
     "model '{model}': the reply would take {size} bytes, more than this server sends "
     "(--max-message-bytes {most})")
 
+# -- the model a request names (server/executor/repository.py, model_table.cc) -------------------
+
+# ``model`` and ``version`` quoted by the caller (``quoted``, ``Quoted``): a client's name may
+# hold anything.
+MODEL_UNKNOWN = Template("unknown model {model}")
+MODEL_NOT_AVAILABLE = Template("model {model} is not available: {reason}")
+MODEL_NO_VERSION = Template(
+    "model {model} has no version {version} being served (serving version {serving})")
+
+# -- the server's own state and the RPCs it does not serve ----------------------------------------
+
+SHUTTING_DOWN = Template("the server is shutting down; retry on another replica")
+TRACING_UNSUPPORTED = Template("tracing is not supported by this server")
+LOG_SETTINGS_FIXED = Template("log settings are fixed at start-up (--log-level, --log-format)")
+
+# -- starting to serve (server/frontend/app.py, tls.py, server/supervisor/posix.py; frontend.cc,
+# main.cc, handover.cc) ---------------------------------------------------------------------------
+
+BIND_FAILED = Template("could not bind the gRPC port {address}")
+# ``detail``: what gRPC said, where it says it (" (...)"), else "".
+TLS_BIND_FAILED = Template(
+    "could not serve TLS on {address}: if the port is free, the certificate or key is the cause "
+    "(--tls-cert, --tls-key: a certificate chain and its own private key, PEM); gRPC's log "
+    "lines above say which{detail}")
+TLS_CLIENT_CA_NEEDS = Template("needs tls_cert and tls_key")
+SCHEDULING_NOT_APPLIED_EFFECT = Template("the request path may preempt model threads under load")
+CPUS_NOT_APPLIED_EFFECT = Template("model threads and the request path share every CPU")
+
 # -- bearer tokens (server/frontend/auth.py) --------------------------------------------------------------
 
 TOKEN_MISSING = Template(

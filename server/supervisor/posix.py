@@ -17,6 +17,7 @@ from collections.abc import Callable
 import structlog
 
 from batchgate.batcher import scheduling
+from batchgate.server.rules import messages
 
 log = structlog.get_logger(__name__)
 
@@ -92,9 +93,9 @@ def schedule_request_path(policy: str, model_cpus=None) -> None:
     why = scheduling.request_path(policy)
     if why is not None:
         log.warning("request_scheduling_not_applied", policy=policy, reason=why,
-                    effect="the request path may preempt model threads under load")
+                    effect=messages.SCHEDULING_NOT_APPLIED_EFFECT())
     why = scheduling.split_cpus(model_cpus)
     if why is not None:
         log.warning("model_cpus_not_applied", model_cpus=list(model_cpus), reason=why,
-                    effect="model threads and the request path share every CPU")
+                    effect=messages.CPUS_NOT_APPLIED_EFFECT())
 

@@ -232,11 +232,9 @@ void UnaryCall::Handle() {
           google::protobuf::MessageFactory::generated_factory()->GetPrototype(descriptor)->New());
       if (!ParseRequest(&request_, request.get(), rpc_, &error)) return Fail(error);
       if (rpc_.rpc == Rpc::kTraceSetting) {
-        return Fail(grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                                 "tracing is not supported by this server"));
+        return Fail(grpc::Status(grpc::StatusCode::UNIMPLEMENTED, rules::kTracingUnsupported));
       }
-      return Fail(grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                               "log settings are fixed at start-up (--log-level, --log-format)"));
+      return Fail(grpc::Status(grpc::StatusCode::UNIMPLEMENTED, rules::kLogSettingsFixed));
     }
     case Rpc::kModelInfer:
     case Rpc::kModelStreamInfer:

@@ -23,6 +23,7 @@
 
 #include "grpc_health/v1/health.pb.h"
 #include "log.h"
+#include "rules.h"
 #include "text.h"
 #include "worker.h"
 
@@ -30,7 +31,6 @@ namespace batchgate {
 namespace {
 
 const char* const kServiceName = "inference.GRPCInferenceService";
-const char* const kShuttingDown = "the server is shutting down; retry on another replica";
 // The id a request carries to the executor, for its log lines; the reply echoes the whole one.
 constexpr size_t kMaxForwardedIdBytes = 1024;
 // The drain's parking of new calls before the shutdown (Frontend::Drain): no arrival for this
@@ -236,7 +236,7 @@ void Frontend::KeepOffModelCpus() {
   if (!why.empty()) {
     Log(LogLevel::kWarning, "model_cpus_not_applied",
         {LogField("reason", why),
-         LogField("effect", std::string("model threads and the request path share every CPU"))});
+         LogField("effect", std::string(rules::kCpusNotAppliedEffect))});
   }
 }
 
@@ -332,11 +332,7 @@ bool Frontend::Start(std::string* error) {
   for (int i = 0; i < threads; ++i) queues.push_back(builder.AddCompletionQueue());
   server_ = builder.BuildAndStart();
   if (!server_ || grpc_port_ == 0) {
-    *error = h.tls_cert ? "could not serve TLS on " + address +
-                              ": if the port is free, the certificate or key is the cause "
-                              "(tls_cert, tls_key: a certificate chain and its own private key, "
-                              "PEM); gRPC's log lines above say which"
-                        : "could not bind the gRPC port " + address;
+    *error = h.tls_cert ? rules::TlsBindFailed(address, "") : rules::BindFailed(address);
     server_.reset();
     return false;
   }
@@ -375,7 +371,7 @@ void Frontend::OnModelChange(const std::string& name, bool serving) { SetHealth(
 
 grpc::Status Frontend::StartInfer(const inference::ModelInferRequest& request, int64_t deadline_ns,
                                   AnswerTarget* target, InferTicket* ticket) {
-  if (draining()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, kShuttingDown);
+  if (draining()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, rules::kShuttingDown);
   std::shared_ptr<const ModelState> model;
   grpc::Status status =
       ModelTable::Lookup(*models_.Current(), request.model_name(), request.model_version(), &model);

@@ -132,7 +132,7 @@ bool ParseHandover(const std::string& bytes, Handover* out, std::string* error) 
     p.Fail(out->tls_cert ? "settings.tls_key" : "settings.tls_cert",
            "must be set with the other of tls_cert/tls_key");
   }
-  if (out->tls_client_ca && !out->tls_cert) p.Fail("settings.tls_client_ca", "needs tls_cert and tls_key");
+  if (out->tls_client_ca && !out->tls_cert) p.Fail("settings.tls_client_ca", rules::kTlsClientCaNeeds);
   if (!p.ok()) {
     *error = p.error();
     return false;

@@ -3,6 +3,7 @@
 #include "calls.h"
 #include "codec.h"
 #include "frontend.h"
+#include "rules.h"
 
 namespace batchgate {
 namespace {
@@ -169,8 +170,7 @@ void HealthWatchCall::Refresh() {
       grpc::health::v1::HealthCheckResponse::SERVICE_UNKNOWN);
   if (sent_ == status) {
     if (ending_) {
-      Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                          "the server is shutting down; retry on another replica"));
+      Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, rules::kShuttingDown));
     }
     return;
   }

@@ -24,6 +24,7 @@
 #include "frontend.h"
 #include "handover.h"
 #include "log.h"
+#include "rules.h"
 
 namespace {
 
@@ -109,7 +110,7 @@ int main() {
       batchgate::Log(batchgate::LogLevel::kWarning, "request_scheduling_not_applied",
                      {batchgate::LogField("policy", std::string("batch")),
                       batchgate::LogField("reason", std::string("sched_setscheduler: ") + std::strerror(errno)),
-                      batchgate::LogField("effect", std::string("the request path may preempt model threads under load"))});
+                      batchgate::LogField("effect", std::string(batchgate::rules::kSchedulingNotAppliedEffect))});
     }
   }
 

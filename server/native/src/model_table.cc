@@ -1,6 +1,7 @@
 #include "model_table.h"
 
 #include "protos/inference.pb.h"
+#include "rules.h"
 #include "text.h"
 
 namespace batchgate {
@@ -108,18 +109,17 @@ grpc::Status ModelTable::Lookup(const ModelSnapshot& snapshot, const std::string
       return grpc::Status(grpc::StatusCode::UNAVAILABLE,
                           "the executor process is not connected; retry");
     }
-    return grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown model " + Quoted(name));
+    return grpc::Status(grpc::StatusCode::NOT_FOUND, rules::ModelUnknown(Quoted(name)));
   }
   const ModelState& state = *it->second;
   if (!state.ready) {
     return grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                        "model " + Quoted(name) + " is not available: " +
-                            (state.reason.empty() ? state.state : state.reason));
+                        rules::ModelNotAvailable(Quoted(name),
+                                                 state.reason.empty() ? state.state : state.reason));
   }
   if (!version.empty() && version != state.version) {
     return grpc::Status(grpc::StatusCode::NOT_FOUND,
-                        "model " + Quoted(name) + " has no version " + Quoted(version) +
-                            " being served (serving version " + state.version + ")");
+                        rules::ModelNoVersion(Quoted(name), Quoted(version), state.version));
   }
   *model = it->second;
   return grpc::Status::OK;

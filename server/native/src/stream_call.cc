@@ -6,6 +6,7 @@
 #include "codec.h"
 #include "log.h"
 #include "metrics.h"
+#include "rules.h"
 
 namespace batchgate {
 namespace {
@@ -219,8 +220,7 @@ void StreamInferCall::Abandon() {
 void StreamInferCall::EndForDrain() {
   if (finished_called_ || abandoned_) return;
   if (!client_half_closed_) {
-    end_status_ = grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                               "the server is shutting down; retry on another replica");
+    end_status_ = grpc::Status(grpc::StatusCode::UNAVAILABLE, rules::kShuttingDown);
   }
   no_more_requests_ = true;
   read_paused_ = false;
