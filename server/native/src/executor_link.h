@@ -91,15 +91,6 @@ class LinkObserver {
   ~LinkObserver() = default;
 };
 
-// The Results a Batch stands for (wire.proto), one per request, appended to `results` in its
-// order; false (nothing appended) when its lists do not line up.
-bool AppendBatchResults(const wire::Batch& batch, std::vector<std::unique_ptr<wire::Result>>* results);
-
-// Moves into InferGroups the Infers of `frame` that may go in one (`groupable`, one entry per
-// Infer: SubmitInfer's) wherever at least two would share it; the others stay Infers, in their
-// order. A lone request costs the executor less as an Infer than as a group.
-void GroupInfers(wire::ToExecutor& frame, const std::vector<bool>& groupable);
-
 class ExecutorLink {
  public:
   ExecutorLink(std::string socket_name, uint32_t slot, InputRegion& region, ModelTable& models,

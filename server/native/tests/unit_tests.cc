@@ -31,6 +31,7 @@
 #include "metrics.h"
 #include "model_table.h"
 #include "text.h"
+#include "wire_columns.h"
 #include "wire_scan.h"
 
 namespace {
