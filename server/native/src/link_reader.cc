@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "executor_link.h"
+#include "frame_reader.h"
 #include "input_region.h"
 #include "link_frames.h"
 #include "log.h"
@@ -37,20 +38,6 @@ bool SameUser(int fd) {
   return getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &peer, &length) == 0 && peer.uid == getuid();
 }
 
-bool ReceiveAll(int fd, char* data, size_t size) {
-  while (size > 0) {
-    const ssize_t n = ::recv(fd, data, size, 0);
-    if (n == 0) return false;  // the peer closed the connection
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return false;
-    }
-    data += n;
-    size -= static_cast<size_t>(n);
-  }
-  return true;
-}
-
 grpc::StatusCode CodeOf(uint32_t number) {
   // Numbers gRPC does not define are UNKNOWN (server/errors.py grpc_code()); so is 0, which no
   // failure can carry.
@@ -60,6 +47,26 @@ grpc::StatusCode CodeOf(uint32_t number) {
 
 
 }  // namespace
+
+void AnswerPosts::Add(AnswerTarget* target, ExecutorAnswer answer) {
+  AnswerMailbox* const mailbox = &target->mailbox();
+  // A handful of workers: a short scan.
+  size_t box = 0;
+  while (box < used_ && boxes_[box].mailbox != mailbox) ++box;
+  if (box == used_) {
+    if (used_ == boxes_.size()) boxes_.emplace_back();
+    boxes_[used_++].mailbox = mailbox;
+  }
+  boxes_[box].answers.push_back(PostedAnswer{target, std::move(answer)});
+}
+
+void AnswerPosts::PostAll() {
+  for (size_t i = 0; i < used_; ++i) {
+    boxes_[i].mailbox->Post(boxes_[i].answers);
+    boxes_[i].answers.clear();  // Post() took them; its capacity stays
+  }
+  used_ = 0;
+}
 
 void ExecutorLink::ReadLoop() {
   pthread_setname_np(pthread_self(), "bg-link-read");
@@ -148,26 +155,33 @@ bool ExecutorLink::Session() {
     pending_groupable_.clear();
     pending_urgent_ = pending_frees_ = false;
   }
+  // Every whole frame one read brings is handled before the next read, and their answers go
+  // to each worker as one post.
+  FrameReader reader(kMaxFrameBytes);
   wire::ToFrontend frame;
-  while (true) {
-    char header[4];
-    if (!ReceiveAll(fd, header, sizeof header)) break;
+  bool open = true;
+  while (open) {
+    const FrameReader::Status status = reader.Fill(fd);
+    if (status == FrameReader::Status::kClosed) break;
+    if (status == FrameReader::Status::kOversize) {
+      Log(LogLevel::kError, "executor_protocol_error",
+          {LogField("error", "the executor sent a " + std::to_string(reader.oversize_bytes()) +
+                                 "-byte frame")});
+      break;
+    }
+    const char* body = nullptr;
     uint32_t size = 0;
-    for (int i = 0; i < 4; ++i) size |= static_cast<uint32_t>(static_cast<uint8_t>(header[i])) << (8 * i);
-    if (size > kMaxFrameBytes) {
-      Log(LogLevel::kError, "executor_protocol_error",
-          {LogField("error", "the executor sent a " + std::to_string(size) + "-byte frame")});
-      break;
+    while (reader.Next(&body, &size)) {
+      if (!frame.ParseFromArray(body, static_cast<int>(size))) {
+        Log(LogLevel::kError, "executor_protocol_error",
+            {LogField("error", "the executor sent a malformed frame")});
+        open = false;
+        break;
+      }
+      HandleFrame(frame, generation);
+      frame.Clear();  // keeps the messages allocated, for the next frames to reuse
     }
-    buffer.resize(size);
-    if (!ReceiveAll(fd, buffer.data(), size)) break;
-    if (!frame.ParseFromArray(buffer.data(), static_cast<int>(size))) {
-      Log(LogLevel::kError, "executor_protocol_error",
-          {LogField("error", "the executor sent a malformed frame")});
-      break;
-    }
-    HandleFrame(frame, generation);
-    frame.Clear();
+    posts_.PostAll();
   }
   bool closing;
   {
@@ -206,8 +220,8 @@ void ExecutorLink::HandleFrame(wire::ToFrontend& frame, uint64_t generation) {
   }
 
   // 2.-3. results and failures: each to its request's worker.
-  std::vector<std::pair<AnswerTarget*, ExecutorAnswer>> answers;
-  std::vector<uint64_t> released;
+  std::vector<uint64_t>& released = released_;
+  released.clear();
   std::vector<std::unique_ptr<wire::Result>> orphans;
   // Taken out of the frame in its order, so that a stream answers in the order results came;
   // a batch's after them.
@@ -220,7 +234,6 @@ void ExecutorLink::HandleFrame(wire::ToFrontend& frame, uint64_t generation) {
           {LogField("error", std::string("a batch's rids, first_rows and rows differ in length"))});
     }
   }
-  answers.reserve(results.size() + static_cast<size_t>(frame.failures_size()));
   {
     std::lock_guard<std::mutex> lock(mu_);
     const auto settle = [&](uint64_t rid, bool inputs_released) -> AnswerTarget* {
@@ -244,7 +257,7 @@ void ExecutorLink::HandleFrame(wire::ToFrontend& frame, uint64_t generation) {
       ExecutorAnswer answer;
       answer.generation = generation;
       answer.result = std::move(result);
-      answers.emplace_back(target, std::move(answer));
+      posts_.Add(target, std::move(answer));
     }
     for (const wire::Failure& failure : frame.failures()) {
       AnswerTarget* target = settle(failure.rid(), failure.released());
@@ -252,7 +265,7 @@ void ExecutorLink::HandleFrame(wire::ToFrontend& frame, uint64_t generation) {
       ExecutorAnswer answer;
       answer.generation = generation;
       answer.status = grpc::Status(CodeOf(failure.code()), Bounded(failure.message()));
-      answers.emplace_back(target, std::move(answer));
+      posts_.Add(target, std::move(answer));
     }
     // 4. released: inputs of requests answered earlier with released false.
     for (const uint64_t rid : frame.released()) {
@@ -275,7 +288,7 @@ void ExecutorLink::HandleFrame(wire::ToFrontend& frame, uint64_t generation) {
       } else {
         answer.reply = std::move(reply);
       }
-      answers.emplace_back(it->second, std::move(answer));
+      posts_.Add(it->second, std::move(answer));
       calls_.erase(it);
     }
   }
@@ -285,7 +298,6 @@ void ExecutorLink::HandleFrame(wire::ToFrontend& frame, uint64_t generation) {
     Log(LogLevel::kWarning, "executor_unknown_request", {LogField("rid", orphan->rid())});
     FreeOutputs(generation, *orphan);
   }
-  for (auto& [target, answer] : answers) target->Deliver(std::move(answer));
 }
 
 void ExecutorLink::SettleKeptInputs(const wire::ToFrontend& welcome) {
@@ -374,13 +386,14 @@ void ExecutorLink::Lose(bool closing) {
   for (const auto& [rid, pending] : infers) {
     ExecutorAnswer answer;
     answer.status = lost;
-    pending.target->Deliver(std::move(answer));
+    posts_.Add(pending.target, std::move(answer));
   }
   for (const auto& [cid, target] : calls) {
     ExecutorAnswer answer;
     answer.status = lost;
-    target->Deliver(std::move(answer));
+    posts_.Add(target, std::move(answer));
   }
+  posts_.PostAll();
   for (const auto& change : models_.Disconnect(kRestarting)) {
     observer_.OnModelChange(change.name, change.serving);
   }

@@ -24,6 +24,7 @@
 #include "auth.h"
 #include "codec.h"
 #include "executor_link.h"
+#include "frame_reader.h"
 #include "frontend.h"
 #include "handover.h"
 #include "protos/handover.pb.h"
@@ -1258,13 +1259,22 @@ class FakeExecutor {
     char byte;
     return recv(fd_, &byte, 1, MSG_PEEK | MSG_DONTWAIT) > 0;
   }
-  void Write(const batchgate::wire::ToFrontend& frame) {
+  void Write(const batchgate::wire::ToFrontend& frame) { WriteBytes(FrameBytes(frame)); }
+  // Several frames in one send: the link's reader finds them all in one read.
+  void WriteTogether(const std::vector<batchgate::wire::ToFrontend>& frames) {
+    std::string all;
+    for (const auto& frame : frames) all += FrameBytes(frame);
+    WriteBytes(all);
+  }
+  void WriteBytes(const std::string& bytes) {
+    CHECK(send(fd_, bytes.data(), bytes.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(bytes.size()));
+  }
+  static std::string FrameBytes(const batchgate::wire::ToFrontend& frame) {
     std::string bytes = frame.SerializeAsString();
     const uint32_t size = static_cast<uint32_t>(bytes.size());
     std::string all(4, '\0');
     for (int i = 0; i < 4; ++i) all[i] = static_cast<char>((size >> (8 * i)) & 0xFF);
-    all += bytes;
-    CHECK(send(fd_, all.data(), all.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(all.size()));
+    return all + bytes;
   }
 
  private:
@@ -1301,10 +1311,14 @@ class LinkEvents final : public batchgate::LinkObserver {
 };
 
 // Counts the answers the link hands over (when it closes, everything in flight is answered).
-class CountingTarget final : public batchgate::AnswerTarget {
+class CountingTarget final : public batchgate::AnswerTarget, public batchgate::AnswerMailbox {
  public:
-  void Deliver(batchgate::ExecutorAnswer answer) override {
-    if (answer.status.error_code() == grpc::StatusCode::UNAVAILABLE) ++unavailable;
+  batchgate::AnswerMailbox& mailbox() override { return *this; }
+  void Post(std::vector<batchgate::PostedAnswer>& answers) override {
+    for (const auto& posted : answers) {
+      if (posted.answer.status.error_code() == grpc::StatusCode::UNAVAILABLE) ++unavailable;
+    }
+    answers.clear();
   }
   void OnExecutorAnswer(batchgate::ExecutorAnswer /*answer*/) override {}
   std::atomic<int> unavailable{0};
@@ -1477,13 +1491,22 @@ void TestLinkGroupsRequestsOfOneFrame() {
 }
 
 // Hands answers to the test's thread as a worker's mailbox would.
-class MailboxTarget final : public batchgate::AnswerTarget {
+class MailboxTarget final : public batchgate::AnswerTarget, public batchgate::AnswerMailbox {
  public:
-  void Deliver(batchgate::ExecutorAnswer answer) override {
+  batchgate::AnswerMailbox& mailbox() override { return *this; }
+  void Post(std::vector<batchgate::PostedAnswer>& answers) override {
     std::lock_guard<std::mutex> lock(mu_);
-    answers_.push_back(std::move(answer));
+    for (auto& posted : answers) answers_.push_back(std::move(posted.answer));
+    answers.clear();
+    ++posts;
     arrived_.notify_all();
   }
+  // How many answers have come, without taking them.
+  size_t Waiting() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return answers_.size();
+  }
+  std::atomic<int> posts{0};
   void OnExecutorAnswer(batchgate::ExecutorAnswer /*answer*/) override {}
   batchgate::ExecutorAnswer Take() {
     std::unique_lock<std::mutex> lock(mu_);
@@ -1638,6 +1661,131 @@ void TestLinkKeepsInputsTheExecutorStillReads() {
   link.Close();
 }
 
+// A frame's bytes: its 4-byte little-endian length, then `body`.
+std::string FrameOf(const std::string& body) {
+  std::string bytes(4, '\0');
+  const auto size = static_cast<uint32_t>(body.size());
+  for (int i = 0; i < 4; ++i) bytes[i] = static_cast<char>((size >> (8 * i)) & 0xFF);
+  return bytes + body;
+}
+
+void TestFrameReader() {
+  // One read yields every whole frame the socket holds; a frame split across reads, or a
+  // length prefix cut short, waits for its rest; a frame larger than one read gets room of its
+  // own; a length past the limit is refused before its body is read.
+  using Status = batchgate::FrameReader::Status;
+  int fds[2];
+  CHECK(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) == 0);
+  const auto send_bytes = [&](const std::string& bytes) {
+    CHECK(send(fds[0], bytes.data(), bytes.size(), MSG_NOSIGNAL) ==
+          static_cast<ssize_t>(bytes.size()));
+  };
+  const auto next = [](batchgate::FrameReader& reader) -> std::string {
+    const char* body = nullptr;
+    uint32_t size = 0;
+    if (!reader.Next(&body, &size)) return "<none>";
+    return std::string(body, size);
+  };
+  batchgate::FrameReader reader(1000);
+  send_bytes(FrameOf("one") + FrameOf("") + FrameOf("three"));
+  CHECK(reader.Fill(fds[1]) == Status::kFrames);
+  CHECK_EQ(next(reader), std::string("one"));
+  CHECK_EQ(next(reader), std::string(""));
+  CHECK_EQ(next(reader), std::string("three"));
+  CHECK_EQ(next(reader), std::string("<none>"));
+  CHECK_EQ(reader.buffered(), size_t{0});
+
+  const std::string split = FrameOf("split across reads");
+  send_bytes(split.substr(0, 2));  // half a length prefix
+  CHECK(reader.Fill(fds[1]) == Status::kFrames);
+  CHECK_EQ(next(reader), std::string("<none>"));
+  CHECK_EQ(reader.buffered(), size_t{2});
+  send_bytes(split.substr(2, 7));  // the rest of the prefix, part of the body
+  CHECK(reader.Fill(fds[1]) == Status::kFrames);
+  CHECK_EQ(next(reader), std::string("<none>"));
+  send_bytes(split.substr(9) + FrameOf("after"));
+  CHECK(reader.Fill(fds[1]) == Status::kFrames);
+  CHECK_EQ(next(reader), std::string("split across reads"));
+  CHECK_EQ(next(reader), std::string("after"));
+  CHECK_EQ(next(reader), std::string("<none>"));
+
+  // Reads of 16 bytes: the first brings the prefix, the second all the rest of a 100-byte body.
+  batchgate::FrameReader small(1000, 16);
+  const std::string large(100, 'L');
+  send_bytes(FrameOf(large));
+  int fills = 0;
+  std::string got = "<none>";
+  while (got == "<none>" && fills < 10 && small.Fill(fds[1]) == Status::kFrames) {
+    ++fills;
+    got = next(small);
+  }
+  CHECK_EQ(got, large);
+  CHECK_EQ(fills, 2);
+
+  // 1001 bytes, one past the limit: refused at its prefix, and its body is never read.
+  send_bytes(FrameOf(std::string(1001, 'x')).substr(0, 4));
+  CHECK(reader.Fill(fds[1]) == Status::kFrames);
+  CHECK_EQ(next(reader), std::string("<none>"));
+  send_bytes(std::string(1001, 'x'));
+  CHECK(reader.Fill(fds[1]) == Status::kOversize);
+  CHECK_EQ(reader.oversize_bytes(), uint32_t{1001});
+  char byte = 0;
+  CHECK(recv(fds[1], &byte, 1, MSG_PEEK | MSG_DONTWAIT) == 1);  // still in the socket
+  CHECK(reader.buffered() <= size_t{4});
+
+  batchgate::FrameReader closed(1000);
+  close(fds[0]);
+  while (recv(fds[1], &byte, 1, MSG_DONTWAIT) > 0) {
+  }
+  CHECK(closed.Fill(fds[1]) == Status::kClosed);
+  close(fds[1]);
+}
+
+void TestLinkPostsAReadsAnswersAtOnce() {
+  // Three results in one send come in one read: they reach their worker's mailbox as one post
+  // (one lock, one doorbell), in the order they came. A frame past the limit then ends the
+  // connection: the request still in flight is answered UNAVAILABLE and the link says Hello
+  // again.
+  const std::string name = "batchgate-unit-posts-" + std::to_string(getpid());
+  FakeExecutor executor(name);
+  batchgate::InputRegion region(0, 1 << 20);
+  batchgate::ModelTable models;
+  LinkEvents events;
+  MailboxTarget target;
+  batchgate::ExecutorLink link(name, 0, region, models, events);
+  link.Start();
+  Welcome(executor, events);
+  uint64_t rids[4] = {};
+  grpc::Status refusal;
+  for (uint64_t& rid : rids) {
+    CHECK(link.SubmitInfer(std::make_unique<batchgate::wire::Infer>(), {}, 1, &target, &rid,
+                           &refusal));
+  }
+  batchgate::wire::ToExecutor frame;
+  int infers = 0;
+  while (infers < 4 && executor.Read(&frame)) infers += frame.infer_size();
+  executor.WriteTogether({ResultFor(rids[0], 1 << 20), ResultFor(rids[1], 2 << 20),
+                          ResultFor(rids[2], 3 << 20)});
+  for (int i = 0; i < 3; ++i) {
+    const batchgate::ExecutorAnswer answer = target.Take();
+    CHECK(answer.result != nullptr && answer.result->rid() == rids[i]);
+  }
+  CHECK_EQ(target.posts.load(), 1);
+
+  const uint32_t oversize = batchgate::wire::MAX_FRAME_BYTES + 1u;
+  std::string prefix(4, '\0');
+  for (int i = 0; i < 4; ++i) prefix[i] = static_cast<char>((oversize >> (8 * i)) & 0xFF);
+  executor.WriteBytes(prefix);
+  const batchgate::ExecutorAnswer lost = target.Take();
+  CHECK(lost.result == nullptr);
+  CHECK_EQ(static_cast<int>(lost.status.error_code()),
+           static_cast<int>(grpc::StatusCode::UNAVAILABLE));
+  executor.CloseConnection();
+  executor.Accept();
+  CHECK(executor.Read(&frame) && frame.has_hello());
+  link.Close();
+}
+
 void TestDeadlines() {
   // A grpc-timeout of 99999999 hours (gRPC's largest) overflowed int64 nanoseconds: UBSan
   // aborted, a release build carried a garbage deadline. It saturates.
@@ -1718,6 +1866,8 @@ int main() {
   TestDeadlines();
   TestLinkStopsReadingOutputsOfALostConnection();
   TestLinkKeepsInputsTheExecutorStillReads();
+  TestFrameReader();
+  TestLinkPostsAReadsAnswersAtOnce();
   std::fprintf(stderr, "%d of %d checks failed\n", g_failures, g_checks);
   return g_failures ? 1 : 0;
 }
