@@ -9,6 +9,7 @@
 
 #include "executor_link.h"
 #include "fuzz_models.h"
+#include "wire_columns.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace batchgate;

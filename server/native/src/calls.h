@@ -41,7 +41,7 @@ class UnaryCall final : public CallBase, public AnswerTarget {
  public:
   UnaryCall(Worker& worker, const RpcInfo& rpc);
 
-  void Deliver(ExecutorAnswer answer) override { worker_.Post(this, std::move(answer)); }
+  AnswerMailbox& mailbox() override { return worker_; }
   void OnExecutorAnswer(ExecutorAnswer answer) override;
 
  private:
@@ -70,7 +70,7 @@ class InferCall final : public CallBase, public AnswerTarget {
  public:
   InferCall(Worker& worker, const RpcInfo& rpc);
 
-  void Deliver(ExecutorAnswer answer) override { worker_.Post(this, std::move(answer)); }
+  AnswerMailbox& mailbox() override { return worker_; }
   void OnExecutorAnswer(ExecutorAnswer answer) override;
 
  private:

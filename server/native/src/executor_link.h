@@ -15,9 +15,11 @@
 //     peer runs as this user, sends Hello alone, then reads whole frames and handles each in
 //     one pass in the order wire.proto gives: models, results, failures, released, replies.
 //
-// Answers go to the gRPC worker that owns the request (AnswerTarget::Deliver()), never handled
-// on the reader thread: building a reply copies the outputs out of the arena, and that work
-// spreads over the workers like the requests do.
+// Answers go to the gRPC worker that owns the request (its AnswerMailbox), never handled on the
+// reader thread: building a reply copies the outputs out of the arena, and that work spreads
+// over the workers like the requests do. The reader takes whatever the socket holds in one
+// read (FrameReader), handles every whole frame in it, then posts each worker the answers of
+// all of them at once.
 //
 // When the connection is lost every request and call in flight is answered UNAVAILABLE, models
 // turn UNAVAILABLE, and the reader connects again; the next welcome restores everything. What
@@ -66,17 +68,53 @@ struct ExecutorAnswer {
   std::unique_ptr<wire::Reply> reply;     // a Call's reply, when status is OK
 };
 
+class AnswerMailbox;
+
 // Something waiting for an executor answer: an inference request or a forwarded call.
 class AnswerTarget {
  public:
-  // Any thread (the link's), exactly once per submitted Infer or Call: hands `answer` to the
-  // thread that handles it, the worker the gRPC call lives on (Worker::Post).
-  virtual void Deliver(ExecutorAnswer answer) = 0;
-  // On that worker's thread, once Deliver() handed it over.
+  // Where its answer is posted: the worker the gRPC call lives on.
+  virtual AnswerMailbox& mailbox() = 0;
+  // On the mailbox's thread, exactly once per submitted Infer or Call.
   virtual void OnExecutorAnswer(ExecutorAnswer answer) = 0;
 
  protected:
   ~AnswerTarget() = default;
+};
+
+// One answer and the target it is for.
+struct PostedAnswer {
+  AnswerTarget* target;
+  ExecutorAnswer answer;
+};
+
+// A thread that answers targets (Worker): the link's reader posts it every answer of one read
+// at once, so that a read costs each worker one lock and one wake-up, not one per answer.
+class AnswerMailbox {
+ public:
+  // Any thread (the link's): takes every answer of `answers` (left empty, its capacity kept),
+  // each to be handed to its target's OnExecutorAnswer on this mailbox's thread, in order.
+  virtual void Post(std::vector<PostedAnswer>& answers) = 0;
+
+ protected:
+  ~AnswerMailbox() = default;
+};
+
+// The answers of one read, by mailbox, until they are posted; the reader thread's, kept
+// between reads so that their memory is reused.
+class AnswerPosts {
+ public:
+  void Add(AnswerTarget* target, ExecutorAnswer answer);
+  // One Post() per mailbox that has answers.
+  void PostAll();
+
+ private:
+  struct Box {
+    AnswerMailbox* mailbox;
+    std::vector<PostedAnswer> answers;
+  };
+  std::vector<Box> boxes_;  // those past used_ are empty, kept for their memory
+  size_t used_ = 0;
 };
 
 // What the link tells the rest of the front end, on the reader thread.
@@ -90,15 +128,6 @@ class LinkObserver {
  protected:
   ~LinkObserver() = default;
 };
-
-// The Results a Batch stands for (wire.proto), one per request, appended to `results` in its
-// order; false (nothing appended) when its lists do not line up.
-bool AppendBatchResults(const wire::Batch& batch, std::vector<std::unique_ptr<wire::Result>>* results);
-
-// Moves into InferGroups the Infers of `frame` that may go in one (`groupable`, one entry per
-// Infer: SubmitInfer's) wherever at least two would share it; the others stay Infers, in their
-// order. A lone request costs the executor less as an Infer than as a group.
-void GroupInfers(wire::ToExecutor& frame, const std::vector<bool>& groupable);
 
 class ExecutorLink {
  public:
@@ -236,6 +265,10 @@ class ExecutorLink {
   std::chrono::milliseconds reconnect_delay_{0};
   std::chrono::steady_clock::time_point last_lost_log_{};
   int losses_unlogged_ = 0;
+
+  // The reader thread's: the answers of the read under way, and the blocks a frame releases.
+  AnswerPosts posts_;
+  std::vector<uint64_t> released_;
 
   std::thread reader_;
   std::thread writer_;

@@ -42,7 +42,7 @@ class StreamInferCall final : public CallBase {
     Request(StreamInferCall& stream, std::string model_name,
             std::chrono::steady_clock::time_point started, std::string id)
         : stream_(stream), model_name_(std::move(model_name)), started_(started), id_(std::move(id)) {}
-    void Deliver(ExecutorAnswer answer) override { stream_.worker_.Post(this, std::move(answer)); }
+    AnswerMailbox& mailbox() override { return stream_.worker_; }
     void OnExecutorAnswer(ExecutorAnswer answer) override {
       stream_.OnAnswer(this, std::move(answer));
     }

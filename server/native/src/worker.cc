@@ -102,8 +102,25 @@ void Worker::Retire(CallBase* call) {
   std::unique_ptr<CallBase> owned(call);
 }
 
-void Worker::Post(AnswerTarget* target, ExecutorAnswer answer) {
-  Enqueue(Mail{Command::kAnswer, target, std::move(answer)});
+void Worker::Post(std::vector<PostedAnswer>& answers) {
+  bool ring;
+  {
+    std::lock_guard<std::mutex> lock(mailbox_mu_);
+    if (mailbox_closed_) {
+      // Quit comes after the executor link is closed, which answers everything: never here.
+      Log(LogLevel::kError, "mail_after_quit", {LogField("worker", index_)});
+      answers.clear();
+      return;
+    }
+    for (PostedAnswer& posted : answers) {
+      mailbox_.push_back(Mail{Command::kAnswer, posted.target, std::move(posted.answer)});
+    }
+    answers.clear();
+    ring = !doorbell_armed_;
+    doorbell_armed_ = true;
+  }
+  // Outside the lock, as Enqueue() rings it.
+  if (ring) doorbell_.Set(cq_.get(), gpr_inf_past(GPR_CLOCK_MONOTONIC), doorbell_event_.tag());
 }
 
 void Worker::ListenDeeper() { Enqueue(Mail{Command::kListenDeeper, nullptr, {}}); }

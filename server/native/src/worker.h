@@ -5,7 +5,7 @@
 // thread, so a call's state needs no lock. Answers from the executor link's reader thread reach
 // a worker through its mailbox: the reader appends under the mailbox's mutex and rings a
 // doorbell (a grpc::Alarm that expires at once) only when the mailbox was empty, so one wake-up
-// carries every answer of a frame for this worker.
+// carries every answer of a read (several frames) for this worker.
 #pragma once
 
 #include <grpcpp/alarm.h>
@@ -78,7 +78,7 @@ class CallBase {
   int refs_ = 1;  // the first operation: the request for a new call
 };
 
-class Worker {
+class Worker final : public AnswerMailbox {
  public:
   Worker(Frontend& frontend, int index, std::unique_ptr<grpc::ServerCompletionQueue> cq);
   ~Worker();
@@ -87,8 +87,9 @@ class Worker {
   // and drained.
   void Run();
 
-  // Any thread: `answer` for `target`, run on this worker's thread.
-  void Post(AnswerTarget* target, ExecutorAnswer answer);
+  // Any thread (the link's reader): every answer, run on this worker's thread, for one lock
+  // and at most one doorbell.
+  void Post(std::vector<PostedAnswer>& answers) override;
   // Any thread, when the drain starts: keep many more calls of each RPC requested (see
   // kDrainListenDepth in worker.cc).
   void ListenDeeper();
