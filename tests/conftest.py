@@ -19,6 +19,37 @@ from tests.support.pki import make_pki
 from tests.support.servers import SERVER_MODES, start_in_mode
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--fast", action="store_true",
+        help="the inner loop (make test-fast): leave out the tests marked slow, and run the "
+             "tests of every server mode in one (native; single where it is not built)")
+
+
+def fast_mode() -> str:
+    """The one server mode of ``--fast``."""
+    from batchgate.server import native
+
+    return "native" if native.unavailable_reason() is None else "single"
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--fast"):
+        return
+    keep = fast_mode()
+    other_modes = set(SERVER_MODES) | {"native-asan"}
+    other_modes.discard(keep)
+    kept, left_out = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        in_other_mode = any(isinstance(value, str) and value in other_modes
+                            for value in params.values())
+        (left_out if in_other_mode or item.get_closest_marker("slow") else kept).append(item)
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = kept
+
+
 @pytest.fixture(scope="session")
 def pki(tmp_path_factory) -> dict[str, Path]:
     if shutil.which("openssl") is None:
