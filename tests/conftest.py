@@ -1,7 +1,8 @@
 """Shared fixtures: a real batchgate server on port 0 in every mode, serving the example models
 plus the tests' own (``tests.support.models``); tests talk to it over real gRPC on loopback.
 
-Fixtures only: the helpers they use live in ``tests.support``, and so do those tests import.
+Fixtures only (and ``--fast``, the inner loop's selection: ``make test-fast``): the helpers they
+use live in ``tests.support``, and so do those tests import.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from batchgate.protos import inference_pb2_grpc
 from batchgate.bench.harness.server import RunningServer
 from tests.support.models import Gate, write_test_repository
 from tests.support.pki import make_pki
-from tests.support.servers import SERVER_MODES, start_in_mode
+from tests.support.servers import SERVER_MODES, fast_mode, start_in_mode
 
 
 def pytest_addoption(parser):
@@ -26,19 +27,10 @@ def pytest_addoption(parser):
              "tests of every server mode in one (native; single where it is not built)")
 
 
-def fast_mode() -> str:
-    """The one server mode of ``--fast``."""
-    from batchgate.server import native
-
-    return "native" if native.unavailable_reason() is None else "single"
-
-
 def pytest_collection_modifyitems(config, items):
     if not config.getoption("--fast"):
         return
-    keep = fast_mode()
-    other_modes = set(SERVER_MODES) | {"native-asan"}
-    other_modes.discard(keep)
+    other_modes = {*SERVER_MODES, "native-asan"} - {fast_mode()}
     kept, left_out = [], []
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
