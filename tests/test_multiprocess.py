@@ -19,6 +19,10 @@ from tests.support.polling import poll
 from tests.support.regions import servers_leftovers
 from tests.support.servers import start_multiprocess_server
 
+# Slow (each test runs its own supervisor under load and kills its children): make test-fast
+# leaves it out.
+pytestmark = pytest.mark.slow
+
 
 def dev_shm() -> set[str]:
     """What is in /dev/shm, less what test clients make: a server's leftovers would show here."""

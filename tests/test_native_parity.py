@@ -40,6 +40,9 @@ from tests.support.regions import PARITY_REGION_PREFIX
 from tests.support.sanitizers import SANITIZED, SANITIZER_ENV, SANITIZER_REPORTS
 from tests.support.servers import native_or_skip, start_in_mode
 
+# Slow (every front end side by side, the sanitizer build too): make test-fast leaves it out.
+pytestmark = pytest.mark.slow
+
 MODES = ("single", "native", "native-asan")
 # Regions every server has registered (SharedRegions): inputs are read from the first, outputs
 # written into the second.
