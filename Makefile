@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test install tools native native-asan native-fuzz protos check-protos lint clean gpu-check gpu-check-wheels
+.PHONY: serve test test-fast test-ready install tools native native-asan native-fuzz protos check-protos lint clean gpu-check gpu-check-wheels
 
 $(STAMP): pyproject.toml setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -42,8 +42,21 @@ native-fuzz: $(STAMP)
 serve: $(STAMP) native
 	$(BIN)/batchgate serve $(ARGS)
 
-test: $(STAMP) tools native native-asan native-fuzz
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+# What the whole suite needs, made side by side: the downloads wait on the network while the
+# three native builds share the cores (each script is safe to run beside the others).
+test-ready: $(STAMP)
+	$(MAKE) --no-print-directory -j4 tools native native-asan native-fuzz
+
+# The whole suite, on every core (pytest-xdist; a module's tests stay on one worker, so a
+# module's servers start once).
+test: test-ready
+	$(BIN)/python -m pytest -n auto --dist loadscope $(PYTEST_ARGS)
+
+# The inner loop: the unit tests and one server mode (native, or single where the native front
+# end is not built), under two minutes on two cores; tests/conftest.py's --fast says what it
+# leaves out. `make test` runs everything.
+test-fast: $(STAMP) native
+	$(BIN)/python -m pytest -n auto --dist loadscope --fast $(PYTEST_ARGS)
 
 # The GPU check on a GPU machine, with its own torch and no .venv (scripts/gpu-check.sh):
 # `make gpu-check OUT=DIR`, `make gpu-check CPU=1` for the same recipe on the CPU. Its wheels

@@ -46,7 +46,8 @@ import grpc
 import numpy as np
 
 from batchgate.bench.output import emit, progress
-from batchgate.bench.serving import RUN_ERRORS, machine
+from batchgate.bench.machine import machine
+from batchgate.bench.steps import RUN_ERRORS
 from batchgate.protos import inference_pb2 as pb
 from batchgate.bench.harness.server import RunningServer, start_process
 from batchgate.bench.harness.memory import PeakGrowth

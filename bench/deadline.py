@@ -45,14 +45,14 @@ from typing import Any
 
 from batchgate.bench.output import emit, progress
 from batchgate.bench.loadgen.arrivals import Arrival
-from batchgate.bench.serving import (
+from batchgate.bench.machine import machine
+from batchgate.bench.steps import (
     CAPACITY_CONCURRENCY,
     DEFAULT_REPOSITORY,
     RUN_ERRORS,
     BenchError,
     bench_step,
     closed_loop_capacity,
-    machine,
     scrape,
     start_server,
     window_goodput,

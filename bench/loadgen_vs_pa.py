@@ -31,13 +31,11 @@ from batchgate.bench._perf_analyzer import (
     DEFAULT_PERF_ANALYZER,
     run_perf_analyzer,
 )
-from batchgate.bench.serving import (
+from batchgate.bench.machine import machine, machine_busy_s, process_cpu_s
+from batchgate.bench.steps import (
     DEFAULT_REPOSITORY,
     RUN_ERRORS,
     BenchError,
-    machine,
-    machine_busy_s,
-    process_cpu_s,
     single_model_repository,
     start_server,
 )

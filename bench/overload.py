@@ -34,14 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from batchgate.bench.output import emit, progress
-from batchgate.bench.serving import (
+from batchgate.bench.machine import machine
+from batchgate.bench.steps import (
     CAPACITY_CONCURRENCY,
     DEFAULT_REPOSITORY,
     RUN_ERRORS,
     BenchError,
     bench_step,
     closed_loop_capacity,
-    machine,
     single_model_repository,
     start_server,
     window_goodput,

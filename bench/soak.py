@@ -47,7 +47,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchgate.bench.inprocess import load as load_inprocess
-from batchgate.bench.serving import ROOT, start_server
+from batchgate.bench.steps import ROOT, start_server
 from batchgate.clients import AsyncClient, BatchgateError, RetryPolicy
 from batchgate.server.metrics import UNKNOWN_MODEL_LABEL
 

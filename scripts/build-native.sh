@@ -46,8 +46,12 @@ if [ "${#missing[@]}" -gt 0 ]; then
     sudo="sudo -n"
   fi
   export DEBIAN_FRONTEND=noninteractive
-  $sudo apt-get update -qq >/dev/null 2>&1 || fail "apt-get update failed (needed for: ${missing[*]})"
-  $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null 2>&1 \
+  # `make test` runs the three builds side by side: one apt at a time (flock, util-linux).
+  apt_lock=(flock "${TMPDIR:-/tmp}/batchgate-apt.lock")
+  "${apt_lock[@]}" $sudo apt-get update -qq >/dev/null 2>&1 \
+    || fail "apt-get update failed (needed for: ${missing[*]})"
+  "${apt_lock[@]}" $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" \
+    >/dev/null 2>&1 \
     || fail "could not install the build packages: ${missing[*]}"
 fi
 
@@ -74,7 +78,12 @@ if [ ! -f "$build/CMakeCache.txt" ]; then
     || { cat "$build.configure.log" >&2; fail "cmake could not configure server/native (log above)"; }
 fi
 jobs="$(nproc 2>/dev/null || echo 2)"
-cmake --build "$build" --parallel "$jobs" -- --no-print-directory \
+targets=()
+if [ "$fuzz" = 1 ]; then
+  # Only the fuzz targets: the front end and its unit tests are the other two builds' job.
+  targets=(--target fuzz-request fuzz-reply fuzz-frame)
+fi
+cmake --build "$build" --parallel "$jobs" "${targets[@]}" -- --no-print-directory \
   || fail "the build of server/native failed (compiler output above)"
 if [ "$fuzz" = 1 ]; then
   echo "built $build/fuzz-request, fuzz-reply, fuzz-frame"

@@ -47,9 +47,11 @@ cleanup() { if [ "$made_policy" = 1 ]; then $sudo rm -f "$policy"; fi; }
 trap cleanup EXIT
 
 export DEBIAN_FRONTEND=noninteractive
-$sudo apt-get update -qq >/dev/null
-$sudo apt-get install -y -qq nginx-light >/dev/null 2>&1 \
-  || $sudo apt-get install -y -qq nginx >/dev/null
+# `make test` runs this beside the native builds, which may use apt too: one at a time.
+apt_lock=(flock "${TMPDIR:-/tmp}/batchgate-apt.lock")
+"${apt_lock[@]}" $sudo apt-get update -qq >/dev/null
+"${apt_lock[@]}" $sudo apt-get install -y -qq nginx-light >/dev/null 2>&1 \
+  || "${apt_lock[@]}" $sudo apt-get install -y -qq nginx >/dev/null
 
 # Belt and braces: a system nginx started anyway (no policy-rc.d honoured) is stopped again.
 if [ -s /run/nginx.pid ] && kill -0 "$(cat /run/nginx.pid)" 2>/dev/null; then

@@ -15,10 +15,13 @@ if [ -x "$dest/bin/perf_analyzer" ] && scripts/perf_analyzer --version >/dev/nul
   exit 0
 fi
 if ! ldconfig -p | grep -q libb64.so.0d; then
+  # `make test` runs this beside the native builds, which may use apt too: one at a time.
+  apt_lock=(flock "${TMPDIR:-/tmp}/batchgate-apt.lock")
   if [ "$(id -u)" = 0 ]; then
-    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libb64-0d >/dev/null
+    "${apt_lock[@]}" apt-get update -qq >/dev/null \
+      && DEBIAN_FRONTEND=noninteractive "${apt_lock[@]}" apt-get install -y -qq libb64-0d >/dev/null
   else
-    sudo -n apt-get install -y -qq libb64-0d >/dev/null
+    "${apt_lock[@]}" sudo -n apt-get install -y -qq libb64-0d >/dev/null
   fi
 fi
 rm -rf "$dest"

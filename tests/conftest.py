@@ -1,7 +1,8 @@
 """Shared fixtures: a real batchgate server on port 0 in every mode, serving the example models
 plus the tests' own (``tests.support.models``); tests talk to it over real gRPC on loopback.
 
-Fixtures only: the helpers they use live in ``tests.support``, and so do those tests import.
+Fixtures only (and ``--fast``, the inner loop's selection: ``make test-fast``): the helpers they
+use live in ``tests.support``, and so do those tests import.
 """
 
 from __future__ import annotations
@@ -16,7 +17,29 @@ from batchgate.protos import inference_pb2_grpc
 from batchgate.bench.harness.server import RunningServer
 from tests.support.models import Gate, write_test_repository
 from tests.support.pki import make_pki
-from tests.support.servers import SERVER_MODES, start_in_mode
+from tests.support.servers import SERVER_MODES, fast_mode, start_in_mode
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--fast", action="store_true",
+        help="the inner loop (make test-fast): leave out the tests marked slow, and run the "
+             "tests of every server mode in one (native; single where it is not built)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--fast"):
+        return
+    other_modes = {*SERVER_MODES, "native-asan"} - {fast_mode()}
+    kept, left_out = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        in_other_mode = any(isinstance(value, str) and value in other_modes
+                            for value in params.values())
+        (left_out if in_other_mode or item.get_closest_marker("slow") else kept).append(item)
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = kept
 
 
 @pytest.fixture(scope="session")

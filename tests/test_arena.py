@@ -24,6 +24,7 @@ from hypothesis.stateful import (
 
 from batchgate.server.ipc.arena import PAGE_SIZE, ArenaLayout, SharedArena
 from batchgate.server.ipc.arena_allocator import LIFETIMES, ArenaAllocator
+from tests.support.regions import servers_leftovers
 
 REPO = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
@@ -626,7 +627,7 @@ time.sleep(60)
 
 
 def test_nothing_is_left_in_dev_shm_after_close_or_a_killed_child():
-    shm_before = set(os.listdir("/dev/shm"))
+    shm_before = servers_leftovers(os.listdir("/dev/shm"))
     mappings_before = arena_mappings()
     arena = SharedArena.create(1 * MIB)
     assert arena_mappings() == mappings_before + 1
@@ -646,9 +647,9 @@ def test_nothing_is_left_in_dev_shm_after_close_or_a_killed_child():
         child.stderr.close()
 
     assert bytes(arena.read(100, 14)) == b"child was here"
-    assert set(os.listdir("/dev/shm")) == shm_before
+    assert servers_leftovers(os.listdir("/dev/shm")) == shm_before
     arena.close()
-    assert set(os.listdir("/dev/shm")) == shm_before
+    assert servers_leftovers(os.listdir("/dev/shm")) == shm_before
     assert arena_mappings() == mappings_before
 
 

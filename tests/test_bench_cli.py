@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from batchgate.bench.loadgen import arrivals, cli, driver, plan, scrape, workload
+from batchgate.bench.loadgen.options import add_arguments
 from batchgate.bench.loadgen.report import LAYOUT, layout_problems
 from batchgate.bench.harness.repository import model_config, tensor, write_model
 from tests.support import EXAMPLE_MODELS
@@ -331,7 +332,7 @@ def test_bad_command_lines_are_refused(args, message, capsys):
 def test_every_bench_flag_is_documented():
     readme = (ROOT / "docs" / "benchmarks.md").read_text()
     parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
+    add_arguments(parser)
     flags = [opt for action in parser._actions for opt in action.option_strings
              if opt.startswith("--") and opt != "--help"]
 

@@ -32,6 +32,10 @@ def build_model(parameters):
 EAGER = """
 import torch
 
+# Slow (it compiles batchgate-floor against torch's C++ libraries): make test-fast leaves it
+# out.
+pytestmark = pytest.mark.slow
+
 
 def build_model(parameters):
     return torch.nn.Linear(2, 2)

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from batchgate.bench import inprocess, serving
-from batchgate.bench._perf_analyzer import PerfRun, run_perf_analyzer
-from batchgate.bench.serving import PerfRow, Step, parse_metrics, parse_perf_analyzer_csv
+from batchgate.bench import inprocess, serving, serving_report, steps
+from batchgate.bench._perf_analyzer import (
+    PerfRow, PerfRun, parse_perf_analyzer_csv, run_perf_analyzer)
+from batchgate.bench.steps import Step, parse_metrics
 from batchgate.bench.harness.repository import write_model
 from tests.support.models import xy_config
 
@@ -240,14 +241,14 @@ def test_the_serving_ratio_is_split_at_the_batch_size_the_server_formed():
     # The c=1 step's p50 is 2 ms and the model's batch-1 time 1 ms: it idles 1 ms a request.
     assert serving.c1_idle_ms(modes, 1.0) == pytest.approx(1.0)
     from_idle = {"batch_size": 1, "batch_p50_ms": 1.25, "idle_ms": 1.0}
-    report = serving.summarize(args, before, after, modes, None, 10.0, from_idle)
+    report = serving_report.summarize(args, before, after, modes, None, 10.0, from_idle)
     figures = report["modes"]["native"]["load_generators"]["bench"]["figures"]
     assert figures["added_p50_ms"] == pytest.approx(1.0)
     assert figures["added_p50_from_idle_ms"] == pytest.approx(0.75)
     assert figures["ratio"] == pytest.approx(3000 / 5000)
     assert figures["inprocess_at_batch_per_s"] == 4000.0
     assert figures["vs_inprocess_at_batch"] == pytest.approx(3000 / 4000)
-    table = serving.render(json.loads(json.dumps(report)))
+    table = serving_report.render(json.loads(json.dumps(report)))
     assert "vs in-process at that batch" in table
     assert "batch 30 4,000 samples/s" in table
     assert "from idle: in-process batch 1 p50 1.25 ms" in table
@@ -256,9 +257,9 @@ def test_the_serving_ratio_is_split_at_the_batch_size_the_server_formed():
     assert "load generators on every CPU" in table
     assert report["settings"]["load_cpus"] is None
     args.load_cpus = (0,)
-    report = serving.summarize(args, before, after, modes, None, 10.0, from_idle)
+    report = serving_report.summarize(args, before, after, modes, None, 10.0, from_idle)
     assert report["settings"]["load_cpus"] == [0]
-    assert "load generators on CPU 0" in serving.render(json.loads(json.dumps(report)))
+    assert "load generators on CPU 0" in serving_report.render(json.loads(json.dumps(report)))
 
 
 def test_each_mode_is_read_against_the_floor_of_the_same_run():
@@ -279,14 +280,14 @@ def test_each_mode_is_read_against_the_floor_of_the_same_run():
     args = argparse.Namespace(model="mlp", server_arg=[], seconds_per_step=4.0)
     # The native c=1 step's p50 is 2 ms, the floor's 1.4, the model's batch-1 time 1 ms.
     assert serving.c1_idle_ms(modes, 1.0) == pytest.approx(1.0)
-    report = serving.summarize(args, before, after, modes, None, 10.0)
+    report = serving_report.summarize(args, before, after, modes, None, 10.0)
     native = report["modes"]["native"]["load_generators"]["bench"]
     assert native["figures"]["vs_floor"] == pytest.approx(3000 / 4000)
     assert native["figures"]["p50_over_floor_ms"] == pytest.approx(2.0 - 1.4)
     assert set(native["targets"]) >= {"ratio", "c64_p99_ms", "added_p50_ms"}
     yardstick = report["modes"]["floor"]["load_generators"]["bench"]
     assert yardstick["targets"] == {} and yardstick["figures"]["vs_floor"] is None
-    table = serving.render(json.loads(json.dumps(report)))
+    table = serving_report.render(json.loads(json.dumps(report)))
     assert "native/bench: c=64 0.75 of the floor's throughput, c=1 p50 +0.60 ms over the floor's" \
         in table
     floor_row = next(line for line in table.splitlines() if line.startswith("floor"))
@@ -316,11 +317,11 @@ def test_load_generators_started_while_confined_run_on_those_cpus_only():
     mine = os.sched_getaffinity(0)
     first = min(mine)
     probe = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
-    with serving.confined((first,)):
+    with steps.confined((first,)):
         inside = subprocess.run(probe, capture_output=True, text=True, check=True).stdout
     assert json.loads(inside) == [first]
     assert os.sched_getaffinity(0) == mine
-    with serving.confined(None):
+    with steps.confined(None):
         anywhere = subprocess.run(probe, capture_output=True, text=True, check=True).stdout
     assert json.loads(anywhere) == sorted(mine)
 

@@ -21,6 +21,9 @@ from batchgate.protos import inference_pb2_grpc
 from tests.support.models import reference
 from tests.support.tools import PERF_ANALYZER, PERF_ANALYZER_ANY_STABILITY, perf_analyzer_unavailable
 
+# Slow (tritonclient and perf_analyzer runs in subprocesses): make test-fast leaves it out.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 
 TRITONCLIENT_SCRIPT = textwrap.dedent('''

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+# Slow (each fuzz target runs for BATCHGATE_FUZZ_SECONDS): make test-fast leaves it out.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 SECONDS = int(os.environ.get("BATCHGATE_FUZZ_SECONDS", "20"))  # each of three targets
 TARGETS = ("request", "reply", "frame")

@@ -16,18 +16,18 @@ import pytest
 from batchgate.clients import Client, RetryPolicy
 from tests.support.load import Load
 from tests.support.polling import poll
+from tests.support.regions import servers_leftovers
 from tests.support.servers import start_multiprocess_server
 
-
-# Regions the tests' own clients create (test_native_parity, test_shared_memory): on a machine
-# where another suite runs at once they come and go beside the server under test.
-CLIENT_REGION_PREFIXES = ("batchgate_parity_", "bg_in_", "bg_out_")
+# Slow (each test runs its own supervisor under load and kills its children): make test-fast
+# leaves it out.
+pytestmark = pytest.mark.slow
 
 
 def dev_shm() -> set[str]:
     """What is in /dev/shm, less what test clients make: a server's leftovers would show here."""
     names = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    return {name for name in names if not name.startswith(CLIENT_REGION_PREFIXES)}
+    return servers_leftovers(names)
 
 
 @pytest.fixture

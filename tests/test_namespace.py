@@ -186,6 +186,7 @@ def wheel_env(tmp_path_factory):
     return wheel, python
 
 
+@pytest.mark.slow  # builds and installs the wheel
 def test_wheel_holds_only_the_batchgate_namespace(wheel_env):
     wheel, _ = wheel_env
     with zipfile.ZipFile(wheel) as archive:
@@ -237,6 +238,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # builds and installs the wheel
 def test_wheel_sdk_and_tritonclient_in_one_process(wheel_env, server, tmp_path):
     _, python = wheel_env
     script = IN_ONE_PROCESS.format(folders=FOLDERS, address=server.address)
@@ -245,6 +247,7 @@ def test_wheel_sdk_and_tritonclient_in_one_process(wheel_env, server, tmp_path):
     assert done.stdout.split() == ["ok"]
 
 
+@pytest.mark.slow  # builds and installs the wheel
 def test_wheel_console_script_without_the_server_extra(wheel_env, tmp_path):
     _, python = wheel_env
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
@@ -321,6 +324,7 @@ def test_the_wheel_with_the_server_extra_runs_the_benchmarks_without_a_test_tree
     assert int(count) > 20, done.stdout
 
 
+@pytest.mark.slow  # builds and installs the wheel
 def test_wheel_holds_the_example_repository_and_the_floors_source(wheel_env):
     wheel, _ = wheel_env
     with zipfile.ZipFile(wheel) as archive:

@@ -36,15 +36,19 @@ from batchgate.server.executor.shared_memory import OFF_MESSAGE
 from tests.support.load import Load
 from tests.support.models import NUMERIC_TYPES
 from tests.support.raw_http2 import unary_call
+from tests.support.regions import PARITY_REGION_PREFIX
 from tests.support.sanitizers import SANITIZED, SANITIZER_ENV, SANITIZER_REPORTS
 from tests.support.servers import native_or_skip, start_in_mode
+
+# Slow (every front end side by side, the sanitizer build too): make test-fast leaves it out.
+pytestmark = pytest.mark.slow
 
 MODES = ("single", "native", "native-asan")
 # Regions every server has registered (SharedRegions): inputs are read from the first, outputs
 # written into the second.
 REGION_BYTES = 4096
 IN_REGION, OUT_REGION = "parity_in", "parity_out"
-KEYS = {name: f"/batchgate_parity_{name}_{uuid.uuid4().hex[:8]}"
+KEYS = {name: f"/{PARITY_REGION_PREFIX}{name}_{uuid.uuid4().hex[:8]}"
         for name in (IN_REGION, OUT_REGION)}
 
 
@@ -285,7 +289,7 @@ def matrix() -> list[tuple[str, str, object]]:
             ("register, a key with a slash", "SystemSharedMemoryRegister",
              register(name="r", key="a/b", byte_size=8)),
             ("register, a key that is not there", "SystemSharedMemoryRegister",
-             register(name="r", key="/batchgate_parity_none", byte_size=8)),
+             register(name="r", key=f"/{PARITY_REGION_PREFIX}none", byte_size=8)),
             ("register, byte size 0", "SystemSharedMemoryRegister",
              register(name="r", key=in_key, byte_size=0)),
             ("register, past the end of the key", "SystemSharedMemoryRegister",

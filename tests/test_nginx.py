@@ -33,6 +33,9 @@ from tests.support import EXAMPLE_MODELS, ROOT
 from tests.support.load import Load
 from tests.support.polling import poll
 
+# Slow (servers behind a real nginx): make test-fast leaves it out.
+pytestmark = pytest.mark.slow
+
 # The SDK's retries carry what a stopping or killed replica had in flight to the other one.
 RETRY = RetryPolicy(max_attempts=8, initial_backoff_s=0.02, max_backoff_s=0.5)
 

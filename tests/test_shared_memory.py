@@ -28,6 +28,7 @@ import pytest
 from batchgate.protos import inference_pb2 as pb
 from batchgate.protos import inference_pb2_grpc
 from tests.support.polling import poll
+from tests.support.regions import CLIENT_REGION_PREFIX
 from tests.support.servers import SERVER_MODES, start_in_mode
 from tests.support.tools import PERF_ANALYZER, PERF_ANALYZER_ANY_STABILITY, perf_analyzer_unavailable
 
@@ -57,7 +58,7 @@ TRITONCLIENT_SCRIPT = textwrap.dedent('''
     import tritonclient.utils.shared_memory as shm
     from tritonclient.utils import InferenceServerException
 
-    url, tag = sys.argv[1], sys.argv[2]
+    url, prefix, tag = sys.argv[1], sys.argv[2], sys.argv[3]
     c = grpcclient.InferenceServerClient(url=url)
     out = {"extensions": list(c.get_server_metadata().extensions)}
 
@@ -71,12 +72,13 @@ TRITONCLIENT_SCRIPT = textwrap.dedent('''
     # "failing" is y = x + 1 over FP32 [2], batching up to 8.
     x = np.array([[1.5, -2.0], [3.0, 4.25]], dtype=np.float32)
     nbytes = x.nbytes
-    h_in = shm.create_shared_memory_region("in", "/bg_in_" + tag, 64)
-    h_out = shm.create_shared_memory_region("out", "/bg_out_" + tag, 64)
+    h_in = shm.create_shared_memory_region("in", prefix + "in_" + tag, 64)
+    h_out = shm.create_shared_memory_region("out", prefix + "out_" + tag, 64)
     shm.set_shared_memory_region(h_in, [x], offset=16)
-    c.register_system_shared_memory("in", "/bg_in_" + tag, 48, offset=16)
-    c.register_system_shared_memory("out", "/bg_out_" + tag, 64)
-    out["duplicate"] = error(lambda: c.register_system_shared_memory("in", "/bg_in_" + tag, 8))
+    c.register_system_shared_memory("in", prefix + "in_" + tag, 48, offset=16)
+    c.register_system_shared_memory("out", prefix + "out_" + tag, 64)
+    out["duplicate"] = error(
+        lambda: c.register_system_shared_memory("in", prefix + "in_" + tag, 8))
 
     def request(in_offset=0, in_bytes=nbytes, out_region="out", out_bytes=nbytes, out_offset=0):
         i = grpcclient.InferInput("INPUT__0", list(x.shape), "FP32")
@@ -112,9 +114,9 @@ TRITONCLIENT_SCRIPT = textwrap.dedent('''
     from tritonclient.utils import serialize_byte_tensor
     serialized = serialize_byte_tensor(words)
     text_bytes = len(serialized.item())
-    h_text = shm.create_shared_memory_region("text", "/bg_text_" + tag, 256)
+    h_text = shm.create_shared_memory_region("text", prefix + "text_" + tag, 256)
     shm.set_shared_memory_region(h_text, [serialized])
-    c.register_system_shared_memory("text", "/bg_text_" + tag, 256)
+    c.register_system_shared_memory("text", prefix + "text_" + tag, 256)
     i = grpcclient.InferInput("TEXT", [2, 1], "BYTES")
     i.set_shared_memory("text", text_bytes)
     o = grpcclient.InferRequestedOutput("LENGTH")
@@ -133,7 +135,7 @@ TRITONCLIENT_SCRIPT = textwrap.dedent('''
         inputs, outputs = request(**kwargs)
         return error(lambda: c.infer("failing", inputs, outputs=outputs))
 
-    c.register_system_shared_memory("small", "/bg_in_" + tag, 8)
+    c.register_system_shared_memory("small", prefix + "in_" + tag, 8)
     def small():
         i = grpcclient.InferInput("INPUT__0", list(x.shape), "FP32")
         i.set_shared_memory("small", nbytes)
@@ -144,16 +146,16 @@ TRITONCLIENT_SCRIPT = textwrap.dedent('''
     out["output_too_small"] = infer_error(out_bytes=8)
     out["unknown_region"] = infer_error(out_region="nope")
     out["register_past_end"] = error(
-        lambda: c.register_system_shared_memory("big", "/bg_in_" + tag, 64, offset=8))
+        lambda: c.register_system_shared_memory("big", prefix + "in_" + tag, 64, offset=8))
     out["register_no_key"] = error(
-        lambda: c.register_system_shared_memory("none", "/bg_none_" + tag, 8))
+        lambda: c.register_system_shared_memory("none", prefix + "none_" + tag, 8))
     out["register_escape"] = error(
         lambda: c.register_system_shared_memory("esc", "/../etc/passwd", 8))
 
     # A region the client unlinks while it is registered.
-    h_gone = shm.create_shared_memory_region("gone", "/bg_gone_" + tag, 64)
+    h_gone = shm.create_shared_memory_region("gone", prefix + "gone_" + tag, 64)
     shm.set_shared_memory_region(h_gone, [x])
-    c.register_system_shared_memory("gone", "/bg_gone_" + tag, 64)
+    c.register_system_shared_memory("gone", prefix + "gone_" + tag, 64)
     shm.destroy_shared_memory_region(h_gone)
     def gone():
         i = grpcclient.InferInput("INPUT__0", list(x.shape), "FP32")
@@ -162,7 +164,7 @@ TRITONCLIENT_SCRIPT = textwrap.dedent('''
     out["unlinked"] = error(gone)
     # A region the client truncates while it is registered: an error, never a crash.
     c.unregister_system_shared_memory("small")
-    os.truncate("/dev/shm/bg_in_" + tag, 0)
+    os.truncate("/dev/shm" + prefix + "in_" + tag, 0)
     out["truncated"] = infer_error()
     out["live_after"] = c.is_server_live()
 
@@ -186,11 +188,12 @@ TRITONCLIENT_SCRIPT = textwrap.dedent('''
 def run_tritonclient(address: str) -> dict:
     tag = uuid.uuid4().hex[:12]
     try:
-        done = subprocess.run([sys.executable, "-c", TRITONCLIENT_SCRIPT, address, tag],
+        done = subprocess.run([sys.executable, "-c", TRITONCLIENT_SCRIPT, address,
+                               "/" + CLIENT_REGION_PREFIX, tag],
                               capture_output=True, text=True, timeout=120)
     finally:  # what a script that failed half-way left behind
         for name in os.listdir("/dev/shm"):
-            if name.startswith("bg_") and name.endswith("_" + tag):
+            if name.startswith(CLIENT_REGION_PREFIX) and name.endswith("_" + tag):
                 os.unlink("/dev/shm/" + name)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -260,7 +263,7 @@ class Region:
     """A file in /dev/shm, as a client's shm_open makes one."""
 
     def __init__(self, size: int) -> None:
-        self.key = f"/bg_test_{uuid.uuid4().hex[:12]}"
+        self.key = f"/{CLIENT_REGION_PREFIX}test_{uuid.uuid4().hex[:12]}"
         self.path = "/dev/shm" + self.key
         self.fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         os.ftruncate(self.fd, size)

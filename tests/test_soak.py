@@ -12,7 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from batchgate.bench.soak import Tally, compare_counts
+
+# Slow (the soak harness drives a server for seconds): make test-fast leaves it out.
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -38,6 +38,7 @@ from batchgate.server.supervisor.supervisor import RestartPolicy, Supervisor, Su
 from batchgate.bench.harness.metrics import Samples, metrics_url
 from batchgate.bench.harness.metrics import scrape as scrape_url
 from tests.support.polling import poll
+from tests.support.regions import servers_leftovers
 from tests.support.servers import native_or_skip
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -241,7 +242,7 @@ def ready_pids(supervisor: Supervisor) -> dict | None:
 
 
 def test_starts_the_executor_first_then_the_front_end_and_forwards_their_lines(make_supervisor):
-    shm_before = {n for n in os.listdir("/dev/shm") if "batchgate" in n}
+    shm_before = {n for n in servers_leftovers(os.listdir("/dev/shm")) if "batchgate" in n}
     supervisor, sink = make_supervisor()
     supervisor.start()
     assert supervisor.serving and supervisor.models == ["standin"]
@@ -284,7 +285,7 @@ def test_starts_the_executor_first_then_the_front_end_and_forwards_their_lines(m
     assert supervisor.stop() == 0
     assert not any(alive(pid) for pid in children)
     assert not metrics_dir.exists()
-    assert {n for n in os.listdir("/dev/shm") if "batchgate" in n} <= shm_before
+    assert {n for n in servers_leftovers(os.listdir("/dev/shm")) if "batchgate" in n} <= shm_before
 
 
 @pytest.mark.parametrize("cuda", [False, True])

@@ -11,6 +11,7 @@ from ``tests.conftest`` or from each other; ``conftest.py`` holds only fixtures.
 - ``batching``: the batch loop's fake model, spec and requests;
 - ``fake_server``: a fake KServe v2 server for the SDK's tests;
 - ``messages``: v2 requests built and read by hand;
+- ``regions``: the names of the shared-memory regions the tests' clients make;
 - ``pki``: throwaway certificates; ``tools``: outside tools and whether they run here.
 """
 

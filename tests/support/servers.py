@@ -26,6 +26,14 @@ def native_or_skip() -> None:
     pytest.skip(reason)
 
 
+def fast_mode() -> str:
+    """The one server mode ``pytest --fast`` (``make test-fast``) runs: native where it is
+    built, else single."""
+    from batchgate.server.supervisor import native_binary as native
+
+    return "native" if native.unavailable_reason() is None else "single"
+
+
 def start_server(repository: Path, gate=None, **overrides) -> RunningServer:
     """A single-process server on a thread of this process; ``overrides``: ``Settings`` fields."""
     running = start_in_thread(repository, **overrides)
