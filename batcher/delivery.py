@@ -15,13 +15,14 @@ front end instead, from the batch's outputs.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from batchgate.batcher.request import InferenceRequest
 
 
+@runtime_checkable
 class Delivery(Protocol):
     """What a served model answers its requests through."""
 
