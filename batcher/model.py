@@ -782,7 +782,7 @@ class ServedModel:
 
     def _post(self, outcome: Outcome) -> None:
         """On the executor's thread: the outcome to the loop, or delivered here while the loop
-        waits for events (``deliver_inline``)."""
+        waits for events (``Delivery.inline``)."""
         loop = self._loop
         if loop is None or loop.is_closed():
             outcome.account()
