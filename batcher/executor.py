@@ -24,7 +24,7 @@ instance runs the model from its first forward to its last, so its cuBLAS worksp
 thread and stream, never freed) are made once, outside the pools, and a CUDA graph replays
 with the workspace of the thread it was captured on, which no other live instance shares. The
 event loop is touched once per finished batch (``call_soon_threadsafe``; or not at all, when the
-executor process has the thread answer the batch itself: ``ServedModel.deliver_inline``). A
+model's delivery has the thread answer the batch itself: ``Delivery.inline``). A
 model exception fails only its batch.
 
 With ``execution_timeout_ms`` each batch's run goes through a ``TimedRunner``
@@ -122,11 +122,11 @@ class Executor:
         on_dead: Callable[[str], None] | None = None,
         plan: ExecutorPlan | None = None,
         turns: DeviceTurns | None = None,
-        views_wanted: Callable[[], bool] | None = None,
+        views_wanted: bool = True,
     ) -> None:
         self._spec = spec
-        # Asked per batch: False when whoever takes the outcome reads only its whole outputs
-        # (the executor process), so no request gets its own views of them.
+        # False when whoever takes the outcome reads only its whole outputs (the executor
+        # process's delivery), so no request gets its own views of them.
         self._views_wanted = views_wanted
         self._index = index
         self._next_batch = next_batch
@@ -661,9 +661,7 @@ class Executor:
             infer_done = time.perf_counter_ns()
         try:
             host = [to_numpy(t, o.datatype) for t, o in zip(outputs, self._output_specs)]
-            wanted = self._views_wanted
-            results = (self._split(batch.requests, host) if wanted is None or wanted()
-                       else None)
+            results = self._split(batch.requests, host) if self._views_wanted else None
         except Exception as exc:
             log.exception("batch_outputs_failed", model=self._spec.name, batch=batch.id)
             self._fail(batch, ModelExecutionError(

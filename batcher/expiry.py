@@ -35,10 +35,7 @@ SWEEP_AT = 4096
 def _live(ref: weakref.ref) -> InferenceRequest | None:
     """The entry's request while it still waits for an answer, else None."""
     request = ref()
-    if request is None:
-        return None
-    future = request.future
-    if future is None or future.done():
+    if request is None or request.answered:
         return None
     return request
 
@@ -61,7 +58,7 @@ class Expiry:
 
     def watch(self, request: InferenceRequest, loop: asyncio.AbstractEventLoop) -> None:
         """Expire ``request`` at ``request.deadline`` (on the ``time.monotonic()`` clock, which
-        is the loop's) unless its future is done by then."""
+        is the loop's) unless it was answered by then."""
         deadline = request.deadline
         heap = self._heap
         heapq.heappush(heap, (deadline, next(self._sequence), weakref.ref(request)))

@@ -1,10 +1,10 @@
 """ServedModel: one loaded model version, its queue, its executors, its statistics.
 
 The event loop calls ``infer``; everything blocking (loading steps, draining) happens in
-``start`` and ``stop``, which the caller runs off the loop. Each request gets one future,
-resolved only through guarded helpers (never twice), and removed from the queue in ``finally``
-when its caller goes away or its deadline passes, so nothing leaks and no dead request reaches
-a batch.
+``start`` and ``stop``, which the caller runs off the loop. Each request is answered once (its
+``answered`` flag guards it), through the delivery the model's host passed at construction
+(``batcher/delivery.py``), and removed from the queue when its caller goes away or its deadline
+passes, so nothing leaks and no dead request reaches a batch.
 
 ``start`` loads in this order, and the model answers only once all of it is done:
 
@@ -69,6 +69,7 @@ from batchgate.batcher.errors import (
     ResourceExhausted,
 )
 from batchgate.batcher.batch import ExecutorPlan, Outcome, Slot
+from batchgate.batcher.delivery import Delivery, FutureDelivery
 from batchgate.batcher.expiry import Expiry
 from batchgate.batcher.executor import Executor
 from batchgate.batcher.forward import unpack_outputs
@@ -103,11 +104,6 @@ def _next_batch_id() -> int:
         return next(_batch_ids)
 
 
-def _reject(future: asyncio.Future, error: BaseException) -> None:
-    if not future.done():
-        future.set_exception(error)
-
-
 class ServedModel:
     def __init__(
         self,
@@ -121,6 +117,7 @@ class ServedModel:
         profile: LatencyProfile | None = None,
         memory: gpu.ModelMemory | None = None,
         devices: Devices | None = None,
+        delivery: Delivery | None = None,
     ) -> None:
         """``pools``: the server's device memory pools; without them (tests, benchmarks) the
         model's buffers are plain tensors. ``on_failed(reason)``: an instance stopped for good
@@ -129,7 +126,9 @@ class ServedModel:
         weights were loaded under (default: new ones, which its weights are not in); this
         model closes them when it stops. ``devices``: the process's devices, whose pools and
         weighted turns the models placed on one device share (default: devices of this model's
-        own, over ``pools``)."""
+        own, over ``pools``). ``delivery``: where answers go (``batcher/delivery.py``; default:
+        each request's asyncio future, as ``infer`` awaits it)."""
+        self._delivery: Delivery = delivery if delivery is not None else FutureDelivery()
         self._spec = spec
         self.memory = memory if memory is not None else gpu.ModelMemory(spec.device, spec.name)
         self.footprint: gpu.Footprint | None = None
@@ -188,16 +187,6 @@ class ServedModel:
         self._accounting = ModelAccounting(stats=self.stats, profile=self.profile,
                                            metrics=self._metrics, slo_s=self._slo_s,
                                            after_batch=self._after_batch)
-        # Called on the loop once per finished batch, before the requests' futures are resolved:
-        # (the batch's requests, its outputs). The executor process writes a batch's outputs
-        # into shared memory once, here, not once per request. With it set, no request gets
-        # views of its rows: the futures (the caller's own, see ``submit``) resolve to None.
-        self.on_results: Callable[[list[InferenceRequest], list[np.ndarray]], None] | None = None
-        # Called from the executor thread that finished a batch while no other batch of the
-        # model waits, with the batch's delivery: True when it ran it there and then (the
-        # executor process does, while its loop waits for events and nothing is pending on it,
-        # saving the loop's wake-up at low load); False hands it to the loop as usual.
-        self.deliver_inline: Callable[[Callable[[], None]], bool] | None = None
 
     @property
     def spec(self) -> ModelSpec:
@@ -501,7 +490,7 @@ class ServedModel:
             spec, self._module, index=index, next_batch=self._queue.next_batch,
             wake=self._queue.wake, deliver=self._post, batch_ids=_next_batch_id,
             accounting=self._accounting, on_dead=self._instance_died, plan=plan,
-            turns=self._turns, views_wanted=lambda: self.on_results is None)
+            turns=self._turns, views_wanted=self._delivery.per_request_views)
 
     def _after_batch(self) -> None:
         """After each batch: the gauges that follow the memory in use, and the largest bucket
@@ -606,29 +595,33 @@ class ServedModel:
     # -- the event loop's side -----------------------------------------------------------------
 
     async def infer(self, request: InferenceRequest) -> dict[str, np.ndarray]:
-        """Queue ``request`` and wait for its outputs (arrays for this request's rows only)."""
-        future = self.submit(request)
+        """Queue ``request`` and wait for its outputs (arrays for this request's rows only):
+        for a model answering through futures (``FutureDelivery``, the default). A host with a
+        delivery of its own submits (``submit``, ``submit_group``) and is answered through it."""
+        if not isinstance(self._delivery, FutureDelivery):
+            raise TypeError(f"model '{self._spec.name}' answers through its host's delivery "
+                            f"({type(self._delivery).__name__}), not futures: submit instead")
+        future = asyncio.get_running_loop().create_future()
+        request.caller = future
+        self.submit(request)
         try:
             return await future
         except asyncio.CancelledError:
             # A running batch still finishes; its answer is dropped.
             if self._queue.remove(request):
                 self._removed(request)
-            if future.cancelled():
+            if not request.answered:
+                request.answered = True
                 self._count_failure("cancelled", [request])
             raise
 
-    def submit(self, request: InferenceRequest, future=None, *,
-               publish_depth: bool = True) -> asyncio.Future:
-        """Queue ``request``; its future resolves to its outputs (on the running loop).
+    def submit(self, request: InferenceRequest, *, publish_depth: bool = True) -> None:
+        """Queue ``request``; its answer goes to the model's delivery (on the running loop).
 
-        Refusals (unavailable, bad priority, queue full, admission control) raise at once. The
-        caller that gives up on the future must call ``cancel(request)`` (``infer`` does).
-        ``future``: the caller's own (anything with ``done``, ``set_result``,
-        ``set_exception`` and ``add_done_callback``), resolved on the loop instead of a new
-        asyncio future: the executor process answers each request from there, saving a loop
-        callback per request. ``publish_depth`` False: the queue-depth gauge is left for the
-        caller's ``publish_depth`` after the run of requests it submits in one go.
+        Refusals (unavailable, bad priority, queue full, admission control) raise at once. A
+        caller that gives up on the request calls ``cancel(request)`` (``infer`` does).
+        ``publish_depth`` False: the queue-depth gauge is left for the caller's
+        ``publish_depth`` after the run of requests it submits in one go.
         """
         if not self._accepting:
             raise ModelUnavailable(self._not_serving())
@@ -638,25 +631,20 @@ class ServedModel:
         self._resolve(request)
         if self._admission is not None and request.deadline is not None:
             self._admit(request)
-
-        if future is None:
-            future = loop.create_future()
-        request.future = future
         try:
             self._queue.put(request, publish_depth)
         except QueueFull:
             self._count_failure("rejected", [request])
             raise
         self._queued(request, loop)
-        return future
 
-    def submit_all(self, requests: list[InferenceRequest], futures: list
-                   ) -> list[tuple[int, BatchgateError]]:
-        """``submit(request, future, publish_depth=False)`` for each request and its future, in
-        order (the executor process's requests of one read): the ones refused, as (index,
-        error); the others are queued. Admission control's quick bound is asked once for them
-        all, and the queue's lock taken once; where the bound cannot tell, each is submitted in
-        turn, seeing the ones before it queued."""
+    def submit_group(self, requests: list[InferenceRequest]
+                     ) -> list[tuple[int, BatchgateError]]:
+        """``submit(request, publish_depth=False)`` for each of ``requests``, in order (the
+        executor process's requests of one read): the ones refused, as (index, error); the
+        others are queued. Admission control's quick bound is asked once for them all, and the
+        queue's lock taken once; where the bound cannot tell, each is submitted in turn, seeing
+        the ones before it queued."""
         if len(requests) > 1 and self._accepting:
             if self._loop is None:
                 self._loop = asyncio.get_running_loop()
@@ -668,7 +656,6 @@ class ServedModel:
                 except BatchgateError as exc:
                     refused.append((index, exc))
                     continue
-                request.future = futures[index]
                 resolved.append(index)
             chosen = [requests[i] for i in resolved]
             if chosen and self._surely_admitted(chosen):
@@ -683,12 +670,11 @@ class ServedModel:
                 refused.extend((resolved[i], error) for i, error in turned_away)
                 return refused
             requests = chosen  # the bound cannot tell: each in turn, as below
-            futures = [futures[i] for i in resolved]
         else:
             refused, resolved = [], list(range(len(requests)))
-        for index, request, future in zip(resolved, requests, futures):
+        for index, request in zip(resolved, requests):
             try:
-                self.submit(request, future, publish_depth=False)
+                self.submit(request, publish_depth=False)
             except BatchgateError as exc:
                 refused.append((index, exc))
         return refused
@@ -769,22 +755,23 @@ class ServedModel:
         # A running batch still finishes; its answer is dropped.
         if self._queue.remove(request):
             self._removed(request)
-        if request.future is not None and not request.future.done():
+        if not request.answered:
+            request.answered = True
             self._count_failure("expired", [request])
-            request.future.set_exception(
-                DeadlineExceeded(f"request expired after waiting "
-                                 f"{(time.monotonic() - request.arrival) * 1e3:.1f} ms "
-                                 f"for model '{self._spec.name}'")
-            )
+            self._delivery.failed([request], DeadlineExceeded(
+                f"request expired after waiting "
+                f"{(time.monotonic() - request.arrival) * 1e3:.1f} ms "
+                f"for model '{self._spec.name}'"))
 
     def cancel(self, request: InferenceRequest) -> None:
         """Answer a request CANCELLED on its caller's behalf (stream cancellation, a front end
         that went away): a queued one leaves the queue; a running one's answer is dropped."""
         if self._queue.remove(request):
             self._removed(request)
-        if request.future is not None and not request.future.done():
+        if not request.answered:
+            request.answered = True
             self._count_failure("cancelled", [request])
-            request.future.set_exception(RequestCancelled("the request was cancelled"))
+            self._delivery.failed([request], RequestCancelled("the request was cancelled"))
 
     def _removed(self, request: InferenceRequest) -> None:
         """``request`` left the queue without running: its staged inputs go back."""
@@ -795,14 +782,13 @@ class ServedModel:
 
     def _post(self, outcome: Outcome) -> None:
         """On the executor's thread: the outcome to the loop, or delivered here while the loop
-        waits for events (``deliver_inline``)."""
+        waits for events (``Delivery.inline``)."""
         loop = self._loop
         if loop is None or loop.is_closed():
             outcome.account()
             return
-        inline = self.deliver_inline
-        if (inline is not None and not self._queue.depth
-                and inline(functools.partial(self._deliver, outcome))):
+        if not self._queue.depth and self._delivery.inline(
+                functools.partial(self._deliver, outcome)):
             return
         try:
             loop.call_soon_threadsafe(self._deliver, outcome)
@@ -827,28 +813,36 @@ class ServedModel:
                     request.on_release()
             if outcome.release_only:
                 return
+        delivery = self._delivery
         if outcome.error is not None:
-            self._count_failure("model_error", [r for r in requests if not r.future.done()])
-            for request in requests:
-                _reject(request.future, outcome.error)
+            pending = [r for r in requests if not r.answered]
+            self._count_failure("model_error", pending)
+            for request in pending:
+                request.answered = True
+            delivery.failed(pending, outcome.error)
             return
-        for request in requests:
-            if request.input_error is not None:  # its inputs could not be read: it alone fails
-                _reject(request.future, request.input_error)
-        if self.on_results is not None:
-            self.on_results(requests, outcome.outputs)
+        # Expired or cancelled while the batch ran (answered and counted then) are left out.
+        live, first_rows, views = [], [], []
+        results = outcome.results
+        row = 0
+        for index, request in enumerate(requests):
+            if not request.answered:
+                request.answered = True
+                if request.input_error is not None:  # its inputs could not be read: it fails
+                    delivery.failed([request], request.input_error)
+                else:
+                    live.append(request)
+                    first_rows.append(row)
+                    if results is not None:
+                        views.append(results[index])
+            row += request.batch_size
         now = time.monotonic()
         if outcome.batch.finished_at is not None:
             self._accounting.delivered(now - outcome.batch.finished_at)
-        answered = []
-        results = outcome.results
-        for request, result in zip(requests, results if results is not None
-                                   else itertools.repeat(None)):
-            if request.future.done():  # expired or cancelled while its batch ran: counted then
-                continue
-            request.future.set_result(result)
-            answered.append(request)
-        self._accounting.answered(answered, now)
+        if live:
+            delivery.results(live, first_rows, outcome.outputs,
+                             views if results is not None else None)
+        self._accounting.answered(live, now)
 
     def _instance_died(self, reason: str) -> None:
         """An executor stopped for good (executor thread): the model stops serving.
@@ -885,10 +879,12 @@ class ServedModel:
             pass
 
     def _fail(self, requests: list[InferenceRequest], error: Exception, reason: str) -> None:
-        pending = [r for r in requests if r.future is not None and not r.future.done()]
+        pending = [r for r in requests if not r.answered]
         self._count_failure(reason, pending)
         for request in pending:
-            request.future.set_exception(error)
+            request.answered = True
+        if pending:
+            self._delivery.failed(pending, error)
 
     def _infeasible_threadsafe(self, requests: list[InferenceRequest]) -> None:
         """The queue dropped ``requests``: their deadlines cannot be met. Called under the

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -17,6 +17,8 @@ TAKEN = 1
 REMOVED = 2
 DONE = 3
 NEW = 4
+
+_monotonic = time.monotonic
 
 
 def batch_shape_key(shapes: Sequence[tuple[int, ...]], *, batching: bool) -> tuple:
@@ -46,7 +48,9 @@ class InferenceRequest:
         "arrival",
         "enqueued",
         "state",
-        "future",
+        "answered",
+        "caller",
+        "tag",
         "on_release",
         "check_inputs",
         "input_error",
@@ -80,7 +84,14 @@ class InferenceRequest:
         self.arrival = time.monotonic()
         self.enqueued = 0.0
         self.state = NEW
-        self.future: asyncio.Future | None = None
+        # Set once, when the model answers the request (a result or an error): nothing answers
+        # it again, and a batch it is still in drops it.
+        self.answered = False
+        # The caller the model's host answers (``batcher/delivery.py``): an asyncio future for
+        # ``ServedModel.infer``, the host's own record of the caller otherwise; ``tag`` is the
+        # host's number for the request. The batcher never reads either.
+        self.caller: Any = None
+        self.tag = 0
         # Called on the event loop when a taken request's batch has finished (its inputs may
         # live in shared memory that their owner reuses only after this).
         self.on_release: Callable[[], None] | None = None
@@ -90,6 +101,34 @@ class InferenceRequest:
         # request then fails alone with that error, and the batch reads zeros in its place.
         self.check_inputs: Callable[[InferenceRequest], None] | None = None
         self.input_error: BaseException | None = None
+
+    @classmethod
+    def taken(cls, inputs: list[np.ndarray], batch_size: int, request_id: str, priority: int,
+              deadline: float | None, timeout_us: int, shape_key: tuple, caller: Any,
+              tag: int) -> InferenceRequest:
+        """A request as ``__init__`` makes it from these (``inputs`` kept as given, the caller
+        and tag set), without its keyword handling: for a host that makes a read's worth at a
+        time (the executor process's group intake)."""
+        self = cls.__new__(cls)
+        self.id = request_id
+        self.inputs = inputs
+        self.batch_size = batch_size
+        self.priority = priority
+        self.level = 0
+        self.deadline = deadline
+        self.timeout_us = timeout_us
+        self.requested_outputs = None
+        self.shape_key = shape_key
+        self.arrival = _monotonic()
+        self.enqueued = 0.0
+        self.state = NEW
+        self.answered = False
+        self.caller = caller
+        self.tag = tag
+        self.on_release = None
+        self.check_inputs = None
+        self.input_error = None
+        return self
 
     @property
     def holds_inputs(self) -> bool:

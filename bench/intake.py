@@ -31,7 +31,8 @@ from batchgate.batcher.spec import BatchingConfig, ModelSpec, TensorSpec
 from batchgate.bench.loadgen.cli import machine
 from batchgate.bench.output import emit, progress
 from batchgate.protos import wire_pb2
-from batchgate.server import executor_process
+from batchgate.server.executor.fronts import FrontEnd
+from batchgate.server.executor.server import ExecutorServer
 
 say = progress("batchgate.bench.intake")
 FORMS = ("Infer", "InferGroup")
@@ -76,10 +77,11 @@ class _Executor:
             inputs=(TensorSpec("INPUT__0", "FP32", (WIDTH,)),),
             outputs=(TensorSpec("OUTPUT__0", "FP32", (WIDTH,)),),
             batching=BatchingConfig(max_batch_size=64), warmup=False)
-        model = ServedModel(spec, lambda x: x, metrics=BatcherMetrics(CollectorRegistry()))
-        self.server = executor_process.ExecutorServer(arena, ArenaLayout(ARENA_BYTES, 1))
-        self.server._handles[1] = (model, executor_process._input_dtypes(spec), True, (0,))
-        self.front = executor_process._FrontEnd(_Sink())
+        self.server = ExecutorServer(arena, ArenaLayout(ARENA_BYTES, 1))
+        model = ServedModel(spec, lambda x: x, metrics=BatcherMetrics(CollectorRegistry()),
+                            delivery=self.server.answers)
+        self.server.handles.add(model)
+        self.front = FrontEnd(_Sink())
         self.front.region = (0, ARENA_BYTES // 2)
 
     def take(self, data: bytes, size: int) -> None:
@@ -89,7 +91,7 @@ class _Executor:
         if len(self.front.requests) != size:
             raise RuntimeError(f"the executor took {len(self.front.requests)} of a frame's "
                                f"{size} requests")
-        self.server._intake = {}
+        self.server.intake.pending = {}
         self.front.requests.clear()
 
 

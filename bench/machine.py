@@ -48,7 +48,7 @@ def process_tree(pid: int) -> dict[int, str]:
             command = Path(f"/proc/{current}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"batchgate.server.executor_process" in command:
+        if b"batchgate.server.executor.process" in command:
             roles[current] = "executor"
         elif b"batchgate-frontend" in command:
             roles[current] = "frontend"

@@ -1,6 +1,6 @@
 """A finished batch's accounting (statistics, metrics, latency profile, memory gauges) runs after
 its answers, on the thread that delivers them: on the loop, or on the model's thread when that
-thread answers while the loop waits (``deliver_inline``). Either way it is done before the
+thread answers while the loop waits (``Delivery.inline``). Either way it is done before the
 loop takes anything else, so a statistics call that follows an answer counts its batch."""
 
 from __future__ import annotations
@@ -17,12 +17,48 @@ from batchgate.batcher.model import ServedModel
 from tests.support.batching import RecordingModel, make_spec, request
 
 
+class _Answers:
+    """A delivery (``batcher/delivery.py``) as the executor process's: it notes each batch's
+    answers, resolves each request's own ``concurrent.futures.Future``, and answers inline
+    (on the model's thread, under ``lock``) when it has a lock."""
+
+    per_request_views = False
+
+    def __init__(self) -> None:
+        self.note = lambda what: None
+        self.lock: threading.Lock | None = None
+        self.inlined: list[int] = []
+
+    def results(self, requests, first_rows, outputs, per_request) -> None:
+        self.note("answers")
+        for request in requests:
+            request.caller.set_result(None)
+
+    def failed(self, requests, error) -> None:
+        for request in requests:
+            request.caller.set_exception(error)
+
+    def inline(self, delivery) -> bool:
+        if self.lock is None:
+            return False
+        # As the executor process's LoopHold.inline while its loop waits: the delivery runs
+        # here, under the lock the loop's thread takes back before it runs anything the
+        # answers woke.
+        with self.lock:
+            self.inlined.append(threading.get_ident())
+            delivery()
+        return True
+
+
 @pytest.fixture
 def model():
     registry = CollectorRegistry()
-    served = ServedModel(make_spec(), RecordingModel(), metrics=BatcherMetrics(registry))
+    answers = _Answers()
+    served = ServedModel(make_spec(), RecordingModel(), metrics=BatcherMetrics(registry),
+                         delivery=answers)
     served.start()
     served.registry = registry
+    served.answers = answers
     try:
         yield served
     finally:
@@ -37,9 +73,6 @@ def _watch(model: ServedModel) -> list[tuple[str, int, int]]:
     def note(what: str) -> None:
         events.append((what, threading.get_ident(), model.stats.snapshot().execution_count))
 
-    def on_results(_requests, _outputs) -> None:
-        note("answers")
-
     accounting = model._accounting
     ran, after_batch = accounting.ran, accounting.after_batch
 
@@ -51,7 +84,7 @@ def _watch(model: ServedModel) -> list[tuple[str, int, int]]:
         note("after_batch")
         after_batch()
 
-    model.on_results = on_results
+    model.answers.note = note
     accounting.ran = recording_ran
     accounting.after_batch = recording_after_batch
     return events
@@ -59,7 +92,9 @@ def _watch(model: ServedModel) -> list[tuple[str, int, int]]:
 
 async def _answer(model: ServedModel, value: float) -> None:
     future: concurrent.futures.Future = concurrent.futures.Future()
-    model.submit(request(value), future)
+    submitted = request(value)
+    submitted.caller = future
+    model.submit(submitted)
     await asyncio.wrap_future(future)
 
 
@@ -77,24 +112,13 @@ async def test_accounting_runs_on_the_loop_after_the_answers(model):
 
 async def test_accounting_answered_inline_runs_after_the_answers_on_the_models_thread(model):
     events = _watch(model)
-    handed: list[int] = []
-    loop_lock = threading.Lock()
-
-    def deliver_inline(delivery) -> bool:
-        # As ExecutorServer.deliver_inline while its loop waits: the delivery runs here, under
-        # the lock the loop's thread takes back before it runs anything the answers woke.
-        with loop_lock:
-            handed.append(threading.get_ident())
-            delivery()
-        return True
-
-    model.deliver_inline = deliver_inline
+    loop_lock = model.answers.lock = threading.Lock()
     await _answer(model, 2.0)
     with loop_lock:  # as the loop's selector does on waking
         assert model.stats.snapshot().execution_count == 1
     assert [what for what, _, _ in events] == ["answers", "ran", "after_batch"]
     assert events[0][2] == 0
-    (model_thread,) = handed
+    (model_thread,) = model.answers.inlined
     assert model_thread != threading.get_ident()
     assert {thread for _, thread, _ in events} == {model_thread}
 

@@ -1,4 +1,4 @@
-"""Answering a batch off the executor's loop (``ExecutorServer.deliver_inline``): only while the
+"""Answering a batch off the executor's loop (``LoopHold.inline``, server/executor/loop.py): only while the
 loop's thread waits for events with nothing queued, on the calling thread, its frames written
 before it returns. A real event loop, real threads, a real abstract socket."""
 
@@ -11,19 +11,14 @@ import time
 
 import pytest
 
-from batchgate.server.ipc.arena import ArenaLayout, SharedArena
 from batchgate.protos import wire_pb2
-from batchgate.server import executor_process as ep
 from batchgate.server.ipc import wire
+from batchgate.server.executor.loop import LoopHold
 
 
 @pytest.fixture
 def server():
-    arena = SharedArena.create(1 << 20)
-    try:
-        yield ep.ExecutorServer(arena, ArenaLayout(1 << 20, 1))
-    finally:
-        arena.close()
+    return LoopHold()
 
 
 def _until(condition, timeout_s: float = 10.0) -> None:
@@ -33,10 +28,10 @@ def _until(condition, timeout_s: float = 10.0) -> None:
             raise AssertionError("timed out")
 
 
-def _loop_waiting(server: ep.ExecutorServer) -> None:
+def _loop_waiting(server: LoopHold) -> None:
     """Return once the loop's thread waits in its selector (it let go of the loop lock); it
     keeps waiting until something wakes it."""
-    lock = server._loop_lock
+    lock = server.lock
 
     def free() -> bool:
         if lock.acquire(blocking=False):
@@ -54,11 +49,11 @@ async def test_a_delivery_runs_off_the_loop_only_while_the_loop_waits_with_nothi
     def delivery() -> None:
         ran.append(threading.get_ident())
 
-    server.hold_loop(loop)
+    server.hold(loop)
     try:
         # The loop's thread is busy (here: blocked in a join, outside its selector): refused.
         answers: list[bool] = []
-        busy = threading.Thread(target=lambda: answers.append(server.deliver_inline(delivery)))
+        busy = threading.Thread(target=lambda: answers.append(server.inline(delivery)))
         busy.start()
         busy.join()
         assert answers == [False] and ran == []
@@ -67,20 +62,20 @@ async def test_a_delivery_runs_off_the_loop_only_while_the_loop_waits_with_nothi
             _loop_waiting(server)
             # A callback queued for the loop (an earlier batch's answer, say) goes first.
             loop.call_soon(lambda: None)  # queued without waking the loop
-            behind = server.deliver_inline(delivery)
+            behind = server.inline(delivery)
             loop.call_soon_threadsafe(lambda: None)  # now it runs what is queued
             _until(lambda: not loop._ready)
             _loop_waiting(server)
-            return behind, server.deliver_inline(delivery)
+            return behind, server.inline(delivery)
 
         behind, waiting = await asyncio.to_thread(off_the_loop)
         assert behind is False
         assert waiting is True and len(ran) == 1 and ran[0] != threading.get_ident()
     finally:
-        server.release_loop()
+        server.release()
     # Undone: the loop's own selector again, and nothing delivered off it.
     assert "select" not in vars(loop._selector)
-    assert server.deliver_inline(delivery) is False and len(ran) == 1
+    assert server.inline(delivery) is False and len(ran) == 1
 
 
 async def test_frames_filled_off_the_loop_are_written_before_the_delivery_returns():

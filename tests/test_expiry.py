@@ -13,9 +13,7 @@ from batchgate.batcher.request import InferenceRequest
 
 
 def waiting(loop: asyncio.AbstractEventLoop, deadline: float) -> InferenceRequest:
-    request = InferenceRequest([np.zeros((1, 1), np.float32)], deadline=deadline)
-    request.future = loop.create_future()
-    return request
+    return InferenceRequest([np.zeros((1, 1), np.float32)], deadline=deadline)
 
 
 async def test_requests_expire_in_deadline_order_and_answered_ones_do_not():
@@ -35,7 +33,7 @@ async def test_requests_expire_in_deadline_order_and_answered_ones_do_not():
     early = waiting(loop, now + 0.02)
     for request in (late, answered, early):  # the earlier deadlines re-arm the timer
         expiry.watch(request, loop)
-    answered.future.set_result({})
+    answered.answered = True
     await asyncio.wait_for(last.wait(), 10)
     assert expired == [early, late]
     assert len(expiry) == 0
@@ -64,7 +62,7 @@ async def test_the_heap_holds_no_request_alive_and_sweeps_answered_ones():
         for _ in range(3 * SWEEP_AT):  # answered long before their deadlines
             request = waiting(loop, loop.time() + 3600)
             expiry.watch(request, loop)
-            request.future.set_result({})
+            request.answered = True
         del request
     finally:
         gc.enable()
@@ -91,8 +89,8 @@ async def test_a_dead_first_entry_sweeps_instead_of_one_firing_per_dead_entry(mo
     for i in range(100):  # answered requests due over the next 0.1 s
         request = waiting(loop, now + 0.001 * (i + 1))
         expiry.watch(request, loop)
-        request.future.set_result({})
+        request.answered = True
     expiry.watch(live := waiting(loop, now + 0.2), loop)
     await asyncio.wait_for(done.wait(), 10)
-    assert not live.future.done()  # expire() is the caller's to act on
+    assert not live.answered  # expire() is the caller's to act on
     assert fired == 2  # the first dead entry's deadline, then the live one's

@@ -28,7 +28,7 @@ from batchgate.batcher.request import QUEUED, TAKEN, InferenceRequest
 from batchgate.batcher.spec import BatchingConfig, ModelSpec, TensorSpec
 from batchgate.batcher.staging import Block, InputStager
 from tests.support.batching import infer_x, unit_spec
-from batchgate.server.executor_process import pin_arena
+from batchgate.server.executor.process import pin_arena
 
 CUDA = torch.cuda.is_available()
 ILLEGAL_ADDRESS = ("CUDA error: an illegal memory access was encountered\n"

@@ -1,11 +1,12 @@
-"""A read's requests queued together: ``ModelQueue.put_all``, ``ServedModel.submit_all`` and the
-executor process's ``read``. Together they must decide exactly what queueing each request in
+"""A read's requests queued together: ``ModelQueue.put_all``, ``ServedModel.submit_group`` and
+the executor process's ``read``. Together they must decide exactly what queueing each request in
 turn decides (order, queue limits, priorities, admission control), and a request cancelled in
 the read that brought it never queues."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -23,7 +24,8 @@ from batchgate.batcher.queue import ModelQueue
 from batchgate.batcher.request import NEW, QUEUED
 from batchgate.batcher.spec import BatchingConfig, QueuePolicy
 from batchgate.protos import wire_pb2
-from batchgate.server import executor_process as ep
+from batchgate.server.executor.fronts import FrontEnd
+from batchgate.server.executor.server import ExecutorServer
 from batchgate.server.rules.status import Code
 from tests.support.batching import RecordingModel, hold_executor, make_spec, request
 from tests.support.polling import apoll
@@ -94,10 +96,9 @@ def _counts(registry: CollectorRegistry) -> dict[str, float]:
 
 @pytest.mark.parametrize("tight", [True, False], ids=["tight-deadlines", "loose-deadlines"])
 @pytest.mark.parametrize("policy", ["fifo", "deadline"])
-async def test_submit_all_decides_what_submitting_each_in_turn_decides(policy, tight):
+async def test_submit_group_decides_what_submitting_each_in_turn_decides(policy, tight):
     """Together (one admission bound when it holds, else each in turn) and one by one: the
     same refusals, the same queue, the same counts; loose deadlines take the quick bound."""
-    loop = asyncio.get_running_loop()
     together, fake_t, registry_t = _model(policy)
     alone, fake_a, registry_a = _model(policy)
     blockers = [await hold_executor(together, fake_t), await hold_executor(alone, fake_a)]
@@ -110,8 +111,7 @@ async def test_submit_all_decides_what_submitting_each_in_turn_decides(policy, t
         admission, checked = together._admission, []
         full_check = admission.check
         admission.check = lambda **kwargs: (checked.append(kwargs), full_check(**kwargs))[1]
-        futures = [loop.create_future() for _ in arrivals_t]
-        refused = {i: type(e) for i, e in together.submit_all(arrivals_t, futures)}
+        refused = {i: type(e) for i, e in together.submit_group(arrivals_t)}
         assert bool(checked) is tight  # loose: the quick bound answered for all of them
         expected = {}
         for i, r in enumerate(arrivals_a):
@@ -126,8 +126,6 @@ async def test_submit_all_decides_what_submitting_each_in_turn_decides(policy, t
         assert [r.state for r in arrivals_t] == [r.state for r in arrivals_a]
         assert together.queue_depth == alone.queue_depth == len(arrivals_t) - len(refused)
         assert _counts(registry_t) == _counts(registry_a)
-        assert [f for i, f in enumerate(futures) if i not in refused] == [
-            r.future for i, r in enumerate(arrivals_t) if i not in refused]
     finally:
         for fake in (fake_t, fake_a):
             fake.gate.set()
@@ -147,7 +145,7 @@ class _FrameSink:
         return self.out
 
 
-def _read(server: ep.ExecutorServer, front: ep._FrontEnd, *frames: wire_pb2.ToExecutor) -> None:
+def _read(server: ExecutorServer, front: FrontEnd, *frames: wire_pb2.ToExecutor) -> None:
     """What the executor does with one read of ``frames``."""
     for frame in frames:
         server.frame(front, frame)
@@ -168,12 +166,12 @@ def executor():
     _infer.arena = arena
     registry = CollectorRegistry()
     fake = RecordingModel()
+    server = ExecutorServer(arena, ArenaLayout(1 << 20, 1))
     model = ServedModel(make_spec(max_batch_size=8, max_inflight_batches=1), fake,
-                        metrics=BatcherMetrics(registry))
+                        metrics=BatcherMetrics(registry), delivery=server.answers)
     model.start()
-    server = ep.ExecutorServer(arena, ArenaLayout(1 << 20, 1))
-    server._handles[1] = (model, ep._input_dtypes(model.spec), True, (0,))
-    front = ep._FrontEnd(_FrameSink())
+    assert server.handles.add(model).handle == 1
+    front = FrontEnd(_FrameSink())
     front.region = (0, 1 << 16)
     try:
         yield server, front, model, fake, registry
@@ -184,9 +182,27 @@ def executor():
         arena.close()
 
 
+async def _hold(server: ExecutorServer, model: ServedModel, fake: RecordingModel
+                ) -> asyncio.Future:
+    """Occupy the model's only executor with a request of another front end's that waits on
+    the gate (``hold_executor`` through the wire: the model answers through the executor's
+    delivery, not futures); the future ends once that request is answered."""
+    fake.gate = threading.Event()
+    other = FrontEnd(_FrameSink())
+    other.region = (1 << 16, 1 << 17)
+    offset = other.region[0]
+    _infer.arena.write(offset, np.full((1, 2), -1.0, np.float32))
+    frame = wire_pb2.ToExecutor()
+    frame.infer.add(rid=1, model=1, batch_size=1).inputs.add(offset=offset, nbytes=8,
+                                                            shape=[1, 2])
+    _read(server, other, frame)
+    await asyncio.get_running_loop().run_in_executor(None, fake.entered.wait, 10)
+    return asyncio.ensure_future(apoll(lambda: not other.requests, what="the blocker answered"))
+
+
 async def test_a_reads_requests_queue_in_order_and_a_refused_one_fails_alone(executor):
     server, front, model, fake, _ = executor
-    blocker = await hold_executor(model, fake)
+    blocker = await _hold(server, model, fake)
     frames = [wire_pb2.ToExecutor() for _ in range(3)]
     _infer(frames[0], 1, 1.0)
     _infer(frames[1], 2, 2.0, priority=9)  # one level only
@@ -206,7 +222,7 @@ async def test_a_reads_requests_queue_in_order_and_a_refused_one_fails_alone(exe
 
 async def test_a_request_cancelled_in_the_read_that_brought_it_never_queues(executor):
     server, front, model, fake, registry = executor
-    blocker = await hold_executor(model, fake)
+    blocker = await _hold(server, model, fake)
     first, second = wire_pb2.ToExecutor(), wire_pb2.ToExecutor(cancel=[2])
     for rid in (1, 2, 3):
         _infer(first, rid, float(rid))
@@ -245,7 +261,7 @@ def _group(frame: wire_pb2.ToExecutor, rows: dict[int, int], model: int = 1,
 
 async def test_a_groups_requests_queue_as_their_infers_would_after_the_frames_infers(executor):
     server, front, model, fake, _ = executor
-    blocker = await hold_executor(model, fake)
+    blocker = await _hold(server, model, fake)
     frame = wire_pb2.ToExecutor()
     deadline_ns = time.monotonic_ns() + 60 * 10**9
     _group(frame, {1: 1, 2: 2, 3: 1}, priorities=[0, 1, 0], deadlines_ns=[0, deadline_ns, 0],
@@ -253,10 +269,10 @@ async def test_a_groups_requests_queue_as_their_infers_would_after_the_frames_in
     _infer(frame, 9, 9.0)
     _read(server, front, frame)
     assert model.queue_depth == 4
-    second = front.requests[2].request
+    second = front.requests[2]
     assert (second.id, second.batch_size, second.priority) == ("id-2", 2, 1)
     assert second.deadline == pytest.approx(deadline_ns / 1e9)
-    assert front.requests[3].request.timeout_us == 30_000_000
+    assert front.requests[3].timeout_us == 30_000_000
     assert [a.shape for a in second.inputs] == [(2, 2)]
     fake.gate.set()
     await blocker
@@ -272,7 +288,7 @@ def test_an_empty_frame_is_no_request(executor):
 
 async def test_a_group_request_cancelled_in_the_frame_that_brought_it_never_queues(executor):
     server, front, model, fake, _ = executor
-    blocker = await hold_executor(model, fake)
+    blocker = await _hold(server, model, fake)
     frame = wire_pb2.ToExecutor(cancel=[2])
     _group(frame, {1: 1, 2: 1, 3: 1})
     _read(server, front, frame)
@@ -287,7 +303,7 @@ async def test_a_group_request_cancelled_in_the_frame_that_brought_it_never_queu
 
 async def test_a_group_request_outside_the_region_fails_alone(executor, caplog):
     server, front, model, fake, _ = executor
-    blocker = await hold_executor(model, fake)
+    blocker = await _hold(server, model, fake)
     frame = wire_pb2.ToExecutor()
     group = _group(frame, {1: 1, 2: 1, 3: 1})
     group.inputs[0].offsets[1] = front.region[1] - 4  # its 8 bytes would pass the region's end
@@ -361,15 +377,15 @@ def test_every_request_of_any_group_is_taken_or_failed_once(executor, group):
     front.link.out = wire_pb2.ToFrontend()  # the fixture's state is shared by the examples
     front.requests.clear()
     server.frame(front, wire_pb2.ToExecutor(groups=[group]))
-    taken = [remote.rid for remote in server._intake.get(model, ([], []))[1]]
-    server._intake = {}
+    taken = [request.tag for request in server.intake.pending.get(model, [])]
+    server.intake.pending = {}
     failed = [failure.rid for failure in front.link.out.failures]
     assert sorted(taken + failed) == list(group.rids)
     assert sorted(front.requests) == sorted(taken)
-    base = server._arena.array(0, np.uint8, (1,)).ctypes.data
+    base = server.arena.array(0, np.uint8, (1,)).ctypes.data
     for rid in taken:  # what it took is what the group said, in the front end's region (the
         # shapes are the front end's to check against the model, as for an Infer)
-        request = front.requests[rid].request
+        request = front.requests[rid]
         (array,) = request.inputs
         assert request.batch_size == group.batch_sizes[rid - 1]
         assert array.shape == (request.batch_size, *group.inputs[0].tail)

@@ -209,12 +209,13 @@ def _answer_batch(rows: list[int], released: bool, wants: dict[int, tuple[int, .
     from batchgate.server.ipc.arena import ArenaLayout, SharedArena
     from batchgate.batcher.request import DONE, TAKEN, InferenceRequest
     from batchgate.batcher.spec import BatchingConfig, ModelSpec, TensorSpec
-    from batchgate.server import executor_process as ep
+    from batchgate.server.executor.fronts import Caller, FrontEnd
+    from batchgate.server.executor.server import ExecutorServer
 
     arena = SharedArena.create(1 << 20)
     try:
-        server = ep.ExecutorServer(arena, ArenaLayout(1 << 20, 1))
-        front = ep._FrontEnd(_FrameSink())
+        server = ExecutorServer(arena, ArenaLayout(1 << 20, 1))
+        front = FrontEnd(_FrameSink())
         spec = ModelSpec(name="m", version="1", platform="test",
                          inputs=(TensorSpec("x", "FP32", (2,)),),
                          outputs=(TensorSpec("y", "FP32", (2,)),
@@ -222,14 +223,16 @@ def _answer_batch(rows: list[int], released: bool, wants: dict[int, tuple[int, .
                          batching=BatchingConfig(max_batch_size=8), warmup=False)
         model = type("Model", (), {"spec": spec})()
         outputs = _batch_outputs(sum(rows))
-        requests = []
+        requests, first_rows = [], []
         for rid, n in enumerate(rows, start=1):
             request = InferenceRequest([np.zeros((n, 2), np.float32)], batch_size=n)
             request.state = DONE if released else TAKEN
-            request.future = ep._Remote(front, rid, model, request, wants.get(rid, (0, 1)))
-            front.requests[rid] = request.future
+            asked = wants.get(rid, (0, 1))
+            request.caller, request.tag = Caller(front, model, asked, None, asked == (0, 1)), rid
+            front.requests[rid] = request
+            first_rows.append(sum(rows[:rid - 1]))
             requests.append(request)
-        server._on_results(requests, outputs)
+        server.answers.results(requests, first_rows, outputs)
         frame = front.link.out
         results = [*frame.results, *(r for b in frame.batches for r in wire.batch_results(b))]
         seen = {r.rid: (r.released, [(bytes(arena.read(o.offset, o.nbytes)), tuple(o.shape))
@@ -287,13 +290,14 @@ async def test_the_executor_splits_answers_across_frames_and_fails_alone_one_no_
     from batchgate.server.ipc.arena import ArenaLayout, SharedArena
     from batchgate.batcher.request import DONE, InferenceRequest
     from batchgate.batcher.spec import BatchingConfig, ModelSpec, TensorSpec
-    from batchgate.server import executor_process as ep
+    from batchgate.server.executor.fronts import Caller, FrontEnd
+    from batchgate.server.executor.server import ExecutorServer
 
     monkeypatch.setattr(wire, "MAX_FRAME_BYTES", 64 * 1024)
     name = _name()
     arena = SharedArena.create(8 << 20)
-    server = ep.ExecutorServer(arena, ArenaLayout(8 << 20, 1))
-    fronts: list[ep._FrontEnd] = []
+    server = ExecutorServer(arena, ArenaLayout(8 << 20, 1))
+    fronts: list[FrontEnd] = []
 
     class Handler:
         frame = read = staticmethod(lambda *_: None)
@@ -303,8 +307,8 @@ async def test_the_executor_splits_answers_across_frames_and_fails_alone_one_no_
             pass
 
     def accept(link: wire.FrontendLink) -> Handler:
-        fronts.append(ep._FrontEnd(link))
-        server._fronts.add(fronts[-1])
+        fronts.append(FrontEnd(link))
+        server.fronts.connected.add(fronts[-1])
         return Handler()
 
     listener = await wire.serve_frontends(name, accept)
@@ -326,11 +330,12 @@ async def test_the_executor_splits_answers_across_frames_and_fails_alone_one_no_
                 rid = first_rid + i
                 request = InferenceRequest([np.zeros((1, 2), np.float32)], batch_size=1)
                 request.state = DONE
-                request.future = ep._Remote(front, rid, model, request, outputs_asked)
-                front.requests[rid] = request.future
+                request.caller = Caller(front, model, outputs_asked, None, outputs_asked == (0,))
+                request.tag = rid
+                front.requests[rid] = request
                 requests.append(request)
                 expected[rid] = outputs[0][i].tobytes()
-            server._on_results(requests, outputs)
+            server.answers.results(requests, range(len(wants)), outputs)
             return expected
 
         # Six Results of 300 outputs each (~6 KB each) and one of 5,000 (~100 KB): ~136 KB.

@@ -110,7 +110,7 @@ def section_gather(report: Report, budget: Budget) -> None:
                    batches=runs, staging=staging, **events)
     arena = SharedArena.create(ARENA_PIN_BYTES)
     try:
-        from batchgate.server.executor_process import pin_arena
+        from batchgate.server.executor.process import pin_arena
 
         started = time.perf_counter()
         pinned = pin_arena(arena, BatcherMetrics(CollectorRegistry()))

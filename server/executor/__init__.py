@@ -1,1 +1,1 @@
-"""The executor process's serving side (in one-process mode, the same process's): the model repository, the control plane, warm-up, load overrides and shared-memory regions."""
+"""The executor process (and, in one-process mode, the same process's serving side): the model repository, its queues and executors, the control plane, warm-up, load overrides and shared-memory regions; in native mode, the modules that read the wire from the front end and answer it (``process.py`` is its entry)."""

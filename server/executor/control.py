@@ -19,6 +19,7 @@ Errors are ``batchgate.batcher.errors`` exceptions, as everywhere below the tran
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from batchgate.batcher.errors import InvalidRequest, NotSupported, ResourceExhausted, quoted
@@ -42,6 +43,13 @@ class ControlPlane:
         self._repository = repository
         self._drain_timeout_s = drain_timeout_s
         self._max_load_files_bytes = max_load_files_bytes
+
+    def handlers(self) -> dict[type, Callable[[Any], Awaitable[Any]]]:
+        """Each request message type this plane answers, and what answers it."""
+        return {pb.ModelStatisticsRequest: self.statistics,
+                pb.RepositoryIndexRequest: self.index,
+                pb.RepositoryModelLoadRequest: self.load,
+                pb.RepositoryModelUnloadRequest: self.unload}
 
     async def statistics(self, request: pb.ModelStatisticsRequest) -> pb.ModelStatisticsResponse:
         stats = await self._repository.statistics(request.name, request.version)

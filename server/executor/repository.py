@@ -51,6 +51,7 @@ from batchgate.batcher.errors import (
     ResourceExhausted,
     quoted,
 )
+from batchgate.batcher.delivery import Delivery
 from batchgate.batcher.device import Devices
 from batchgate.batcher.memory import DevicePools
 from batchgate.batcher.model import ServedModel
@@ -122,9 +123,12 @@ class ModelRepository:
         cuda_available: bool | None = None,
         on_state_change: Callable[[str, str], None] | None = None,
         pools: DevicePools | None = None,
+        delivery: Delivery | None = None,
     ) -> None:
         """``pools``: the device memory pools models are admitted into (default: pools of the
-        default size, strict)."""
+        default size, strict). ``delivery``: where every model's answers go
+        (``batcher/delivery.py``; default: the futures ``ServedModel.infer`` awaits)."""
+        self._delivery = delivery
         self._root = Path(root)
         self._metrics = metrics
         self._pools = pools if pools is not None else DevicePools(metrics=metrics)
@@ -421,7 +425,7 @@ class ModelRepository:
         served = ServedModel(
             spec, module, metrics=self._metrics, warmup_inputs=warmup, pools=self._pools,
             on_failed=None if on_failed is None else lambda reason: on_failed(served, reason),
-            memory=memory, devices=self._devices,
+            memory=memory, devices=self._devices, delivery=self._delivery,
         )
         try:
             served.start()

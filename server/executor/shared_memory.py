@@ -33,6 +33,8 @@ import errno
 import os
 import stat
 import weakref
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import numpy as np
 import structlog
@@ -147,6 +149,15 @@ class SharedMemoryRegistry:
         self._system: dict[str, _SystemRegion] = {}
         self._cuda: dict[str, object] = {}  # name -> batchgate.server.executor.cuda_ipc.CudaRegion
         self._cuda_ipc = None  # batchgate.server.executor.cuda_ipc, imported on the first CUDA registration
+
+    def handlers(self) -> dict[type, Callable[[Any], Awaitable[Any]]]:
+        """Each registration RPC's request message type, and what answers it."""
+        return {pb.SystemSharedMemoryStatusRequest: self.system_status,
+                pb.SystemSharedMemoryRegisterRequest: self.system_register,
+                pb.SystemSharedMemoryUnregisterRequest: self.system_unregister,
+                pb.CudaSharedMemoryStatusRequest: self.cuda_status,
+                pb.CudaSharedMemoryRegisterRequest: self.cuda_register,
+                pb.CudaSharedMemoryUnregisterRequest: self.cuda_unregister}
 
     # -- the registration RPCs -----------------------------------------------------------------
 

@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-EXECUTOR_COMMAND = (sys.executable, "-m", "batchgate.server.executor_process")
+EXECUTOR_COMMAND = (sys.executable, "-m", "batchgate.server.executor.process")
 # The one front end's arena slot: the wire and the arena name front ends by slot.
 FRONTEND_SLOT = 0
 # How long an exited child's last log lines may take to be forwarded (a grandchild that

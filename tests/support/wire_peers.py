@@ -256,7 +256,7 @@ class ExecutorProcess(_Child):
                     "slots": slots, "socket": self.name, "settings": values}
         if frontend_pids is not None:
             handover["frontend_pids"] = {str(slot): pid for slot, pid in frontend_pids.items()}
-        super().__init__([sys.executable, "-m", "batchgate.server.executor_process"],
+        super().__init__([sys.executable, "-m", "batchgate.server.executor.process"],
                          json.dumps(handover).encode(), (arena.fd,))
         self.wait_for("executor_ready", timeout_s=120)
 
