@@ -57,7 +57,7 @@ def frontend_handover(settings: Settings, values: dict, *, slot: int, arena_fd: 
 
 def executor_handover(*, arena_fd: int, arena_bytes: int, socket: str,
                       frontend_pids: dict[str, int], settings: dict) -> bytes:
-    """What the executor process is handed (``server/executor_process.py`` reads it):
+    """What the executor process is handed (``server/executor/process.py`` reads it):
     ``frontend_pids``, the front end alive by slot, whose reads of the arena the executor lets
     end before it welcomes it again; ``settings``, those it acts on (``Settings.handover``)."""
     return json.dumps({"role": EXECUTOR, "arena_fd": arena_fd, "arena_bytes": arena_bytes,
