@@ -36,9 +36,7 @@ under its reason.
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -49,7 +47,6 @@ import structlog
 import torch
 
 from batchgate.batcher import gpu
-from batchgate.batcher import graphs as cuda_graphs
 from batchgate.batcher import precision as precisions
 from batchgate.batcher.accounting import ModelAccounting
 from batchgate.batcher.admission import Admission
@@ -57,46 +54,36 @@ from batchgate.batcher.buckets import BatchBuckets
 from batchgate.batcher.device import Devices
 from batchgate.batcher.device_share import DeviceTurns
 from batchgate.batcher.errors import (
-    AdmissionRefused,
-    BatchgateError,
-    DeadlineExceeded,
-    DeadlineInfeasible,
-    InvalidRequest,
     LoadError,
     ModelUnavailable,
-    QueueFull,
-    RequestCancelled,
     ResourceExhausted,
 )
-from batchgate.batcher.batch import ExecutorPlan, Outcome, Slot
+from batchgate.batcher.batch import ExecutorPlan, Slot
 from batchgate.batcher.delivery import Delivery, FutureDelivery
 from batchgate.batcher.expiry import Expiry
 from batchgate.batcher.executor import Executor
 from batchgate.batcher.forward import unpack_outputs
-from batchgate.batcher.tensors import TORCH_DTYPES, to_torch
+from batchgate.batcher.tensors import to_torch
 from batchgate.batcher.memory import DevicePools
 from batchgate.batcher.metrics import BatcherMetrics, ModelMetrics
-from batchgate.batcher.memory_plan import model_plan
+from batchgate.batcher.model_intake import ModelIntake
+from batchgate.batcher.model_memory import ModelMemory
+from batchgate.batcher.model_outcomes import ModelOutcomes
 from batchgate.batcher.pool import (
-    DEFAULT_POOL_ALIGNMENT,
     DevicePool,
     ModelReservation,
-    unpooled_reservation,
 )
 from batchgate.batcher.profile import LatencyProfile
 from batchgate.batcher.queue import ModelQueue
-from batchgate.batcher.request import DONE, InferenceRequest
+from batchgate.batcher.request import InferenceRequest
 from batchgate.batcher.spec import ModelSpec
-from batchgate.batcher.staging import Block, InputStager
+from batchgate.batcher.staging import InputStager
 from batchgate.batcher.stats import ModelStats
 
 log = structlog.get_logger(__name__)
 
 _batch_ids = itertools.count(1)
 _batch_ids_lock = threading.Lock()
-_reservation_ids = itertools.count(1)
-# Staged inputs a model may hold in its pool, in batches' worth beyond those in flight.
-STAGING_BATCHES = 2
 
 
 def _next_batch_id() -> int:
@@ -104,7 +91,7 @@ def _next_batch_id() -> int:
         return next(_batch_ids)
 
 
-class ServedModel:
+class ServedModel(ModelMemory, ModelIntake, ModelOutcomes):
     def __init__(
         self,
         spec: ModelSpec,
@@ -284,192 +271,6 @@ class ServedModel:
         # BYTES outputs have no precision: the check compares the numeric ones.
         return [t for t, o in zip(returned, self._spec.outputs) if o.datatype != "BYTES"]
 
-    def _weight_bytes(self) -> int:
-        """What the model holds before any batch: its pool's allocated bytes when its weights
-        were loaded under it, else its parameters' and buffers' bytes on its device."""
-        stats = self.memory.stats()
-        in_pool = stats["weights"].allocated if stats and "weights" in stats else 0
-        return in_pool or gpu.module_bytes(self._module, torch.device(self._spec.device))
-
-    def _admit_footprint(self, weights: int, warm: dict[str, Any]) -> None:
-        """Measure what the warm model holds and admit it against the device's free memory
-        (where memory is measured: CUDA). Raises ResourceExhausted; ``stop`` then frees it."""
-        memory = self.memory
-        if not memory.measures:
-            return
-        stats = memory.stats() or {}
-        graphs = stats["graphs"].reserved if "graphs" in stats else 0
-        # Every instance's own pools: their segments stay cached, so what they reserved is
-        # their peak, measured without synchronizing the device or counting other models.
-        activations = stats["activations"].reserved if "activations" in stats else 0
-        plan = sum(r.nbytes for _, r in self._reservations if r)
-        staging = self._stager.cap_bytes if self._stager is not None else 0
-        self.footprint = footprint = gpu.Footprint(
-            weights=weights, activations=activations, graphs=graphs, staging=staging, plan=plan)
-        # Taken from the device already: the pools' segments (which hold the warm-up's peak)
-        # and the plan and staging, which the model's arena reserved before the warm-up.
-        held = sum(s.reserved for s in stats.values()) + plan + staging
-        free, total = memory.free_and_total()
-        try:
-            gpu.admit(self._spec.name, self._spec.device, footprint, held=held, free=free,
-                      total=total)
-        except ResourceExhausted as exc:
-            log.error("model_does_not_fit", model=self._spec.name, reason=str(exc))
-            raise
-        log.info("model_footprint", model=self._spec.name, device=self._spec.device,
-                 **footprint.parameters(), device_free_bytes=free)
-
-    def _refresh_memory(self, *, force: bool = False, closing: bool = False) -> None:
-        """Set the memory gauges of this model and its device (at most once a second, after
-        batches: reading the pools walks the allocator's segments)."""
-        metrics, memory = self._metrics, self.memory
-        if metrics is None or not memory.measures and not closing:
-            return
-        now = time.monotonic()
-        if not force and now - self._memory_refreshed < 1.0:
-            return
-        self._memory_refreshed = now
-        device = self._spec.device
-        reserved_gauge = metrics.model_device_bytes_reserved(device)
-        allocated_gauge = metrics.model_device_bytes_allocated(device)
-        stats = None if closing else memory.stats()
-        if stats is None:
-            reserved_gauge.set(0)
-            allocated_gauge.set(0)
-            for part in gpu.FOOTPRINT_PARTS:
-                metrics.footprint_bytes(device, part).set(0)
-        else:
-            reserved_gauge.set(sum(s.reserved for s in stats.values()))
-            allocated_gauge.set(sum(s.allocated for s in stats.values()))
-            if self.footprint is not None:
-                for part in gpu.FOOTPRINT_PARTS:
-                    metrics.footprint_bytes(device, part).set(getattr(self.footprint, part))
-        if memory.measures:
-            whole = memory.device_stats()
-            metrics.device(device, whole.reserved, whole.allocated)
-
-    def _graph_plan(self) -> tuple[tuple[int, ...], str]:
-        """The buckets to capture CUDA graphs for, and what to report when there are none."""
-        spec = self._spec
-        if not spec.cuda_graphs:
-            return (), "off"
-        reason = cuda_graphs.unavailable_reason(spec, self.memory)
-        if reason is not None:
-            log.info("cuda_graphs_unavailable", model=spec.name, reason=reason, running="eager")
-            return (), f"eager: {reason}"
-        return spec.buckets, ""
-
-    def _reserve(self, graph_buckets: tuple[int, ...]) -> None:
-        """One memory plan per instance and room for the staged inputs, in an arena reserved
-        for this model at exactly that size (``batcher/memory.py``), all or nothing."""
-        spec = self._spec
-        slots = spec.inflight_batches
-        if not self._pooled:
-            self._reservations = [(None, None)] * spec.instance_count
-            return
-        plan = model_plan(
-            [(t.dims, TORCH_DTYPES[t.datatype]) for t in spec.inputs],
-            [(t.dims, TORCH_DTYPES[t.datatype]) for t in spec.outputs] if graph_buckets else [],
-            max_rows=spec.max_batch_size or None, slots=slots, graph_buckets=graph_buckets)
-        staging = self._staging_room() if spec.input_staging == "queue" else 0
-        per_instance = [b.nbytes for b in plan.buffers] + [plan.activation_bytes]
-        sizes = per_instance * spec.instance_count + ([staging] if staging else [])
-        owner = f"{spec.name}:{spec.version}#{next(_reservation_ids)}"
-        what = plan.describe() + (f", x{spec.instance_count} instances"
-                                  if spec.instance_count > 1 else "") + \
-            (f" + {staging} bytes of staged inputs" if staging else "")
-        try:
-            pool = self._device.reserve(owner, sizes, what)
-        except ResourceExhausted as exc:
-            log.error("model_does_not_fit", model=spec.name, reason=str(exc))
-            raise ResourceExhausted(f"model '{spec.name}' was not loaded: {exc}") from None
-        self._arena = (owner, pool)
-        for index in range(spec.instance_count):
-            name = f"{owner}.{index}"
-            if pool is None:
-                reservation = unpooled_reservation(name, plan, spec.device)
-            else:
-                try:
-                    reservation = pool.admit(name, plan)
-                except ResourceExhausted as exc:  # sized for it: only a defect gets here
-                    log.error("model_does_not_fit", model=spec.name, reason=str(exc))
-                    self._release()
-                    raise ResourceExhausted(
-                        f"model '{spec.name}' was not loaded: {exc}") from None
-            self._reservations.append((pool, reservation))
-            self._count_reserved(pool, reservation.nbytes, reservation.fallbacks)
-        if self._metrics is not None and pool is not None:
-            # The whole arena is the model's: the plan, and the room left for staged inputs.
-            self._metrics.pool_bytes_reserved.set(pool.bytes_reserved)
-        log.info("memory_plan_admitted", model=spec.name, device=spec.device,
-                 instances=spec.instance_count, plan=plan.describe(),
-                 bytes=sum(r.nbytes for _, r in self._reservations), staging_bytes=staging,
-                 pool_bytes=pool.bytes_reserved if pool is not None else 0,
-                 pooled=pool is not None)
-        if spec.input_staging == "queue":
-            self._stager = self._new_stager(pool)
-
-    def _arena_bytes(self) -> int:
-        """What the device pool holds for this model: its arena (0 when it has none)."""
-        pool = self._arena[1] if self._arena is not None else None
-        return pool.bytes_reserved if pool is not None else 0
-
-    def _staging_room(self) -> int:
-        """The arena bytes the staged inputs may need at most: the cap's worth of one-row
-        requests (the worst case: each input's block is rounded up to the pool's alignment)."""
-        spec = self._spec
-        align = DEFAULT_POOL_ALIGNMENT
-        per_sample = sum(max(-(-math.prod(t.dims) * TORCH_DTYPES[t.datatype].itemsize // align),
-                             1) * align for t in spec.inputs)
-        batches = spec.inflight_batches * spec.instance_count + STAGING_BATCHES
-        return batches * max(spec.max_batch_size, 1) * per_sample
-
-    def _staging_cap(self) -> int:
-        """The most the queued requests' staged inputs may hold (the stager's cap)."""
-        spec = self._spec
-        per_sample = sum(math.prod(t.dims) * TORCH_DTYPES[t.datatype].itemsize
-                         for t in spec.inputs)
-        batches = spec.inflight_batches * spec.instance_count + STAGING_BATCHES
-        return batches * max(spec.max_batch_size, 1) * per_sample
-
-    def _count_reserved(self, pool: DevicePool | None, nbytes: int, fallbacks: int) -> None:
-        if self._metrics is not None:
-            self._metrics.pool_bytes_reserved.inc(nbytes)
-            self._metrics.pool_bytes_in_use.inc(nbytes)
-            if fallbacks:
-                self._metrics.pool_fallbacks.inc(fallbacks)
-        if pool is not None:
-            self._device.refresh(pool)
-
-    def _new_stager(self, pool: DevicePool | None) -> InputStager:
-        spec = self._spec
-        device = torch.device(spec.device)
-        metrics = self._metrics
-
-        staging = gpu.role("staging")
-
-        def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> Block | None:
-            # On the stager's thread: what does not come from the arena comes from the
-            # model's staging pool.
-            if pool is None:
-                with self.memory.use(staging):
-                    tensor = torch.empty(shape, dtype=dtype, device=device)
-                return Block(tensor, lambda: None, tensor.nbytes, True)
-            handle = pool.allocate(shape, dtype, lifetime="short",  # freed once its batch ran
-                                   outside=lambda: self.memory.use(staging))
-            if handle is None:
-                return None
-            return Block(handle.tensor, handle.release, handle.nbytes, handle.in_pool)
-
-        types = [t.datatype for t in spec.inputs]
-        return InputStager(
-            spec.name, device,
-            to_tensor=lambda array, i: to_torch(array, types[i]),
-            dtypes=[TORCH_DTYPES[t] for t in types], allocate=allocate,
-            cap_bytes=self._staging_cap(),
-            on_bytes=metrics.pool_bytes_in_use.inc if metrics is not None else None,
-            on_fallback=metrics.pool_fallbacks.inc if metrics is not None else None)
-
     def _executor(self, index: int, reservation: ModelReservation | None) -> Executor:
         spec = self._spec
         if reservation is None:
@@ -534,22 +335,6 @@ class ServedModel:
                      activation_bytes=report["activation_bytes"])
         return report
 
-    def _release(self) -> None:
-        """Give the memory plans back to the pool, then the model's arena (idempotent)."""
-        reservations, self._reservations = self._reservations, []
-        for pool, reservation in reservations:
-            if reservation is None:
-                continue
-            if pool is not None:
-                pool.release(reservation.name)
-            if self._metrics is not None:
-                self._metrics.pool_bytes_in_use.dec(reservation.nbytes)
-        arena, self._arena = self._arena, None
-        if arena is not None and arena[1] is not None:
-            self._device.release(*arena)
-        if self._metrics is not None:
-            self._metrics.pool_bytes_reserved.set(0)
-
     def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Refuse new requests, let queued and running ones finish, then stop the threads."""
         self._accepting = False
@@ -578,20 +363,6 @@ class ServedModel:
             log.warning("memory_plan_kept", model=self._spec.name, hung_calls=hung,
                         bytes=sum(r.nbytes for _, r in self._reservations if r))
 
-    def _close_memory(self) -> None:
-        """Give the model's memory back to the device: with no thread inside any pool, drop
-        every view of it (executors' slots and graphs, the stager, the plan), then the arena,
-        then the model's pools (``ModelMemory.close``)."""
-        def drop_views() -> None:
-            for executor in self._executors:
-                executor.release()
-            self._module = None
-            self._stager = None
-            self._release()
-
-        self.memory.close(before=drop_views)
-        self._refresh_memory(force=True, closing=True)
-
     # -- the event loop's side -----------------------------------------------------------------
 
     async def infer(self, request: InferenceRequest) -> dict[str, np.ndarray]:
@@ -615,303 +386,7 @@ class ServedModel:
                 self._count_failure("cancelled", [request])
             raise
 
-    def submit(self, request: InferenceRequest, *, publish_depth: bool = True) -> None:
-        """Queue ``request``; its answer goes to the model's delivery (on the running loop).
-
-        Refusals (unavailable, bad priority, queue full, admission control) raise at once. A
-        caller that gives up on the request calls ``cancel(request)`` (``infer`` does).
-        ``publish_depth`` False: the queue-depth gauge is left for the caller's
-        ``publish_depth`` after the run of requests it submits in one go.
-        """
-        if not self._accepting:
-            raise ModelUnavailable(self._not_serving())
-        loop = self._loop
-        if loop is None:
-            loop = self._loop = asyncio.get_running_loop()
-        self._resolve(request)
-        if self._admission is not None and request.deadline is not None:
-            self._admit(request)
-        try:
-            self._queue.put(request, publish_depth)
-        except QueueFull:
-            self._count_failure("rejected", [request])
-            raise
-        self._queued(request, loop)
-
-    def submit_group(self, requests: list[InferenceRequest]
-                     ) -> list[tuple[int, BatchgateError]]:
-        """``submit(request, publish_depth=False)`` for each of ``requests``, in order (the
-        executor process's requests of one read): the ones refused, as (index, error); the
-        others are queued. Admission control's quick bound is asked once for them all, and the
-        queue's lock taken once; where the bound cannot tell, each is submitted in turn, seeing
-        the ones before it queued."""
-        if len(requests) > 1 and self._accepting:
-            if self._loop is None:
-                self._loop = asyncio.get_running_loop()
-            refused: list[tuple[int, BatchgateError]] = []
-            resolved: list[int] = []  # indexes of the requests whose level and deadline are set
-            for index, request in enumerate(requests):
-                try:
-                    self._resolve(request)
-                except BatchgateError as exc:
-                    refused.append((index, exc))
-                    continue
-                resolved.append(index)
-            chosen = [requests[i] for i in resolved]
-            if chosen and self._surely_admitted(chosen):
-                turned_away = self._queue.put_all(chosen)
-                full = [chosen[i] for i, error in turned_away if isinstance(error, QueueFull)]
-                if full:
-                    self._count_failure("rejected", full)
-                away = {i for i, _ in turned_away}
-                for i, request in enumerate(chosen):
-                    if i not in away:
-                        self._queued(request, self._loop)
-                refused.extend((resolved[i], error) for i, error in turned_away)
-                return refused
-            requests = chosen  # the bound cannot tell: each in turn, as below
-        else:
-            refused, resolved = [], list(range(len(requests)))
-        for index, request in zip(resolved, requests):
-            try:
-                self.submit(request, publish_depth=False)
-            except BatchgateError as exc:
-                refused.append((index, exc))
-        return refused
-
-    def _not_serving(self) -> str:
-        return f"model '{self._spec.name}' is not serving; retry later"
-
-    def _resolve(self, request: InferenceRequest) -> None:
-        """The request's priority level and its deadline (its own, or its timeout's under the
-        level's queue policy); raises InvalidRequest for a priority out of range."""
-        level = request.priority or self._default_level
-        if not 0 < level <= self._levels:
-            raise InvalidRequest(
-                f"priority must lie in 1..{self._levels} for model '{self._spec.name}' "
-                f"(0 = default), got {request.priority}"
-            )
-        request.level = level
-        timeout_us, may_override, delays = self._policies[level]
-        if request.timeout_us and (may_override or not timeout_us):
-            timeout_us = request.timeout_us
-        deadline = request.deadline
-        if timeout_us and not delays:
-            by_timeout = request.arrival + timeout_us / 1e6
-            deadline = by_timeout if deadline is None else min(deadline, by_timeout)
-        request.deadline = deadline  # the queue's deadline policy reads it
-
-    def _surely_admitted(self, requests: list[InferenceRequest]) -> bool:
-        """True when admission control would admit every one of ``requests`` queued one after
-        another: its quick bound holds for them all at once (their samples all queued ahead of
-        each, the earliest deadline for each), or none has a deadline to check."""
-        if self._admission is None:
-            return True
-        deadline = min([r.deadline for r in requests if r.deadline is not None], default=None)
-        if deadline is None:
-            return True
-        queue = self._queue
-        return self._admission.surely_in_time(
-            batch_size=sum([r.batch_size for r in requests]), deadline=deadline,
-            now=time.monotonic(),
-            samples_queued=queue.samples_ahead(max([r.level for r in requests])),
-            batches_in_flight=self._accounting.inflight_count())
-
-    def _queued(self, request: InferenceRequest, loop: asyncio.AbstractEventLoop) -> None:
-        """What follows a request's joining the queue: fifo admission's arrivals, its inputs'
-        staging, and its deadline's watch."""
-        if self._admission is not None:
-            self._admission.queued(request.batch_size, request.arrival)
-        if self._stager is not None:
-            self._stager.put(request)
-        if request.deadline is not None:
-            self._expiry.watch(request, loop)
-
-    def publish_depth(self) -> None:
-        """The queue-depth gauge gets the queue's depth (after ``submit(publish_depth=False)``)."""
-        self._queue.publish_depth()
-
-    def _admit(self, request: InferenceRequest) -> None:
-        """Admission control (``batcher/admission.py``): raise, counted, if it cannot be in time."""
-        now = time.monotonic()
-        admission, queue = self._admission, self._queue
-        if admission.surely_in_time(batch_size=request.batch_size, deadline=request.deadline,
-                                    now=now, samples_queued=queue.samples_ahead(request.level),
-                                    batches_in_flight=self._accounting.inflight_count()):
-            return
-        in_flight_s, in_flight_var = self._accounting.inflight_work_s(now)
-        try:
-            admission.check(batch_size=request.batch_size, deadline=request.deadline, now=now,
-                            samples_ahead=queue.samples_ahead(request.level, request),
-                            in_flight_s=in_flight_s, in_flight_var=in_flight_var)
-        except AdmissionRefused:
-            self._count_failure("rejected", [request])
-            raise
-        except DeadlineInfeasible:
-            self._count_failure("infeasible", [request])
-            raise
-
-    def _expire(self, request: InferenceRequest) -> None:
-        # A running batch still finishes; its answer is dropped.
-        if self._queue.remove(request):
-            self._removed(request)
-        if not request.answered:
-            request.answered = True
-            self._count_failure("expired", [request])
-            self._delivery.failed([request], DeadlineExceeded(
-                f"request expired after waiting "
-                f"{(time.monotonic() - request.arrival) * 1e3:.1f} ms "
-                f"for model '{self._spec.name}'"))
-
-    def cancel(self, request: InferenceRequest) -> None:
-        """Answer a request CANCELLED on its caller's behalf (stream cancellation, a front end
-        that went away): a queued one leaves the queue; a running one's answer is dropped."""
-        if self._queue.remove(request):
-            self._removed(request)
-        if not request.answered:
-            request.answered = True
-            self._count_failure("cancelled", [request])
-            self._delivery.failed([request], RequestCancelled("the request was cancelled"))
-
-    def _removed(self, request: InferenceRequest) -> None:
-        """``request`` left the queue without running: its staged inputs go back."""
-        if self._stager is not None:
-            self._stager.drop(request)
-
     # -- from the executor threads -----------------------------------------------------------
-
-    def _post(self, outcome: Outcome) -> None:
-        """On the executor's thread: the outcome to the loop, or delivered here while the loop
-        waits for events (``Delivery.inline``)."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            outcome.account()
-            return
-        if not self._queue.depth and self._delivery.inline(
-                functools.partial(self._deliver, outcome)):
-            return
-        try:
-            loop.call_soon_threadsafe(self._deliver, outcome)
-        except RuntimeError:  # the loop closed meanwhile: nobody is waiting any more
-            outcome.account()
-
-    def _deliver(self, outcome: Outcome) -> None:
-        """The batch's answers (or its error) to its requests; then its accounting, off the
-        answers' path but before the loop takes its next message, so that a statistics call
-        after an answer counts its batch (and the model's thread is free for the next one)."""
-        try:
-            self._answer(outcome)
-        finally:
-            outcome.account()
-
-    def _answer(self, outcome: Outcome) -> None:
-        requests = outcome.batch.requests
-        if not outcome.inputs_in_use:
-            for request in requests:
-                request.state = DONE
-                if request.on_release is not None:
-                    request.on_release()
-            if outcome.release_only:
-                return
-        delivery = self._delivery
-        if outcome.error is not None:
-            pending = [r for r in requests if not r.answered]
-            self._count_failure("model_error", pending)
-            for request in pending:
-                request.answered = True
-            delivery.failed(pending, outcome.error)
-            return
-        # Expired or cancelled while the batch ran (answered and counted then) are left out.
-        live, first_rows, views = [], [], []
-        results = outcome.results
-        row = 0
-        for index, request in enumerate(requests):
-            if not request.answered:
-                request.answered = True
-                if request.input_error is not None:  # its inputs could not be read: it fails
-                    delivery.failed([request], request.input_error)
-                else:
-                    live.append(request)
-                    first_rows.append(row)
-                    if results is not None:
-                        views.append(results[index])
-            row += request.batch_size
-        now = time.monotonic()
-        if outcome.batch.finished_at is not None:
-            self._accounting.delivered(now - outcome.batch.finished_at)
-        if live:
-            delivery.results(live, first_rows, outcome.outputs,
-                             views if results is not None else None)
-        self._accounting.answered(live, now)
-
-    def _instance_died(self, reason: str) -> None:
-        """An executor stopped for good (executor thread): the model stops serving.
-
-        Queued requests get UNAVAILABLE at once rather than waiting for their deadlines; the
-        repository is told, so health reports NOT_SERVING and a load RPC brings the model back.
-        """
-        with self._failed_lock:
-            if self._failed:
-                return
-            self._failed = True
-        self._accepting = False
-        self._queue.close()
-        error = ModelUnavailable(
-            f"model '{self._spec.name}' stopped serving ({reason}); retry after it is loaded again"
-        )
-        left = self._queue.drain_remaining()
-        for request in left:
-            self._removed(request)
-        self._fail_threadsafe(left, error, "unavailable")
-        if self._on_failed is not None:
-            self._on_failed(reason)
-
-    def _fail_threadsafe(self, requests: list[InferenceRequest], error: Exception,
-                         reason: str) -> None:
-        """From a thread: answer ``requests`` with ``error`` on the loop, counted under ``reason``
-        (there, so that a request whose deadline fired meanwhile is counted once)."""
-        loop = self._loop
-        if not requests or loop is None or loop.is_closed():
-            return
-        try:
-            loop.call_soon_threadsafe(self._fail, requests, error, reason)
-        except RuntimeError:
-            pass
-
-    def _fail(self, requests: list[InferenceRequest], error: Exception, reason: str) -> None:
-        pending = [r for r in requests if not r.answered]
-        self._count_failure(reason, pending)
-        for request in pending:
-            request.answered = True
-        if pending:
-            self._delivery.failed(pending, error)
-
-    def _infeasible_threadsafe(self, requests: list[InferenceRequest]) -> None:
-        """The queue dropped ``requests``: their deadlines cannot be met. Called under the
-        queue's lock, so it only hands them on to the loop."""
-        error = DeadlineInfeasible(
-            f"model '{self._spec.name}' could not have finished this request before its "
-            "deadline, so it was dropped before running"
-        )
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        try:
-            loop.call_soon_threadsafe(self._drop_infeasible, requests, error)
-        except RuntimeError:
-            pass
-
-    def _drop_infeasible(self, requests: list[InferenceRequest], error: Exception) -> None:
-        for request in requests:
-            self._removed(request)
-        self._fail(requests, error, "infeasible")
-
-    def _backlog(self) -> bool:
-        """Work this model has right now: queued requests, or batches formed and not finished."""
-        return self._queue.depth > 0 or self._accounting.has_inflight()
-
-    def _count_failure(self, reason: str, requests: list[InferenceRequest]) -> None:
-        self._accounting.failed(reason, requests)
 
 
 
