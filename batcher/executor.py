@@ -61,19 +61,16 @@ are concatenated on the host and copied to the device as they are (no padding, n
 from __future__ import annotations
 
 import contextlib
-import functools
 import queue as queue_module
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import structlog
 import torch
 
-from batchgate.batcher import gpu, scheduling
-from batchgate.batcher import graphs as cuda_graphs
+from batchgate.batcher import gpu
 from batchgate.batcher.assembly import BatchAssembly
 from batchgate.batcher.batch import (
     Batch,
@@ -88,24 +85,22 @@ from batchgate.batcher.device_share import DeviceTurns
 from batchgate.batcher.errors import (
     BatchgateError,
     ModelExecutionError,
-    ModelUnavailable,
-    exception_summary,
-    first_line,
 )
+from batchgate.batcher.executor_outcomes import ExecutorOutcomes
+from batchgate.batcher.executor_threads import ExecutorThreads
+from batchgate.batcher.executor_warmup import ExecutorWarmup
 from batchgate.batcher.forward import ModelForward
 from batchgate.batcher.request import InferenceRequest
 from batchgate.batcher.spec import ModelSpec, TensorSpec
 from batchgate.batcher.tensors import TORCH_DTYPES, to_numpy
-from batchgate.batcher.watchdog import MAX_ABANDONED, ExecutionTimeout, TimedRunner, TooManyHungCalls
+from batchgate.batcher.watchdog import ExecutionTimeout, TimedRunner, TooManyHungCalls
 
 log = structlog.get_logger(__name__)
 
-_interop_lock = threading.Lock()
-_interop_set = False
 _SERVE = object()  # the model thread's last job: serve until the queue closes
 
 
-class Executor:
+class Executor(ExecutorWarmup, ExecutorThreads, ExecutorOutcomes):
     """One model instance: its slots, streams and threads."""
 
     def __init__(
@@ -200,93 +195,6 @@ class Executor:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def warm_up(self, samples: Sequence[Sequence[np.ndarray]]) -> dict[str, Any]:
-        """Run each input set through the batch path (slot buffers, padding, precision) on the
-        instance's model thread (started here, configured as it serves); then capture the CUDA
-        graphs, if planned.
-
-        Returns ``batch_sizes`` (rows each run had, padding included), ``activation_bytes``
-        (where the model's memory is measured: what the instance's compute pool holds after
-        the runs, its peak, since the pool keeps its segments; else None), ``graphs`` (what
-        became of the CUDA graphs, "" when none were planned) and ``timed`` ((rows, seconds) of
-        a second run per batch size). Raises what a run raised; out of memory is not split
-        here: a model that does not fit must not load.
-        """
-        report: dict[str, Any] = {"batch_sizes": [], "activation_bytes": None, "graphs": "",
-                                  "timed": []}
-        failure: list[BaseException] = []
-        done = threading.Event()
-
-        def run() -> None:
-            self._model.warming = True
-            try:
-                for arrays in samples:
-                    report["batch_sizes"].append(self._warm_one(arrays))
-                if self._plan.graph_buffers is not None:
-                    report["graphs"] = self._capture_graphs()
-                self._sync_streams()
-                report["timed"] = self._timed_runs(samples)
-                if self._memory.measures:
-                    report["activation_bytes"] = self._memory.reserved(self._compute_role)
-            except BaseException as exc:  # reported to the loader below
-                failure.append(exc)
-            finally:
-                self._model.warming = False
-                done.set()
-
-        self._start_model_thread()
-        self._model_jobs.put(run)
-        done.wait()
-        if failure:
-            raise failure[0]
-        return report
-
-    def _warm_one(self, arrays: Sequence[np.ndarray]) -> int:
-        rows = arrays[0].shape[0] if self._batching and arrays else 1
-        request = InferenceRequest([np.array(a) for a in arrays], batch_size=rows)
-        batch = Batch(0, [request], "warmup")
-        batch.slot = self._plan.slots[0]
-        self._assemble(batch)
-        self._launch(batch)
-        if batch.done is not None:
-            batch.done.synchronize()
-        batch.device_outputs = None
-        return batch.bucket
-
-    def _timed_runs(self, samples: Sequence[Sequence[np.ndarray]]) -> list[tuple[int, float]]:
-        """(rows, seconds) of a second, warm run per batch size (on its CUDA graph when one was
-        captured): what the model's latency profile starts from (batcher/profile.py)."""
-        timed, seen = [], set()
-        for arrays in samples:
-            rows = arrays[0].shape[0] if self._batching and arrays else 1
-            if rows in seen:
-                continue
-            seen.add(rows)
-            started = time.perf_counter()
-            self._warm_one(arrays)
-            timed.append((rows, time.perf_counter() - started))
-        return timed
-
-    def _capture_graphs(self) -> str:
-        static_inputs, static_outputs = self._plan.graph_buffers
-        graphs = cuda_graphs.BucketGraphs(
-            self._device, lambda inputs, capturing: self._model.forward(inputs, len(inputs[0]),
-                                                                  capturing=capturing),
-            static_inputs, static_outputs, memory=self._memory, instance=self._index)
-        try:
-            graphs.capture()
-        except Exception as exc:
-            with contextlib.suppress(Exception):
-                self._memory.allocator.synchronize(graphs.capture_stream)
-            reason = exception_summary(exc)
-            log.warning("cuda_graphs_failed", model=self._spec.name, instance=self._index,
-                        reason=reason, running="eager")
-            return f"eager: capture failed ({reason})"
-        self._model.graphs = graphs
-        log.info("cuda_graphs_captured", model=self._spec.name, instance=self._index,
-                 buckets=list(graphs.buckets))
-        return f"captured for buckets {','.join(map(str, graphs.buckets))}"
-
     def start(self) -> None:
         name = f"{self._spec.name}-{self._index}"
         self._threads = []
@@ -356,178 +264,7 @@ class Executor:
 
     # -- the threads ---------------------------------------------------------------------------
 
-    def _configure_thread(self) -> None:
-        # Not the request path's SCHED_BATCH, which it would inherit (batcher/scheduling.py).
-        scheduling.model_thread(threading.current_thread().name)
-        if self._cuda:  # the current device is per thread too (events are made on it)
-            torch.cuda.set_device(self._device)
-        # OpenMP's thread count is per calling thread: set it here, not on the main thread.
-        # Confined to the model CPUs (--model-cpus), torch's default is one per CPU there
-        # (tests/test_scheduling.py); more, set by the model's config, take turns on them.
-        threads = self._spec.intra_op_threads
-        cpus = scheduling.model_cpus()
-        if cpus is not None and threads > len(cpus) and not self._warned_cpus:
-            self._warned_cpus = True
-            log.warning("intra_op_threads_exceed_model_cpus", model=self._spec.name,
-                        intra_op_threads=threads, model_cpus=sorted(cpus),
-                        effect="the model's threads take turns on its CPUs")
-        if threads:
-            torch.set_num_threads(threads)
-        global _interop_set
-        if self._spec.inter_op_threads:
-            with _interop_lock:
-                if not _interop_set:
-                    try:
-                        torch.set_num_interop_threads(self._spec.inter_op_threads)
-                    except RuntimeError:
-                        log.warning("inter_op_threads_not_applied", model=self._spec.name,
-                                    reason="torch's inter-op pool was already started")
-                    _interop_set = True
-
-    def _assemble_loop(self) -> None:
-        scheduling.model_thread(threading.current_thread().name)
-        if self._cuda:
-            torch.cuda.set_device(self._device)
-        try:
-            while True:
-                # The last batch's requests are not kept alive while the next is awaited (their
-                # inputs may map a client's shared memory that is to be unmapped).
-                taken = batch = None
-                slot = self._free_slots.get()
-                taken = self._next_batch(self._busy)
-                if taken is None:
-                    break
-                batch = self._prepare(slot, *taken)
-                if batch is None:
-                    continue
-                with self._running_lock:
-                    if not self._dead:
-                        self._running += 1
-                        self._handoff.put(batch)
-                        continue
-                self._finish(batch, None, self._dead_error())
-                break
-        except BaseException as exc:
-            self._die(f"its batching thread failed ({type(exc).__name__})", exc)
-        finally:
-            self._handoff.put(None)
-
-    def _serial_loop(self) -> None:
-        try:
-            while True:
-                taken = batch = None  # as in _assemble_loop
-                slot = self._free_slots.get()
-                taken = self._next_batch(None)
-                if taken is None:
-                    break
-                batch = self._prepare(slot, *taken)
-                if batch is not None:
-                    self._compute(batch)
-        except InstanceDead as exc:
-            self._die(str(exc), None)
-        except BaseException as exc:
-            self._die(f"its batching thread failed ({type(exc).__name__})", exc)
-        finally:
-            self.alive.clear()
-            if self._runner is not None:
-                self._runner.close()
-
-    def _prepare(self, slot: Slot, requests: list[InferenceRequest], reason: str
-                 ) -> Batch | None:
-        """The batch with its inputs assembled (on the device), or None if that failed."""
-        batch = Batch(self._batch_ids(), requests, reason)
-        batch.slot = slot
-        self._accounting.taken(batch)
-        try:
-            started = time.perf_counter_ns()
-            self._assemble(batch)
-            batch.input_ns = time.perf_counter_ns() - started
-        except Exception as exc:
-            log.exception("batch_assembly_failed", model=self._spec.name, batch=batch.id)
-            self._finish(batch, None, ModelExecutionError(
-                f"model '{self._spec.name}': could not assemble a batch of "
-                f"{batch.samples} ({type(exc).__name__})"))
-            return None
-        return batch
-
-    def _busy(self) -> bool:
-        return self._running > 0
-
-    def _compute_loop(self) -> None:
-        try:
-            while (batch := self._handoff.get()) is not None:
-                self._compute(batch)
-                if not self._cuda:
-                    self._retire()
-                batch = None  # as in _assemble_loop
-        except InstanceDead as exc:
-            self._die(str(exc), None)
-        except BaseException as exc:
-            self._die(f"its compute thread failed ({type(exc).__name__})", exc)
-        finally:
-            self._finishing.put(None)
-            self.alive.clear()
-            if self._runner is not None:
-                self._runner.close()
-
-    def _finish_loop(self) -> None:
-        scheduling.model_thread(threading.current_thread().name)
-        torch.cuda.set_device(self._device)
-        try:
-            while (item := self._finishing.get()) is not None:
-                self._complete(*item)
-                self._retire()
-                item = None  # as in _assemble_loop
-        except InstanceDead as exc:
-            self._die(str(exc), None)
-            self._fail_finishing()
-        except BaseException as exc:
-            self._die(f"its finishing thread failed ({type(exc).__name__})", exc)
-            self._fail_finishing()
-
-    def _fail_finishing(self) -> None:
-        """The finisher stopped: the batches still handed to it fail (compute goes on until
-        its end mark)."""
-        while (item := self._finishing.get()) is not None:
-            self._finish(item[0], None, self._dead_error())
-            self._retire()
-
-    def _retire(self) -> None:
-        with self._running_lock:
-            self._running -= 1
-        # The assembler may be holding back a partial batch until this one ended.
-        self._wake()
-
     # -- when the instance dies ----------------------------------------------------------------
-
-    def _dead_error(self) -> ModelUnavailable:
-        return ModelUnavailable(f"model '{self._spec.name}' stopped serving; retry after it is "
-                                "loaded again")
-
-    def _die(self, reason: str, exc: BaseException | None) -> None:
-        """Stop taking batches, fail the ones handed over, and tell the model (once)."""
-        with self._running_lock:
-            if self._dead:
-                return
-            self._dead = True
-        self.alive.clear()
-        if exc is not None:
-            log.error("executor_failed", model=self._spec.name, instance=self._index,
-                      reason=reason, exc_info=exc)
-        else:
-            log.error("executor_failed", model=self._spec.name, instance=self._index,
-                      reason=reason)
-        while True:
-            try:
-                batch = self._handoff.get_nowait()
-            except queue_module.Empty:
-                break
-            if batch is None:
-                self._handoff.put(None)  # the assembler's end mark stays for the compute loop
-                break
-            self._finish(batch, None, self._dead_error())
-        if self._on_dead is not None:
-            self._on_dead(reason)
 
     # -- assembling one batch -----------------------------------------------------------------
 
@@ -675,76 +412,6 @@ class Executor:
         self._finish(batch, results, None, outputs=host,
                      ran=(infer_done - started, done - infer_done))
 
-    def _device_broken(self, batch: Batch, exc: BaseException) -> None:
-        """A sticky CUDA error: the context is broken and every later call would fail too.
-        The instance (and the process's hook) hear of it before the batch's callers."""
-        reason = f"a CUDA error broke the device ({first_line(exc)})"
-        gpu.device_lost(reason)
-        self._die(reason, None)
-        self._finish(batch, None, ModelExecutionError(
-            f"model '{self._spec.name}' hit a CUDA error that leaves {self._spec.device} "
-            "unusable while running a batch; it stopped serving and the server log has the "
-            "details"))
-        raise InstanceDead(reason) from None
-
-    def _device_failed(self, batch: Batch, exc: Exception) -> None:
-        """Waiting for the batch's device work raised (a kernel's error, reported late)."""
-        log.error("batch_device_failed", model=self._spec.name, batch=batch.id,
-                  error=first_line(exc), requests=[r.id for r in batch.requests])
-        if gpu.classify(exc) == "sticky":
-            self._device_broken(batch, exc)
-        self._finish(batch, None, ModelExecutionError(
-            f"model '{self._spec.name}' failed on {self._spec.device} while running a batch of "
-            f"{batch.samples} ({type(exc).__name__}); the server log has the details"))
-
-    def _device_time_left(self, batch: Batch) -> float | None:
-        """Seconds left of the batch's ``execution_timeout_ms`` (None: no limit). The limit
-        covers the device's work, not only the launches: it counts from the compute's start."""
-        timeout_ms = self._spec.execution_timeout_ms
-        if not timeout_ms or batch.started_at is None:
-            return None
-        return batch.started_at + timeout_ms / 1e3 - time.monotonic()
-
-    def _device_overran(self, batch: Batch) -> None:
-        """The batch's device work outlived ``execution_timeout_ms`` (a hung or far too slow
-        kernel): it fails; its slot and staged blocks stay with it until its event completes
-        (``_reap_overdue``). Too many such batches still running and the instance is dead."""
-        spec = self._spec
-        log.error("batch_timed_out", model=spec.name, batch=batch.id, size=batch.samples,
-                  execution_timeout_ms=spec.execution_timeout_ms, on="device",
-                  requests=[r.id for r in batch.requests])
-        with self._running_lock:
-            self._overdue.append(batch)
-            overdue = len(self._overdue)
-        self._finish(batch, None, ModelExecutionError(
-            f"model '{spec.name}' did not finish a batch of {batch.samples} within "
-            f"execution_timeout_ms={spec.execution_timeout_ms} (its work on {spec.device} was "
-            "still running); the batch failed"), inputs_in_use=True)
-        if overdue > MAX_ABANDONED:
-            raise InstanceDead(f"{overdue} batches overran execution_timeout_ms="
-                               f"{spec.execution_timeout_ms} on the device and are still running")
-
-    def _reap_overdue(self) -> None:
-        """Overdue batches whose device work has ended give back their inputs."""
-        with self._running_lock:
-            if not self._overdue:
-                return
-            ended = [b for b in self._overdue if b.done.query()]
-            self._overdue = [b for b in self._overdue if b not in ended]
-        for batch in ended:
-            batch.tensors = []
-            batch.device_outputs = None
-            if batch.staged:
-                self._stager.release(batch.staged)
-                batch.staged = []
-            self._deliver(Outcome(batch, None, None, release_only=True))
-
-    def _fail(self, batch: Batch, error: Exception) -> None:
-        # The failed forward may have left copies or kernels reading the slot's buffers: they
-        # must end before the slot and the staged blocks are reused.
-        self._sync_streams()
-        self._finish(batch, None, error)
-
     def _sync_streams(self) -> None:
         """Wait for this instance's device work (its streams; never the whole device, where
         other models' work runs)."""
@@ -764,72 +431,4 @@ class Executor:
         self._memory.retire(self._compute_role)
         self._compute_generation += 1
         self._compute_role = gpu.role("compute", self._index, self._compute_generation)
-
-    def _finish(self, batch: Batch, results: list[dict[str, np.ndarray]] | None,
-                error: Exception | None, *, outputs: list[np.ndarray] | None = None,
-                inputs_in_use: bool = False, ran: tuple[int, int] | None = None) -> None:
-        """Hand the batch's answers (or its ``error``) on. ``ran``: the forward's and the
-        outputs' nanoseconds of a batch that ran; its accounting travels with the outcome, for
-        the receiver to run after the answers have gone."""
-        if inputs_in_use:
-            # Its device work may still read them: the tensors stay with the batch too.
-            self._replace_slot(batch.slot)  # staged blocks too stay with the batch
-        else:
-            batch.tensors = []
-            batch.device_outputs = None
-            self._recycle(batch)
-        self._accounting.ended(batch)
-        if self._turns is not None:  # after the count: the share asks whether more work waits
-            self._turns.end(batch.id)
-        batch.finished_at = time.monotonic()
-        self._deliver(Outcome(batch, results, error, outputs=outputs,
-                              inputs_in_use=inputs_in_use,
-                              accounting=functools.partial(self._account, batch, ran)))
-
-    def _account(self, batch: Batch, ran: tuple[int, int] | None) -> None:
-        """A finished batch's statistics, metrics and latency profile (if it ran), and the
-        gauges that follow memory."""
-        if ran is not None:
-            self._accounting.ran(batch, *ran)
-        self._accounting.after_batch()
-
-    def _recycle(self, batch: Batch) -> None:
-        """The batch's staged blocks and slot go back: nothing reads them any more."""
-        if batch.staged:
-            self._stager.release(batch.staged)
-            batch.staged = []
-        self._free_slots.put(batch.slot)
-
-    def _replace_slot(self, slot: Slot) -> None:
-        """A call that timed out may still read ``slot``'s buffers: they stay with it (the
-        model's plan keeps them until unload) and the instance goes on with fresh ones, made
-        outside the pool (bounded by the runner's limit on hung calls)."""
-        fresh = Slot(slot.index, [torch.empty_like(t) for t in slot.inputs])
-        self._owned_storage.update(t.untyped_storage().data_ptr() for t in fresh.inputs)
-        log.warning("batch_buffers_replaced", model=self._spec.name, instance=self._index,
-                    slot=slot.index, bytes=sum(t.nbytes for t in fresh.inputs))
-        self._free_slots.put(fresh)
-
-    def _release_late(self, batch: Batch) -> None:
-        """A timed-out call returned (on its abandoned runner): its inputs are free now."""
-        self._sync_streams()
-        batch.tensors = []
-        batch.device_outputs = None
-        if batch.staged:
-            self._stager.release(batch.staged)
-            batch.staged = []
-        self._deliver(Outcome(batch, None, None, release_only=True))
-
-    def _split(self, requests: list[InferenceRequest], host: list[np.ndarray]
-               ) -> list[dict[str, np.ndarray]]:
-        names = [o.name for o in self._output_specs]
-        if not self._batching or len(requests) == 1:
-            return [dict(zip(names, host))]
-        results = []
-        start = 0
-        for request in requests:
-            stop = start + request.batch_size
-            results.append({name: array[start:stop] for name, array in zip(names, host)})
-            start = stop
-        return results
 
