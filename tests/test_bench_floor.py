@@ -15,6 +15,10 @@ from batchgate.bench import floor
 from batchgate.bench.harness.repository import model_config, tensor, write_model
 from tests.support.models import xy_config
 
+# Slow (it compiles batchgate-floor against torch's C++ libraries): make test-fast leaves it
+# out.
+pytestmark = pytest.mark.slow
+
 # y = x @ W.T + b with fixed weights: the answer is known in closed form.
 WEIGHT = np.array([[1.0, 2.0], [3.0, -1.0]], dtype=np.float32)
 BIAS = np.array([0.5, -0.5], dtype=np.float32)
@@ -31,10 +35,6 @@ def build_model(parameters):
 """
 EAGER = """
 import torch
-
-# Slow (it compiles batchgate-floor against torch's C++ libraries): make test-fast leaves it
-# out.
-pytestmark = pytest.mark.slow
 
 
 def build_model(parameters):

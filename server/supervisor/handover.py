@@ -48,7 +48,7 @@ def frontend_handover(settings: Settings, values: dict, *, slot: int, arena_fd: 
         value = values[field.name]
         if value is None:
             continue
-        if field.label == field.LABEL_REPEATED:
+        if field.is_repeated:
             getattr(handover.settings, field.name).extend(value)
         else:
             setattr(handover.settings, field.name, value)
