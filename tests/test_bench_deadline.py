@@ -74,8 +74,12 @@ def test_a_short_run_measures_both_policies_through_batchgate_bench(tmp_path):
         profile = row["latency_profile"]
         assert profile["response_margin_ms"] >= 3.0
         assert profile["batch_ms"]
-        for size, times in profile["batch_ms"].items():
-            assert times["p99"] >= times["mean"] >= 5 + 0.5 * int(size)
+        # A class holds the sizes above the class below it (batcher/profile.py), so its batches
+        # are at least one row more than the measured class below it.
+        smallest = 1
+        for size, times in sorted(profile["batch_ms"].items(), key=lambda item: int(item[0])):
+            assert times["p99"] >= times["mean"] >= 5 + 0.5 * smallest
+            smallest = int(size) + 1
     assert "judged" in report["verdict"] and "judged" in report["verdict_no_admission"]
     assert "against the fixed delay without admission control" in result.stdout
 

@@ -37,7 +37,10 @@ from tests.support.polling import poll
 pytestmark = pytest.mark.slow
 
 # The SDK's retries carry what a stopping or killed replica had in flight to the other one.
-RETRY = RetryPolicy(max_attempts=8, initial_backoff_s=0.02, max_backoff_s=0.5)
+# A replaced replica (one process) listens while its model loads, answering UNAVAILABLE
+# "loading" until it is ready, and nginx spreads attempts over both replicas: a request is
+# lost only if every attempt lands on the loading one, (1/2)^attempts, so attempts are many.
+RETRY = RetryPolicy(max_attempts=20, initial_backoff_s=0.02, max_backoff_s=0.5)
 
 COMPOSE = ROOT / "deploy" / "compose"
 NGINX = shutil.which("nginx") or next(
