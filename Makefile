@@ -53,8 +53,7 @@ test: test-ready
 	$(BIN)/python -m pytest -n auto --dist loadscope $(PYTEST_ARGS)
 
 # The inner loop: the unit tests and one server mode (native, or single where the native front
-# end is not built), under two minutes on two cores; tests/conftest.py's --fast says what it
-# leaves out. `make test` runs everything.
+# end is not built); tests/conftest.py's --fast says what it leaves out. `make test` runs everything.
 test-fast: $(STAMP) native
 	$(BIN)/python -m pytest -n auto --dist loadscope --fast $(PYTEST_ARGS)
 
