@@ -4,7 +4,7 @@ When models of different sizes share a GPU, fragmentation leaves much of device 
 no live data. ``DevicePool`` reserves one ``uint8`` buffer (``torch.empty`` on ``cuda:N``, or on
 ``cpu`` where tests and CI run; the server reserves one per model, at exactly its plan's size:
 ``batcher/memory.py``) and hands out typed views into it. It brings no allocator of its own: it
-reuses ``batchgate.server.ipc.arena_allocator``'s ``ArenaAllocator`` (best fit with immediate
+reuses ``batchgate.batcher.arena_allocator``'s ``ArenaAllocator`` (best fit with immediate
 coalescing, sizes rounded only to ``alignment``, each block placed in its hole by expected
 lifetime). Every allocation here says which it is: a request's staged inputs are
 ``"short"``-lived (freed when the batch has run), a model's plan buffers ``"long"``-lived (held
@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from batchgate.server.ipc.arena_allocator import ArenaAllocator
+from batchgate.batcher.arena_allocator import ArenaAllocator
 from batchgate.batcher.buckets import bucket_for, default_buckets  # noqa: F401 (part of this API)
 from batchgate.batcher.errors import ResourceExhausted
 from batchgate.batcher.memory_plan import BUFFER_KINDS, MemoryPlan, PlannedBuffer

@@ -1,4 +1,4 @@
-"""batchgate.server.ipc.arena and arena_allocator on the CPU: the allocator as a data structure, the
+"""batchgate.server.ipc.arena and batchgate.batcher.arena_allocator on the CPU: the allocator as a data structure, the
 shared mapping across real processes, the layout, and (on a machine with CUDA) pinning."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from hypothesis.stateful import (
 )
 
 from batchgate.server.ipc.arena import PAGE_SIZE, ArenaLayout, SharedArena
-from batchgate.server.ipc.arena_allocator import LIFETIMES, ArenaAllocator
+from batchgate.batcher.arena_allocator import LIFETIMES, ArenaAllocator
 from tests.support.regions import servers_leftovers
 
 REPO = Path(__file__).resolve().parents[1]
@@ -667,7 +667,7 @@ class Forbid(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, Forbid())
 from batchgate.server.ipc.arena import ArenaLayout, SharedArena
-from batchgate.server.ipc.arena_allocator import ArenaAllocator
+from batchgate.batcher.arena_allocator import ArenaAllocator
 
 with SharedArena.create(1 << 20) as arena:
     layout = ArenaLayout(arena.size, slots=2)

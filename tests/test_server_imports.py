@@ -55,3 +55,29 @@ def test_the_server_imports_no_bench_module():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+# The engine knows nothing of the server or of gRPC: importing every batcher module loads
+# neither (a fresh interpreter, so nothing is loaded before).
+ENGINE_CHECK = """
+import importlib
+import pkgutil
+import sys
+
+from batchgate import batcher
+
+modules = sorted(info.name for info in pkgutil.walk_packages(batcher.__path__, "batchgate.batcher."))
+assert "batchgate.batcher.pool" in modules and "batchgate.batcher.model" in modules, modules
+for name in modules:
+    importlib.import_module(name)
+loaded = sorted(m for m in sys.modules if m.startswith(("batchgate.server", "grpc")))
+assert not loaded, loaded
+print("ok")
+"""
+
+
+def test_the_batcher_imports_neither_the_server_nor_grpc():
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(ENGINE_CHECK)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"

@@ -23,7 +23,7 @@ import numpy as np
 import structlog
 
 from batchgate.server.ipc.arena import ArenaLayout, SharedArena
-from batchgate.server.ipc.arena_allocator import ArenaAllocator
+from batchgate.batcher.arena_allocator import ArenaAllocator
 from batchgate.batcher.errors import BatchgateError, ModelExecutionError, ResourceExhausted
 from batchgate.batcher.metrics import BatcherMetrics
 from batchgate.batcher.request import InferenceRequest

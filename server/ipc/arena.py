@@ -19,7 +19,7 @@ this module without it.
 for the executor, each a whole number of pages. Every region has exactly one writer process, and
 that process alone allocates in it, so no lock crosses processes.
 
-Each region's byte ranges are handed out by ``batchgate.server.ipc.arena_allocator``.
+Each region's byte ranges are handed out by ``batchgate.batcher.arena_allocator``.
 """
 
 from __future__ import annotations
